@@ -1,0 +1,5 @@
+import sys
+
+from retool.cli import main
+
+sys.exit(main())

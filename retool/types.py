@@ -1,0 +1,191 @@
+"""The typed records every layer of retool shares.
+
+Small, frozen dataclasses passed between stages: a problem, a parsed tool call,
+the result of executing one snippet, the grade of one answer, one assistant turn,
+one trajectory. Nothing here does work; behaviour lives in the modules that make
+and consume these records.
+
+Shape suffixes follow the STYLE guide: ``tokens_T`` is one entry per token of a
+trajectory, ``rewards_G`` one entry per member of a group.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One math problem with its reference answer."""
+
+    id: str
+    question: str
+    answer: str
+    data_source: str = ""
+
+
+# ---------------------------------------------------------------- tool calls
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call of the ``code_interpreter`` tool."""
+
+    code: str
+    raw: str = ""
+    """The exact text of the call as the model wrote it (for viewers and debugging)."""
+
+
+@dataclass(frozen=True)
+class InvalidToolCall:
+    """A call attempt that could not be executed.
+
+    ``reason`` is a short machine-readable tag (``bad_json``, ``unknown_tool``,
+    ``multiple_calls``, ``text_after_call``, ``empty_code``, ``missing_code``,
+    ``unclosed_call``); ``message`` is the short text sent back to the model as the
+    tool response, so it can correct itself.
+    """
+
+    reason: str
+    message: str
+    raw: str = ""
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """An assistant message split into its text and its tool call, if any.
+
+    ``call`` is ``None`` when the model made no call attempt (a final answer).
+    """
+
+    content: str
+    call: ToolCall | InvalidToolCall | None = None
+
+    @property
+    def attempted_call(self) -> bool:
+        return self.call is not None
+
+    @property
+    def valid_call(self) -> bool:
+        return isinstance(self.call, ToolCall)
+
+
+# ---------------------------------------------------------------- execution
+
+
+class ExecStatus(str, enum.Enum):
+    """How one sandboxed execution ended."""
+
+    OK = "ok"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    MEMORY = "memory"
+    OUTPUT_LIMIT = "output_limit"
+    SANDBOX_ERROR = "sandbox_error"
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    """The outcome of running one snippet in the sandbox.
+
+    ``observation`` is the text the model sees (stdout; on error the last frames of
+    the traceback; on timeout "Execution timed out after N s"). ``files`` holds the
+    contents of files the caller asked to fetch back (server mode).
+    """
+
+    status: ExecStatus
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_rss_bytes: int | None = None
+    truncated: bool = False
+    observation: str = ""
+    isolation: tuple[str, ...] = ()
+    """Isolation mechanisms that were actually in force for this call."""
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ExecStatus.OK
+
+
+# ---------------------------------------------------------------- grading
+
+
+@dataclass(frozen=True)
+class Grade:
+    """The outcome reward of one final answer.
+
+    ``formatted`` is False when no closed ``\\boxed{}`` was found in the answer
+    window; ``grader_error`` is set when the grader raised or timed out on the
+    prediction (then the answer counts as incorrect but formatted).
+    """
+
+    reward: float
+    correct: bool
+    formatted: bool
+    answer: str | None = None
+    grader_error: str | None = None
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+class StopReason(str, enum.Enum):
+    """Why one assistant turn, or a whole trajectory, ended."""
+
+    STOP = "stop"
+    """The policy emitted an end-of-turn token (or a stop string)."""
+    LENGTH = "length"
+    """The per-turn token budget ran out."""
+    BUDGET = "budget"
+    """The trajectory token, turn or code-call budget ran out."""
+
+
+@dataclass(frozen=True)
+class ToolExchange:
+    """One tool call made during a rollout and what came back."""
+
+    call: ToolCall | InvalidToolCall
+    result: ExecutionResult | None
+    """``None`` for invalid or over-budget calls, which are answered without running."""
+    response: str
+    """The tool message text that entered the context (after sanitising and truncation)."""
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One assistant turn: the sampled text and what the rollout did with it."""
+
+    text: str
+    num_tokens: int
+    stop_reason: StopReason
+    exchange: ToolExchange | None = None
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One complete multi-turn rollout for one problem.
+
+    ``tokens_T`` is the whole context (prompt included); ``mask_T`` is 1 on tokens
+    sampled by the policy and 0 on prompt, template and interpreter tokens;
+    ``logprobs_T`` holds the sampler's logprob for policy tokens and 0.0 elsewhere.
+    """
+
+    problem_id: str
+    prompt_len: int
+    tokens_T: tuple[int, ...]
+    mask_T: tuple[int, ...]
+    logprobs_T: tuple[float, ...]
+    turns: tuple[Turn, ...]
+    grade: Grade
+    stop_reason: StopReason = StopReason.STOP
+
+    @property
+    def num_code_calls(self) -> int:
+        return sum(1 for t in self.turns if t.exchange is not None)

