@@ -1,0 +1,183 @@
+"""Flat, documented configs: one dataclass per entry point, TOML presets, CLI overrides.
+
+A config is a plain (non-frozen) dataclass whose fields are declared with
+:func:`option`, which records a help text. From such a class:
+
+- :func:`add_config_args` adds one ``--field-name`` flag per field to an argparse
+  parser (booleans get ``--flag/--no-flag``), plus ``--config FILE.toml``;
+- :func:`config_from_args` builds the config: class defaults, then the TOML preset,
+  then the flags the user actually gave — later wins — and calls ``validate()`` if the
+  class defines it, so bad values are rejected before any model loads.
+
+Unknown keys in a preset and values of the wrong type are errors that name the file
+and the key. Not covered: nested configs (deliberately — one flat config per command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def option(default: Any, help: str, *, choices: tuple | None = None) -> Any:
+    """Declare a config field with its default and a one-line help text."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _base_type(tp: Any) -> Any:
+    """``int | None`` → ``int``; ``tuple[str, ...]`` → ``tuple``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0]) if len(args) == 1 else str
+    return origin or tp
+
+
+def _parse_value(raw: str, tp: Any) -> Any:
+    base = _base_type(tp)
+    if raw.lower() in ("none", "null") and type(None) in typing.get_args(tp):
+        return None
+    if base in (tuple, list):
+        items = [s.strip() for s in raw.split(",") if s.strip()]
+        inner = typing.get_args(_strip_optional(tp))
+        conv = inner[0] if inner and inner[0] is not Ellipsis else str
+        return base(conv(i) for i in items)
+    if base is bool:
+        return raw.lower() in ("1", "true", "yes", "on")
+    return base(raw)
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add ``--config`` and one flag per field of the config dataclass ``cls``."""
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE.toml",
+                        help="a TOML preset; flags given on the command line override it")
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        tp, meta = hints[f.name], f.metadata
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{meta.get('help', '')} (default: {default!r})"
+        if _base_type(tp) is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+            continue
+        parser.add_argument(_flag(f.name), dest=f.name, default=argparse.SUPPRESS,
+                            type=lambda s, tp=tp: _parse_value(s, tp),
+                            choices=meta.get("choices"), metavar=f.name.upper(), help=help_text)
+
+
+def _coerce(cls: type, key: str, value: Any, source: str) -> Any:
+    tp = _field_types(cls)[key]
+    base = _base_type(tp)
+    if value is None or base is Any:
+        return value
+    if base in (tuple, list) and isinstance(value, (list, tuple)):
+        return base(value)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base in (int, float, str, bool) and not isinstance(value, base):
+        raise ConfigError(f"{source}: {key} must be {base.__name__}, got {value!r}")
+    if base is int and isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be int, got {value!r}")
+    return value
+
+
+def load_toml(cls: type, path: Path) -> dict[str, Any]:
+    """Read a TOML preset for ``cls``; unknown keys and wrong types raise ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)} for {cls.__name__}")
+    return {k: _coerce(cls, k, v, str(path)) for k, v in raw.items()}
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
+    """Defaults ← TOML preset (``--config``) ← explicit flags; then ``validate()``."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_toml(cls, args.config))
+    for f in dataclasses.fields(cls):
+        if hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return make_config(cls, **values)
+
+
+def make_config(cls: type[C], **values: Any) -> C:
+    """Build and validate a config from keyword values."""
+    try:
+        cfg = cls(**values)
+    except TypeError as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+    validate = getattr(cfg, "validate", None)
+    if validate is not None:
+        validate()
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a config (tuples become lists, paths strings)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
+    return out
+
+
+def config_from_dict(cls: type[C], data: dict[str, Any], source: str = "saved config") -> C:
+    """Rebuild a config saved with :func:`config_to_dict` (e.g. from a run folder)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} for {cls.__name__}")
+    return make_config(cls, **{k: _coerce(cls, k, v, source) for k, v in data.items()})
+
+
+def save_config(cfg: Any, path: Path) -> None:
+    Path(path).write_text(json.dumps(config_to_dict(cfg), indent=2, sort_keys=True) + "\n")
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ``condition`` holds (for ``validate()`` methods)."""
+    if not condition:
+        raise ConfigError(message)
