@@ -43,7 +43,8 @@ class InvalidToolCall:
 
     ``reason`` is a short machine-readable tag (``bad_json``, ``unknown_tool``,
     ``multiple_calls``, ``text_after_call``, ``empty_code``, ``missing_code``,
-    ``unclosed_call``); ``message`` is the short text sent back to the model as the
+    ``unclosed_call``, ``bad_xml`` — the XML form's structure is broken,
+    ``bad_arguments`` — arguments other than one string ``code``); ``message`` is the short text sent back to the model as the
     tool response, so it can correct itself.
     """
 
@@ -188,4 +189,53 @@ class Trajectory:
 
     @property
     def num_code_calls(self) -> int:
-        return sum(1 for t in self.turns if t.exchange is not None)
+        """Calls that actually ran in the sandbox (not invalid or over-budget attempts)."""
+        return sum(1 for t in self.turns if t.exchange is not None and t.exchange.result is not None)
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training sequence in next-token form (Tinker's ``Datum``, flattened).
+
+    Position ``i`` of ``input_tokens_N`` predicts ``target_tokens_N[i]``: build one from
+    a token sequence ``s`` as ``inputs = s[:-1]``, ``targets = s[1:]`` (see
+    ``retool.algo.make_datum``). Every ``_N`` field has one entry per target.
+
+    ``weights_N`` is 1.0 where the target is trained (policy-sampled tokens in RL,
+    supervised tokens in SFT) and 0.0 on prompt, template and interpreter tokens;
+    token-mean losses divide by its sum. ``sampler_logprobs_N`` and ``advantages_N``
+    are needed by the RL losses and left empty for ``cross_entropy``; both are 0.0
+    wherever the weight is 0.
+    """
+
+    input_tokens_N: tuple[int, ...]
+    target_tokens_N: tuple[int, ...]
+    weights_N: tuple[float, ...]
+    sampler_logprobs_N: tuple[float, ...] = ()
+    advantages_N: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.input_tokens_N)
+        if n == 0:
+            raise ValueError("a Datum needs at least one input token")
+        lengths = {
+            "target_tokens_N": len(self.target_tokens_N),
+            "weights_N": len(self.weights_N),
+            "sampler_logprobs_N": len(self.sampler_logprobs_N) or n,
+            "advantages_N": len(self.advantages_N) or n,
+        }
+        wrong = {k: v for k, v in lengths.items() if v != n}
+        if wrong:
+            raise ValueError(f"Datum fields must have {n} entries like input_tokens_N; got {wrong}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_tokens_N)
+
+    @property
+    def num_trained(self) -> int:
+        """Targets with a non-zero loss weight."""
+        return sum(1 for w in self.weights_N if w != 0.0)
