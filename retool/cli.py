@@ -20,6 +20,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.data",
     "retool.reward",
     "retool.sandbox.cli",
+    "retool.train",
+    "retool.report.plots",
+    "retool.report.view",
 )
 """Modules that register subcommands, in the order ``--help`` lists them."""
 
