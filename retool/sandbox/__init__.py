@@ -1,0 +1,58 @@
+"""The sandbox that runs the model's Python snippets: local warm-fork executor (+ HTTP server/client).
+
+Use::
+
+    from retool.sandbox import Sandbox, SandboxConfig
+    async with Sandbox(SandboxConfig(timeout_s=10)) as sb:
+        res = await sb.run("import sympy\\nsympy.factorint(2**64 - 1)")
+        res.status, res.observation     # ExecStatus.OK, '{3: 1, 5: 1, 17: 1, ...}'
+
+Threat model (Linux; what ``ExecutionResult.isolation`` lists is what was in force):
+
+The snippet is untrusted code written by a model being trained: it may be buggy or
+hostile (fork bombs, memory bombs, endless output, ``setsid``/double-fork escapes,
+reading secrets, writing into the repository, signalling the trainer). Isolated:
+
+- *Secrets.* The warm parent is started by ``exec`` with a fixed, minimal environment
+  (``CLEAN_ENV``), never forked from the trainer, so neither the trainer's environment
+  nor its memory is in any call. Each call has a private ``/proc`` showing only its own
+  processes, so ``/proc/<trainer>/environ`` and ``cmdline`` do not exist for it.
+- *Filesystem.* Every mount is read-only in the sandbox's mount namespace; the only
+  writable places are the call's own empty directory (cwd, ``HOME`` and ``TMPDIR``; on
+  a size-capped tmpfs, removed after the call) and a private ``/dev/shm``.
+- *Privilege.* As root, each call slot runs as its own unused uid/gid (``uid_base + i``,
+  no supplementary groups); otherwise the process runs in a user namespace with all
+  capabilities dropped. ``no_new_privs`` stops setuid binaries from regaining root.
+- *Processes.* Each call is a fresh PID namespace whose init is the sandbox's: when the
+  snippet's main process ends or times out, every process left (``setsid``, double
+  fork) is killed by the kernel. The snippet cannot see or signal the trainer, the warm
+  parent or other calls. RLIMIT_NPROC (binding because of the private uid) caps
+  processes; RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE bound memory, CPU and file size;
+  output is read with a cap while the process runs; a wall-clock timeout kills the tree.
+  The OOM killer prefers snippets (``oom_score_adj`` 1000) over the trainer.
+- *Network.* A network namespace with no interfaces up (unless ``network=True``).
+
+Not isolated / known limits:
+
+- Concurrent calls share the network namespace (abstract Unix sockets could pass data
+  between two calls running at the same time) and the scratch tmpfs's capacity.
+- CPU time and disk bandwidth are not shared fairly; a call can slow its neighbours.
+- The kernel is shared: a kernel exploit escapes everything here (no seccomp, no VM).
+- Without root or unprivileged user namespaces (some containers), and on non-Linux
+  systems, only rlimits, the scrubbed environment and the process-group kill apply:
+  children that ``setsid()`` can outlive a call, the network and the filesystem are
+  reachable with the trainer's rights. ``isolation`` then says so; ``strict=True``
+  refuses to start instead. Non-Linux systems are not supported beyond that.
+- Snippets that use non-daemon threads are waited for; ``atexit`` handlers of the
+  snippet do not run (the process ends with ``os._exit``).
+"""
+
+from retool.sandbox.executor import (
+    DEFAULT_PRELOAD,
+    Sandbox,
+    SandboxConfig,
+    SandboxUnavailableError,
+)
+from retool.sandbox.metrics import SandboxMetrics
+
+__all__ = ["DEFAULT_PRELOAD", "Sandbox", "SandboxConfig", "SandboxMetrics", "SandboxUnavailableError"]

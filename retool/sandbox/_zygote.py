@@ -1,0 +1,866 @@
+"""The warm parent of the sandbox: one long-lived process that forks a fresh child per call.
+
+This file runs as its own script (``python -s -B -P _zygote.py CONFIG_JSON``), started by
+:mod:`retool.sandbox.executor` through a clean ``exec`` with a scrubbed environment, so
+nothing of the trainer's memory or environment is ever in it. It imports only the
+standard library itself; the modules named in ``preload`` (numpy, sympy, ...) are
+imported once and every call's child inherits them already loaded.
+
+Process tree (Linux, with namespaces available)::
+
+    launcher    enters new user(*)/mount/net/ipc/pid namespaces once, builds the calls'
+     |          root filesystem (read-only binds of the system and Python directories plus
+     |          a size-capped tmpfs for call directories) and pivot_roots into it
+     zygote     pid 1 of that shared namespace; imports ``preload``, then gc.freeze()s so
+     |          children do not copy its heap; serves requests, enforces timeouts and
+     |          output caps, reaps                 (*) user namespace only when not root
+     +- init    per call: ``sleep infinity`` spawned (vfork+exec, cheap) as pid 1 of a
+     |          fresh PID namespace. Killing it makes the kernel kill every process in
+     |          that namespace: how a call's tree dies, setsid/double-fork included.
+     +- runner  per call: forked into that namespace as pid 2; takes a private /proc,
+                /dev/shm and IPC namespace, applies rlimits, drops to the call slot's
+                unprivileged uid (or all capabilities), resets interpreter state and
+                runs the snippet with ast-based auto-print
+
+Control protocol: JSON lines on stdin (requests) and stdout (replies); bytes travel as
+base64. Children never hold the control pipes. The zygote is single-threaded, so
+forking it is safe.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import builtins
+import collections
+import ctypes
+import errno
+import fcntl
+import gc
+import importlib
+import io
+import json
+import linecache
+import math
+import os
+import resource
+import selectors
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_REC, MS_PRIVATE = 1 << 14, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SYS_MOUNT_SETATTR = 442  # same number on every architecture (added in Linux 5.12)
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, -1)
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_RECURSIVE, AT_FDCWD = 0x1, 0x2, 0x8000, -100
+MS_BIND, MNT_DETACH = 4096, 2
+
+MAX_FD = 1 << 16
+MAX_TRACEBACK_FRAMES = 200
+EXIT_SETUP_FAILED = 70
+"""Exit code of a call's init or runner when isolation could not be applied."""
+CODE_FILENAME = "<code>"
+"""The file name user code runs under (shown in its tracebacks)."""
+
+_libc = None
+
+
+def libc():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def unshare(flags: int) -> None:
+    _check(libc().unshare(flags), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(libc().setns(fd, nstype), "setns")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(libc().mount(source.encode(), target.encode(), fstype.encode() if fstype else None,
+                        ctypes.c_ulong(flags), data.encode() if data else None), f"mount {target}")
+
+
+def prctl(option: int, arg: int) -> None:
+    _check(libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0), "prctl")
+
+
+def set_mount_attr(path: str, attrs: int) -> None:
+    """Set mount attributes (e.g. read-only) on ``path`` and every mount below it (Linux >= 5.12)."""
+    attr = ctypes.create_string_buffer(attrs.to_bytes(8, "little") + bytes(24))
+    _check(libc().syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE, attr, 32), "mount_setattr")
+
+
+def drop_all_capabilities() -> None:
+    """Clear the effective, permitted and inheritable capability sets (capset v3)."""
+    number = SYS_CAPSET.get(os.uname().machine)
+    if number is None:
+        raise OSError(errno.ENOSYS, "capset: unknown architecture")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    data = (ctypes.c_uint32 * 6)()
+    _check(libc().syscall(number, header, data), "capset")
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def setup_namespaces(cfg: dict, base: str) -> tuple[list[str], list[str], str]:
+    """Enter the namespaces shared by every call and build the calls' root filesystem.
+
+    Returns (mechanisms in force, warnings, directory that holds the call directories).
+    """
+    if not sys.platform.startswith("linux"):
+        return [], [f"no namespaces on {sys.platform}: only rlimits apply"], base
+    isolation: list[str] = []
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if cfg["network"] else CLONE_NEWNET)
+    try:
+        if os.geteuid() != 0:
+            _enter_user_namespace(flags)
+            isolation.append("userns")
+        else:
+            unshare(flags)
+        mount("none", "/", None, MS_REC | MS_PRIVATE)
+    except OSError as exc:
+        return isolation, [f"namespaces unavailable ({exc}); calls run without them"], base
+    isolation += ["mountns", "ipcns"] + ([] if cfg["network"] else ["netns"])
+    try:
+        pivot_to_minimal_root(base, cfg["scratch_mb"], python_paths(), "userns" in isolation)
+        return isolation + ["minimal_root", "readonly_fs", "scratch_tmpfs"], [], CALLS_DIR
+    except OSError as exc:
+        return isolation, [f"could not build the calls' root filesystem ({exc}); "
+                           "the whole host filesystem is visible to them with their uid's rights"], base
+
+
+CALLS_DIR = "/sandbox"
+"""Inside the calls' root filesystem: the tmpfs that holds every call's working directory."""
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/dev", "/sys")
+"""Host paths every call sees (read-only), besides the Python installation."""
+SHALLOW_PATHS = ("/dev", "/sys")
+
+
+def python_paths() -> list[str]:
+    """Directories this interpreter needs: its prefixes and every directory on sys.path."""
+    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  os.path.dirname(os.path.realpath(sys.executable))}
+    candidates.update(p for p in sys.path if p and os.path.isdir(p))
+    candidates.update({os.path.realpath(p) for p in candidates})
+    return sorted(p for p in candidates if os.path.isdir(p))
+
+
+def pivot_to_minimal_root(new_root: str, scratch_mb: int, extra: list[str], user_namespace: bool) -> None:
+    """Make a tmpfs at ``new_root`` holding read-only binds of the system and Python
+    directories, a size-capped writable tmpfs at :data:`CALLS_DIR` for the call
+    directories, an empty read-only ``/tmp`` and a ``/proc`` mount point; then ``pivot_root`` into it. Everything else of the host (the
+    repository, /root, /home) does not exist for the sandbox."""
+    mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=0755")
+    bound: list[str] = []
+    for path in [*SYSTEM_PATHS, *extra]:
+        if not os.path.lexists(path) or any(path == b or path.startswith(b + "/") for b in bound):
+            continue
+        target = new_root + path
+        if os.path.islink(path) and path in SYSTEM_PATHS:
+            os.symlink(os.readlink(path), target)
+            continue
+        os.makedirs(target, mode=0o755, exist_ok=True)
+        # /dev and /sys without their submounts (pts, shm, cgroups): fewer mounts make
+        # each call's private mount namespace cheaper to create and to tear down
+        try:
+            mount(path, target, None, MS_BIND if path in SHALLOW_PATHS else MS_BIND | MS_REC)
+        except OSError as exc:  # in a user namespace, submounts are locked to their parent
+            if exc.errno != errno.EINVAL:
+                raise
+            mount(path, target, None, MS_BIND | MS_REC)
+        bound.append(path)
+    for name in ("proc", "tmp", CALLS_DIR):
+        os.makedirs(new_root + "/" + name.lstrip("/"), mode=0o755, exist_ok=True)
+    if os.geteuid() != 0 or user_namespace:
+        # a user namespace may mount a new proc only where a full one is visible: keep
+        # the host's underneath (covered by the zygote's and each call's own /proc)
+        mount("/proc", new_root + "/proc", None, MS_BIND | MS_REC)
+    set_mount_attr(new_root, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
+    mount("tmpfs", new_root + CALLS_DIR, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_mb}m,mode=0755")
+    os.chdir(new_root)
+    _check(libc().syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    _check(libc().umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+
+
+def _enter_user_namespace(flags: int) -> None:
+    uid, gid = os.geteuid(), os.getegid()
+    unshare(CLONE_NEWUSER | flags)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def launcher_main() -> None:
+    """Entry point: set up shared namespaces, fork the zygote (pid 1 inside), wait for it."""
+    cfg = json.loads(sys.argv[1])
+    base = tempfile.mkdtemp(prefix="retool-sandbox-", dir=cfg.get("base_dir"))
+    os.chmod(base, 0o755)
+    parent_fd = os.open(os.path.dirname(base), os.O_RDONLY | os.O_DIRECTORY)  # the host's view
+    isolation, warnings, calls_dir = setup_namespaces(cfg, base)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if "mountns" in isolation:
+                prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            Zygote(cfg, calls_dir, base, isolation, warnings).serve()
+        except BaseException:
+            traceback.print_exc()  # to the trainer's stderr: the zygote is broken
+            os._exit(1)
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)  # the trainer must see EOF as soon as the zygote dies
+    os.dup2(devnull, 1)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: os.kill(pid, signal.SIGKILL))
+    _, status = os.waitpid(pid, 0)
+    if "minimal_root" in isolation:
+        _remove_mount_point(os.path.basename(base), parent_fd)
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _remove_mount_point(name: str, parent_fd: int) -> None:
+    """Remove the (empty, host-side) directory the calls' root was mounted on; the mount
+    lives only in our namespace, which is gone by now, so the host sees a plain empty dir."""
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except OSError:
+        pass  # the trainer tries again when it closes the sandbox
+
+
+# ---------------------------------------------------------------- zygote
+
+
+class Call:
+    """The zygote's bookkeeping for one running call."""
+
+    def __init__(self, req: dict, slot: int, directory: str):
+        self.req = req
+        self.id = req["id"]
+        self.slot = slot
+        self.dir = directory
+        self.pid = 0  # the runner
+        self.init_pid = 0  # pid 1 of its PID namespace, when there is one
+        self.pidfd: int | None = None
+        self.fds: dict[str, int] = {}
+        self.bufs = {"stdout": bytearray(), "stderr": bytearray(), "info": bytearray()}
+        self.started = time.monotonic()
+        self.deadline = self.started + req["timeout_s"]
+        self.killed: str | None = None  # "timeout" / "output_limit" / "cancelled"
+        self.done = False  # answered and cleaned up
+
+
+class Zygote:
+    """Serves run requests: at most ``workers`` calls at once, one fresh process tree each."""
+
+    def __init__(self, cfg: dict, base: str, host_dir: str, isolation: list[str], warnings: list[str]):
+        self.cfg = cfg
+        self.base = base
+        self.host_dir = host_dir
+        self.isolation = isolation
+        self.warnings = warnings
+        self.sel = selectors.DefaultSelector()
+        self.queue: collections.deque[dict] = collections.deque()
+        self.calls: dict[str, Call] = {}
+        self.free_slots = list(range(cfg["workers"]))
+        self.inbuf = bytearray()
+        self.pidns_fd: int | None = None
+        self.root = os.geteuid() == 0 and "userns" not in isolation
+        self.env = dict(os.environ)
+        self.skip = set(cfg.get("benchmark_skip", ()))
+        self.private_mounts = False
+        self.sleep_binary = shutil.which("sleep", path="/usr/bin:/bin")
+
+    # ---- start-up
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        loaded, failed = self._preload()
+        gc.collect()
+        gc.freeze()  # children never scan (and so never copy) the parent's objects
+        self._probe_call_isolation()
+        self._reply({"op": "ready", "isolation": self.isolation, "warnings": self.warnings,
+                     "preloaded": loaded, "preload_failed": failed, "calls_dir": self.base,
+                     "host_dir": self.host_dir,
+                     "root": self.root, "pid": os.getpid()})
+        os.set_blocking(0, False)
+        self.sel.register(0, selectors.EVENT_READ, ("control", None))
+        while True:
+            for key, _ in self.sel.select(self._next_timeout()):
+                kind, call = key.data
+                if kind == "control":
+                    if not self._read_control():
+                        return self._shutdown()
+                elif call.done:
+                    continue  # stale: the call finished earlier in this batch (its fds may be reused)
+                elif kind == "exit":
+                    self._guarded(call, lambda c=call: self._on_exit(c))
+                else:
+                    self._guarded(call, lambda c=call, k=kind: self._on_output(c, k))
+            self._poll_without_pidfd()
+            self._enforce_deadlines()
+
+    def _guarded(self, call: Call, handle) -> None:
+        """Run one event handler; a bug in it fails that call (sandbox_error), not the zygote."""
+        try:
+            handle()
+        except Exception:
+            self._kill(call, "cancelled")
+            _reap(call.pid)
+            _reap(call.init_pid)
+            if not call.done:
+                self._cleanup(call)
+                self._reply({"op": "result", "id": call.id, "sandbox_error": traceback.format_exc()[-2000:]})
+                self._start_queued()
+
+    def _preload(self) -> tuple[list[str], dict[str, str]]:
+        loaded, failed = [], {}
+        for name in self.cfg["preload"]:
+            try:
+                importlib.import_module(name)
+                loaded.append(name)
+            except Exception as exc:  # a missing optional module is recorded, not fatal
+                failed[name] = f"{type(exc).__name__}: {exc}"
+        return loaded, failed
+
+    def _probe_call_isolation(self) -> None:
+        """Decide what each call gets; a per-call PID namespace is unshare(CLONE_NEWPID)
+        before the call's first fork and setns back to ours after it."""
+        linux = sys.platform.startswith("linux")
+        if "minimal_root" in self.isolation:
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # our own pid namespace's
+        if linux and "mountns" in self.isolation and "pidns" not in self.skip:
+            try:
+                self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
+                unshare(CLONE_NEWPID)
+                setns(self.pidns_fd, CLONE_NEWPID)
+                self.isolation.append("pidns")
+            except OSError as exc:
+                self.pidns_fd = None
+                self.warnings.append(f"no per-call PID namespace ({exc})")
+        if self.pidns_fd is None:
+            self.warnings.append("no per-call PID namespace: a call's setsid() children may outlive it")
+        self.private_mounts = "mountns" in self.isolation and "private_mounts" not in self.skip
+        if self.private_mounts:
+            self.isolation += ["private_proc", "private_shm"] if self.pidns_fd is not None else ["private_shm"]
+        if "privilege_drop" not in self.skip:
+            self.isolation += ["uid_drop" if self.root else "caps_drop", "no_new_privs"]
+        if "rlimits" not in self.skip:
+            self.isolation.append("rlimits")
+
+    # ---- control channel
+
+    def _reply(self, msg: dict) -> None:
+        data = (json.dumps(msg) + "\n").encode()
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(1, view):]
+            except BlockingIOError:
+                selectors.DefaultSelector().select(0.01)
+
+    def _read_control(self) -> bool:
+        try:
+            chunk = os.read(0, 1 << 20)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            return False
+        self.inbuf += chunk
+        while (end := self.inbuf.find(b"\n")) >= 0:
+            line, self.inbuf = bytes(self.inbuf[:end]), self.inbuf[end + 1:]
+            self._on_request(json.loads(line))
+        return True
+
+    def _on_request(self, req: dict) -> None:
+        if req.get("op") == "cancel":
+            return self._cancel(req["id"])
+        self.queue.append(req)
+        self._start_queued()
+
+    def _cancel(self, call_id: str) -> None:
+        for req in list(self.queue):
+            if req["id"] == call_id:
+                self.queue.remove(req)
+                self._reply({"op": "result", "id": call_id, "cancelled": True})
+        if call_id in self.calls:
+            self._kill(self.calls[call_id], "cancelled")
+
+    def _start_queued(self) -> None:
+        while self.queue and self.free_slots:
+            req = self.queue.popleft()
+            slot = self.free_slots.pop(0)
+            try:
+                self._spawn(req, slot)
+            except Exception as exc:  # the call is answered as sandbox_error, the zygote lives on
+                self.free_slots.append(slot)
+                self._reply({"op": "result", "id": req["id"], "sandbox_error": f"{type(exc).__name__}: {exc}"})
+
+    def _shutdown(self) -> None:
+        for call in list(self.calls.values()):
+            self._kill(call, "cancelled")
+
+    # ---- starting a call
+
+    def _spawn(self, req: dict, slot: int) -> None:
+        uid = self.cfg["uid_base"] + slot if self.root else os.geteuid()
+        directory = tempfile.mkdtemp(prefix=f"call-{slot}-", dir=self.base)
+        call = Call(req, slot, directory)
+        child_fds: dict[str, int] = {}
+        try:
+            _prepare_directory(directory, req.get("files") or {}, uid)
+            child_fds, call.fds = _make_pipes(req.get("stdin"))
+            self._fork(call, child_fds, uid)
+        except BaseException:
+            self._kill(call, "cancelled")
+            for pid in (call.pid, call.init_pid):
+                _reap(pid)
+            shutil.rmtree(directory, ignore_errors=True)
+            for fd in call.fds.values():
+                os.close(fd)
+            raise
+        finally:
+            for fd in child_fds.values():
+                os.close(fd)
+        self.calls[call.id] = call
+        for name, fd in call.fds.items():
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ, (name, call))
+        if hasattr(os, "pidfd_open"):
+            call.pidfd = os.pidfd_open(call.pid)
+            self.sel.register(call.pidfd, selectors.EVENT_READ, ("exit", call))
+        self._reply({"op": "started", "id": call.id})
+
+    def _fork(self, call: Call, child_fds: dict[str, int], uid: int) -> None:
+        """Start the call: with PID namespaces, a tiny init as pid 1 of a fresh namespace
+        (killing it makes the kernel kill everything in it), then the runner as pid 2."""
+        if self.pidns_fd is not None:
+            unshare(CLONE_NEWPID)  # affects only our next children; undone by setns below
+        try:
+            if self.pidns_fd is not None:
+                call.init_pid = self._spawn_init()
+            call.pid = os.fork()
+            if call.pid == 0:
+                try:
+                    run_snippet(self, call, child_fds, uid)
+                finally:
+                    os._exit(EXIT_SETUP_FAILED)
+        finally:
+            if self.pidns_fd is not None:
+                setns(self.pidns_fd, CLONE_NEWPID)
+
+    def _spawn_init(self) -> int:
+        """Pid 1 of the call's namespace: ``sleep`` via vfork+exec (cheap at any parent
+        size), or a forked copy of this process that just waits."""
+        if self.sleep_binary:
+            return os.posix_spawn(self.sleep_binary, [self.sleep_binary, "infinity"], {},
+                                  file_actions=[(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0)
+                                                for fd in (0, 1, 2)], setsid=True)
+        pid = os.fork()
+        if pid == 0:
+            while True:
+                signal.pause()
+        return pid
+
+    # ---- running calls
+
+    def _on_output(self, call: Call, name: str) -> None:
+        try:
+            chunk = os.read(call.fds[name], 1 << 16)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self.sel.unregister(call.fds[name])
+            return
+        buf = call.bufs[name]
+        cap = self._cap(name)
+        buf += chunk[:max(cap - len(buf), 0)]
+        if len(buf) >= cap and name in ("stdout", "stderr"):
+            self._kill(call, "output_limit")
+
+    def _cap(self, name: str) -> int:
+        return self.cfg["max_output_bytes"] if name in ("stdout", "stderr") else 1 << 16
+
+    def _next_timeout(self) -> float | None:
+        deadlines = [c.deadline for c in self.calls.values() if not c.killed]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        if self.calls and not hasattr(os, "pidfd_open"):
+            timeout = 0.005 if timeout is None else min(timeout, 0.005)  # poll for exits
+        return timeout
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for call in list(self.calls.values()):
+            if not call.killed and now >= call.deadline:
+                self._kill(call, "timeout")
+
+    def _kill(self, call: Call, reason: str) -> None:
+        """Kill the call's whole process tree: its namespace's init, else its process group."""
+        if call.killed:
+            return
+        call.killed = reason
+        call.deadline = math.inf
+        _kill_tree(call)
+
+    def _poll_without_pidfd(self) -> None:
+        if hasattr(os, "pidfd_open"):
+            return
+        for call in list(self.calls.values()):
+            pid, status, usage = os.wait4(call.pid, os.WNOHANG)
+            if pid:
+                self._on_exit(call, (status, usage))
+
+    def _on_exit(self, call: Call, waited: tuple | None = None) -> None:
+        status, usage = waited or os.wait4(call.pid, 0)[1:]
+        wall = time.monotonic() - call.started
+        _kill_tree(call)  # whatever the snippet left behind dies with it
+        _reap(call.init_pid)  # returns once every process of the namespace is gone
+        self._drain(call)
+        reply = self._result(call, status, usage, wall)
+        self._cleanup(call)
+        self._reply(reply)
+        self._start_queued()
+
+    def _drain(self, call: Call) -> None:
+        """Read what is left in the pipes (every writer is dead, so this ends)."""
+        for name, fd in call.fds.items():
+            os.set_blocking(fd, True)
+            cap = self._cap(name)
+            while len(call.bufs[name]) < cap and (chunk := _read(fd)):
+                call.bufs[name] += chunk[:cap - len(call.bufs[name])]
+            if len(call.bufs[name]) >= cap and _read(fd) and name in ("stdout", "stderr"):
+                call.killed = call.killed or "output_limit"
+
+    def _result(self, call: Call, status: int, usage, wall: float) -> dict:
+        info = _parse_json_lines(call.bufs["info"])
+        code, sig = _split_status(status)
+        if call.killed and sig == signal.SIGKILL:
+            sig = None  # our own kill, reported as the reason instead
+        return {
+            "op": "result", "id": call.id,
+            "stdout": _b64(call.bufs["stdout"]), "stderr": _b64(call.bufs["stderr"]),
+            "exit_code": code, "signal": sig, "killed": call.killed,
+            "setup_failed": info.get("setup_error") or (not call.killed and not info.get("ready")),
+            "exc_type": info.get("exc_type"), "short_tb": info.get("short_tb"),
+            "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_bytes": usage.ru_maxrss * 1024 if sys.platform.startswith("linux") else usage.ru_maxrss,
+            "isolation": self.isolation,
+            "files": _fetch_files(call.dir, call.req.get("fetch_files") or [], self.cfg["max_file_bytes"]),
+        }
+
+    def _cleanup(self, call: Call) -> None:
+        for fd in [*call.fds.values(), *([call.pidfd] if call.pidfd is not None else [])]:
+            try:
+                self.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
+        shutil.rmtree(call.dir, ignore_errors=True)
+        call.done = True
+        self.calls.pop(call.id, None)
+        self.free_slots.append(call.slot)
+
+
+def _kill_tree(call: Call) -> None:
+    """SIGKILL the call's namespace init (the kernel then kills all in it), else its group."""
+    targets = [call.init_pid, call.pid] if call.init_pid else [-call.pid, call.pid]
+    for target in targets:
+        if target:
+            try:
+                os.kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return b""
+
+
+def _reap(pid: int) -> None:
+    if pid:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _b64(data: bytes | bytearray) -> str:
+    return base64.b64encode(bytes(data)).decode()
+
+
+def _parse_json_lines(buf: bytearray) -> dict:
+    """Merge the JSON objects found on the lines of ``buf``, ignoring anything malformed."""
+    merged: dict = {}
+    for line in bytes(buf).splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            merged.update(obj)
+    return merged
+
+
+def _split_status(status: int) -> tuple[int | None, int | None]:
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    return os.WEXITSTATUS(status), None
+
+
+def _make_pipes(stdin: str | None) -> tuple[dict[str, int], dict[str, int]]:
+    """Return (the child's ends, the zygote's ends) of the call's pipes, plus its stdin."""
+    child, mine = {}, {}
+    for name in ("stdout", "stderr", "info"):
+        mine[name], child[name] = os.pipe()
+    if stdin is None:
+        child["stdin"] = os.open(os.devnull, os.O_RDONLY)
+    else:
+        fd = os.memfd_create("stdin") if hasattr(os, "memfd_create") else tempfile.TemporaryFile().detach()
+        os.write(fd, stdin.encode()) if len(stdin) < (1 << 16) else _write_all(fd, stdin.encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+        child["stdin"] = fd
+    return child, mine
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _prepare_directory(directory: str, files: dict[str, str], uid: int) -> None:
+    """Write the request's files (paths already checked: relative, no ``..``) and give
+    the directory and everything in it to the call's uid."""
+    for rel, b64 in files.items():
+        path = os.path.join(directory, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(b64))
+    if os.geteuid() == 0 and uid != 0:
+        for parent, dirs, names in os.walk(directory):
+            for name in [*dirs, *names]:
+                os.chown(os.path.join(parent, name), uid, uid, follow_symlinks=False)
+        os.chown(directory, uid, uid)
+
+
+def _fetch_files(directory: str, names: list[str], max_bytes: int) -> dict[str, str]:
+    """Read back requested regular files that resolve inside the call's directory.
+
+    Runs after every process of the call is dead, so the snippet cannot race the checks;
+    symlinks pointing outside the directory are refused (never read as the zygote).
+    """
+    found = {}
+    root = os.path.realpath(directory)
+    for rel in names:
+        path = os.path.realpath(os.path.join(directory, rel))
+        if os.path.commonpath([root, path]) != root or not os.path.isfile(path):
+            continue
+        if os.path.getsize(path) <= max_bytes:
+            with open(path, "rb") as f:
+                found[rel] = _b64(f.read())
+    return found
+
+
+# ---------------------------------------------------------------- one call
+
+
+def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int) -> None:
+    """The runner: private mounts, limits, privilege drop, fresh state, then the code."""
+    try:
+        _layout_fds(child_fds)
+        os.setsid()
+        if sys.platform.startswith("linux"):
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies: so does the call
+        if zygote.private_mounts:
+            _private_mounts()
+        os.chdir(call.dir)
+        if "rlimits" not in zygote.skip:
+            _apply_limits(call.req, zygote.cfg)
+        if "privilege_drop" not in zygote.skip:
+            _drop_privileges(uid, zygote.root)
+        namespace = _fresh_interpreter_state(call.dir, zygote.env)
+    except BaseException:  # never run the snippet half-isolated
+        _report(3, {"setup_error": traceback.format_exc()[-3000:]})
+        os._exit(EXIT_SETUP_FAILED)
+    _report(3, {"ready": True})
+    os._exit(execute(call.req["code"], namespace, zygote.cfg["traceback_frames"]))
+
+
+def _private_mounts() -> None:
+    """A /proc that shows only this call's processes, a private /dev/shm and SysV IPC."""
+    unshare(CLONE_NEWNS | CLONE_NEWIPC)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if os.path.isdir("/dev/shm"):
+        mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+
+
+def _layout_fds(child_fds: dict[str, int]) -> None:
+    """Put stdin/stdout/stderr/info on fds 0-3 and close everything else."""
+    order = ("stdin", "stdout", "stderr", "info")
+    high = [fcntl.fcntl(child_fds[name], fcntl.F_DUPFD, 10) for name in order]  # above every target
+    for target, fd in enumerate(high):
+        os.dup2(fd, target)
+    os.closerange(4, MAX_FD)
+
+
+def _report(fd: int, msg: dict) -> None:
+    try:
+        os.write(fd, (json.dumps(msg) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _apply_limits(req: dict, cfg: dict) -> None:
+    mib = 1 << 20
+    cpu = int(math.ceil(req["cpu_s"]))
+    limits = [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (req["memory_mb"] * mib,) * 2),
+        (resource.RLIMIT_FSIZE, (cfg["max_file_bytes"],) * 2),
+        (resource.RLIMIT_NPROC, (cfg["max_processes"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+    for which, value in limits:
+        resource.setrlimit(which, value)
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # under memory pressure the kernel kills a snippet, not the trainer
+
+
+def _drop_privileges(uid: int, root: bool) -> None:
+    if root:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        if os.geteuid() != uid or os.getuid() == 0:
+            raise OSError(errno.EPERM, "still root after setresuid")
+    elif sys.platform.startswith("linux"):
+        drop_all_capabilities()
+    if sys.platform.startswith("linux"):
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _fresh_interpreter_state(directory: str, env: dict) -> dict:
+    """Make the forked interpreter look like ``python -c`` started in ``directory``."""
+    os.environ.clear()
+    os.environ.update(env, HOME=directory, TMPDIR=directory, PWD=directory)
+    tempfile.tempdir = None
+    sys.argv = ["-c"]
+    sys.path.insert(0, directory)
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    sys.stdout = sys.__stdout__ = _text_stream(1)
+    sys.stderr = sys.__stderr__ = _text_stream(2)
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()  # a fresh interpreter would not share the parent's seed
+    return main.__dict__
+
+
+def _text_stream(fd: int) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors="backslashreplace",
+                            line_buffering=True)
+
+
+def compile_with_autoprint(source: str, filename: str = CODE_FILENAME) -> list[types.CodeType]:
+    """Compile ``source``; when its last top-level statement is a bare expression, that
+    statement is compiled in ``single`` mode, so its value is shown through
+    ``sys.displayhook`` exactly as an interactive session shows it (``repr``, nothing
+    for ``None``). Raises ``SyntaxError`` like ``compile``.
+    """
+    tree = ast.parse(source, filename, "exec")
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Interactive(body=[tree.body.pop()])
+        return [compile(tree, filename, "exec"), compile(last, filename, "single")]
+    return [compile(tree, filename, "exec")]
+
+
+def execute(source: str, namespace: dict, frames: int) -> int:
+    """Run ``source`` in ``namespace`` as ``python -c`` would; return the exit code."""
+    linecache.cache[CODE_FILENAME] = (len(source), None, source.splitlines(True), CODE_FILENAME)
+    code = 0
+    try:
+        for block in compile_with_autoprint(source):
+            exec(block, namespace)
+        _join_threads()
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException as exc:  # user code: report like the interpreter, never propagate
+        code = 1
+        _report_exception(exc, frames)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def _join_threads() -> None:
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _report_exception(exc: BaseException, frames: int) -> None:
+    """Full traceback (minus the sandbox's own frames) to stderr; a short one to fd 3."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    exc.__traceback__ = tb
+    try:
+        full = "".join(traceback.format_exception(type(exc), exc, tb, limit=-MAX_TRACEBACK_FRAMES))
+        short = "".join(traceback.format_exception(type(exc), exc, tb, limit=-frames if frames else None,
+                                                   chain=False))
+    except BaseException:  # e.g. MemoryError while formatting a huge traceback
+        full = short = f"{type(exc).__name__}: (traceback unavailable)\n"
+    try:
+        sys.stderr.write(full)
+    except (OSError, ValueError):
+        pass
+    _report(3, {"exc_type": type(exc).__name__, "short_tb": short[-8000:]})
+
+
+if __name__ == "__main__":
+    launcher_main()

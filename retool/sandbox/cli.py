@@ -1,0 +1,171 @@
+"""``retool sandbox``: serve the sandbox over HTTP, or run one snippet in it.
+
+- ``retool sandbox serve`` starts the SandboxFusion-compatible server
+  (:mod:`retool.sandbox.server`) on 127.0.0.1:8080 until SIGINT/SIGTERM.
+- ``retool sandbox run [FILE]`` runs a file (or stdin) once — in a local sandbox, or on
+  a server with ``--endpoint`` — and prints the :class:`~retool.types.ExecutionResult`
+  as JSON; the exit code is 0 when the snippet ran cleanly and 1 otherwise.
+
+Heavy imports happen inside the command functions so ``retool --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "sandbox",
+        help="serve the code sandbox over HTTP (SandboxFusion API) or run one snippet",
+        description="The local Python sandbox: a SandboxFusion-compatible HTTP server, "
+        "and a one-shot runner for trying snippets.",
+    )
+    commands = parser.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND", required=True)
+    _register_serve(commands)
+    _register_run(commands)
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--timeout", type=float, metavar="S",
+                        help="wall-clock limit per run in seconds (default: the sandbox default)")
+    parser.add_argument("--memory-mb", type=int, metavar="MB",
+                        help="address-space limit per run in MiB (default: the sandbox default)")
+
+
+def _register_serve(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "serve",
+        help="serve POST /run_code (SandboxFusion-compatible) until interrupted",
+        description="Serve the sandbox over HTTP with SandboxFusion's POST /run_code, so verl, "
+        "the sandbox-fusion client or curl can run Python in it. No authentication: the "
+        "server binds 127.0.0.1 unless --host says otherwise. See docs/sandbox-server.md.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port, 0 for any free one (default: %(default)s)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="runs executed at once; more requests queue (default: the sandbox default)")
+    _add_limit_flags(p)
+    p.add_argument("--max-timeout", type=float, default=300.0, metavar="S",
+                   help="largest run_timeout a request may ask for (default: %(default)s)")
+    p.add_argument("--max-memory-mb", type=int, default=16384, metavar="MB",
+                   help="largest memory_limit_MB a request may ask for (default: %(default)s)")
+    p.add_argument("--max-request-mb", type=float, default=64.0, metavar="MB",
+                   help="largest request body, code and files included (default: %(default)s)")
+    p.add_argument("--allow-network", action="store_true",
+                   help="let snippets use the network (default: no network where the OS allows)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="server log level (default: %(default)s)")
+    p.set_defaults(func=_serve)
+
+
+def _register_run(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "run",
+        help="run a Python file or stdin once and print the result as JSON",
+        description="Run a snippet once in the sandbox (locally, or on a server with --endpoint) "
+        "as the model's code tool runs it (the value of a final bare expression is shown) and "
+        "print the ExecutionResult as JSON. Exit code 0 when it ran cleanly, 1 otherwise.",
+    )
+    p.add_argument("file", nargs="?", default="-", help="Python file to run; '-' or nothing reads stdin")
+    _add_limit_flags(p)
+    p.add_argument("--stdin-file", metavar="PATH", help="file whose text is fed to the snippet's stdin")
+    p.add_argument("--put", action="append", default=[], metavar="PATH[=NAME]",
+                   help="copy a local file into the run's working directory (as NAME); repeatable")
+    p.add_argument("--fetch", action="append", default=[], metavar="NAME",
+                   help="return this file from the working directory (base64 in 'files'); repeatable")
+    p.add_argument("--endpoint", metavar="URL",
+                   help="run on this SandboxFusion-compatible server instead of a local sandbox")
+    p.set_defaults(func=_run)
+
+
+# ---------------------------------------------------------------- serve
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from retool.sandbox import SandboxUnavailableError
+    from retool.sandbox.server import ServerConfig, serve
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        sandbox=_sandbox_config(args, workers=args.workers, network=args.allow_network or None),
+        max_timeout_s=args.max_timeout,
+        max_memory_mb=args.max_memory_mb,
+        max_request_mb=args.max_request_mb,
+    )
+    try:
+        asyncio.run(serve(config))
+    except SandboxUnavailableError as e:
+        print(f"retool sandbox serve: the sandbox could not start: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # port in use, bad address: a clear line, not a traceback
+        print(f"retool sandbox serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _sandbox_config(args: argparse.Namespace, **extra: Any):
+    """A SandboxConfig with only the flags the user gave overriding its defaults."""
+    from retool.sandbox import SandboxConfig
+
+    given = {"timeout_s": args.timeout, "memory_mb": args.memory_mb, **extra}
+    return SandboxConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+# ---------------------------------------------------------------- run
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        code = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        stdin = Path(args.stdin_file).read_text() if args.stdin_file else None
+        files = dict(_read_put(spec) for spec in args.put)
+    except OSError as e:
+        print(f"retool sandbox run: {e}", file=sys.stderr)
+        return 2
+    kwargs = dict(stdin=stdin, files=files or None, fetch_files=tuple(args.fetch))
+    result = _run_remote(args, code, kwargs) if args.endpoint else _run_local(args, code, kwargs)
+    print(json.dumps(result_to_json(result), indent=2))
+    return 0 if result.ok else 1
+
+
+def _read_put(spec: str) -> tuple[str, bytes]:
+    path, _, name = spec.partition("=")
+    return name or Path(path).name, Path(path).read_bytes()
+
+
+def _run_local(args: argparse.Namespace, code: str, kwargs: dict[str, Any]):
+    from retool.sandbox import Sandbox
+
+    sandbox = Sandbox(_sandbox_config(args, workers=1))
+    try:
+        return sandbox.run_sync(code, **kwargs)
+    finally:
+        sandbox.close()
+
+
+def _run_remote(args: argparse.Namespace, code: str, kwargs: dict[str, Any]):
+    from retool.sandbox.client import SandboxClient
+
+    client = SandboxClient(args.endpoint)
+    return client.run_sync(code, timeout_s=args.timeout, memory_mb=args.memory_mb, **kwargs)
+
+
+def result_to_json(result) -> dict[str, Any]:
+    """An ExecutionResult as plain JSON (status by value, fetched files base64)."""
+    record = dataclasses.asdict(result)
+    record["status"] = result.status.value
+    record["isolation"] = list(result.isolation)
+    record["files"] = {p: base64.b64encode(data).decode("ascii") for p, data in result.files.items()}
+    return record

@@ -1,0 +1,536 @@
+"""The local sandbox: run model-written Python snippets in fresh, isolated, limited processes.
+
+:class:`Sandbox` talks to one warm parent process (the *zygote*, :mod:`._zygote`), which
+is started through a clean ``exec`` with a scrubbed environment, imports numpy, sympy and
+friends once, and forks a fresh process tree per call; see :mod:`retool.sandbox` for the
+threat model. This module is the trainer's side: configuration, a bounded pool that is
+safe from asyncio and threads, result classification, metrics, and replacing a zygote
+that died (its in-flight calls then report ``sandbox_error`` instead of hanging).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import itertools
+import json
+import os
+import posixpath
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from retool.sandbox.metrics import SandboxMetrics
+from retool.types import ExecStatus, ExecutionResult
+
+ZYGOTE_SCRIPT = Path(__file__).with_name("_zygote.py")
+
+DEFAULT_PRELOAD = (
+    "math", "cmath", "itertools", "functools", "fractions", "decimal", "collections",
+    "statistics", "random", "re", "string", "heapq", "bisect", "operator", "numbers",
+    "json", "datetime", "numpy", "numpy.random", "numpy.linalg", "sympy", "mpmath", "scipy",
+    "networkx",
+)
+"""Modules the warm parent imports once; missing optional ones are skipped and reported."""
+
+CLEAN_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONIOENCODING": "utf-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+    "VECLIB_MAXIMUM_THREADS": "1",
+    "MPLBACKEND": "Agg",
+    "HOME": "/nonexistent",
+}
+"""The whole environment of the warm parent and its calls: nothing is inherited."""
+
+NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc")
+"""Mechanisms ``strict=True`` requires (plus ``netns`` unless ``network=True``)."""
+
+SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits")
+
+WATCHDOG_GRACE_S = 10.0
+"""How long past its timeout a started call may stay unanswered before the zygote is
+declared hung, killed and replaced."""
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits and pool settings of the local sandbox (per-call overrides in ``Sandbox.run``)."""
+
+    timeout_s: float = 30.0
+    """Wall-clock limit of one call; the whole process tree is killed when it passes."""
+    memory_mb: int = 2048
+    """Address-space limit (RLIMIT_AS) of every process of a call, in MiB."""
+    max_file_mb: int = 16
+    """Largest file a call may write (RLIMIT_FSIZE), in MiB; also caps fetched files."""
+    max_processes: int = 64
+    """Processes one call may have at once (RLIMIT_NPROC under its own uid)."""
+    max_output_bytes: int = 1 << 20
+    """Cap on stdout and on stderr, each; a call that exceeds it is killed (``output_limit``)."""
+    workers: int = 8
+    """Calls running at once; further calls wait in the queue."""
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    """Modules imported once in the warm parent, so calls get them for free."""
+    network: bool = False
+    """Allow network access (no network namespace). Off by default."""
+    cpu_time_s: float | None = None
+    """CPU-time limit (RLIMIT_CPU) per process; ``None`` = the call's timeout + 1 s."""
+    scratch_mb: int = 1024
+    """Size of the tmpfs that holds all calls' working directories together, in MiB."""
+    uid_base: int = 1_950_000_000
+    """When running as root, call slot ``i`` runs as uid/gid ``uid_base + i`` (no real user)."""
+    traceback_frames: int = 3
+    """Frames of the traceback kept in the observation the model sees."""
+    strict: bool = False
+    """Refuse to start unless namespace isolation (:data:`NAMESPACE_ISOLATION`) is in force."""
+    start_timeout_s: float = 120.0
+    """How long the warm parent may take to start and import ``preload``."""
+    python: str = field(default_factory=lambda: sys.executable)
+    """Interpreter of the warm parent (must be able to import ``preload``)."""
+    benchmark_skip: tuple[str, ...] = ()
+    """For ``bench/sandbox.py`` only, never in training: per-call mechanisms to leave out
+    to measure their cost (``pidns``, ``private_mounts``, ``privilege_drop``, ``rlimits``)."""
+
+    def __post_init__(self) -> None:
+        positive = ("timeout_s", "memory_mb", "max_file_mb", "max_processes", "max_output_bytes",
+                    "workers", "scratch_mb", "start_timeout_s")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        unknown = set(self.benchmark_skip) - set(SKIPPABLE)
+        if unknown or (self.strict and self.benchmark_skip):
+            raise ValueError(f"benchmark_skip: unknown {sorted(unknown)} or combined with strict=True")
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The warm parent could not be started (or lacks the isolation ``strict`` demands)."""
+
+
+@dataclass
+class _Pending:
+    future: concurrent.futures.Future
+    timeout_s: float
+    memory_mb: int
+    submitted: float
+    started: float | None = None
+
+
+class _Zygote:
+    """One warm-parent process and the threads that talk to it."""
+
+    def __init__(self, cfg: SandboxConfig):
+        self.cfg = cfg
+        self.pending: dict[str, _Pending] = {}
+        self.lock = threading.Lock()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.dead = False
+        self.proc = subprocess.Popen(
+            [cfg.python, "-s", "-B", *(["-P"] if sys.version_info >= (3, 11) else []),  # -P: no script dir
+             str(ZYGOTE_SCRIPT), json.dumps(self._wire_config())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=CLEAN_ENV, cwd="/",
+            start_new_session=True, close_fds=True)
+        self.ready = self._await_ready()
+        self.isolation = tuple(self.ready["isolation"])
+        threading.Thread(target=self._read_loop, name="sandbox-reader", daemon=True).start()
+        threading.Thread(target=self._write_loop, name="sandbox-writer", daemon=True).start()
+
+    def _wire_config(self) -> dict:
+        c = self.cfg
+        return {"workers": c.workers, "preload": list(c.preload), "network": c.network,
+                "scratch_mb": c.scratch_mb, "uid_base": c.uid_base, "max_processes": c.max_processes,
+                "max_output_bytes": c.max_output_bytes, "max_file_bytes": c.max_file_mb << 20,
+                "traceback_frames": c.traceback_frames, "base_dir": tempfile.gettempdir(),
+                "benchmark_skip": list(c.benchmark_skip)}
+
+    def _await_ready(self) -> dict:
+        result: list = []
+        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(self.cfg.start_timeout_s)
+        line = result[0] if result else b""
+        if not line:  # the zygote died (the launcher then cleans up and exits) or hangs
+            code = self.proc.poll() if reader.is_alive() else self.proc.wait()
+            if code is None:
+                self.terminate()
+            why = f"exited with status {code}" if code is not None else "timed out"
+            raise SandboxUnavailableError(f"sandbox warm parent {why} before it was ready")
+        return json.loads(line)
+
+    def submit(self, call_id: str, request: dict, pending: _Pending) -> None:
+        with self.lock:
+            if self.dead:
+                raise BrokenPipeError("sandbox warm parent is gone")
+            self.pending[call_id] = pending
+        self.outbox.put(request)
+
+    def cancel(self, call_id: str) -> None:
+        if not self.dead:
+            self.outbox.put({"op": "cancel", "id": call_id})
+
+    def _write_loop(self) -> None:
+        while not self.dead:
+            try:
+                msg = self.outbox.get(timeout=0.5)
+            except queue.Empty:
+                self._watchdog()
+                continue
+            if msg is None:
+                break
+            try:
+                self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+                self.proc.stdin.flush()
+            except (OSError, ValueError):
+                break
+            self._watchdog()
+        self._close_stdin()
+
+    def _watchdog(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            hung = [p for p in self.pending.values()
+                    if p.started is not None and now - p.started > p.timeout_s + WATCHDOG_GRACE_S]
+        if hung:
+            self.kill()
+
+    def _read_loop(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:  # cannot happen unless the warm parent is broken: replace it
+                self.kill()
+                break
+            with self.lock:
+                pending = self.pending.get(msg["id"])
+                if pending is not None and msg["op"] == "started":
+                    pending.started = time.monotonic()
+                elif msg["op"] == "result":
+                    self.pending.pop(msg["id"], None)
+            if pending is not None and msg["op"] == "result" and not msg.get("cancelled"):
+                _resolve(pending, lambda: build_result(msg, pending.timeout_s, pending.memory_mb, self.cfg))
+        self._die()
+
+    def _die(self) -> None:
+        with self.lock:
+            self.dead = True
+            orphans, self.pending = list(self.pending.values()), {}
+        self.outbox.put(None)
+        code = self.proc.wait()
+        for pending in orphans:
+            _resolve(pending, lambda: sandbox_error(f"the sandbox worker died (exit status {code}); "
+                                                   "it is replaced for the next call", self.isolation))
+        _remove_empty_dir(self.ready.get("host_dir"))
+
+    def _close_stdin(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def kill(self) -> None:
+        """Kill the warm parent; the kernel then kills every call it was running."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def terminate(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM the launcher (it kills the zygote and removes its mount point), else SIGKILL."""
+        try:
+            self.proc.terminate()
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.outbox.put(None)  # EOF on its stdin: the zygote kills running calls and exits
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.terminate()
+
+
+def _resolve(pending: _Pending, make_result) -> None:
+    if not pending.future.done():
+        try:
+            pending.future.set_result(make_result())
+        except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+            pass
+
+
+class Sandbox:
+    """A pool of warm, isolated Python executors (see :mod:`retool.sandbox`).
+
+    Starts lazily on the first call (or ``start()``); use as a context manager, sync or
+    async, or call ``close()``/``aclose()``. ``run`` (asyncio) and ``run_sync`` (threads)
+    may be mixed freely; at most ``config.workers`` calls run at once, the rest queue.
+    """
+
+    def __init__(self, config: SandboxConfig | None = None):
+        self.config = config or SandboxConfig()
+        self._zygote: _Zygote | None = None
+        self._start_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._metrics = SandboxMetrics()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _kill_quietly, [None])
+
+    # ---- lifecycle
+
+    def start(self) -> tuple[str, ...]:
+        """Start the warm parent now (idempotent); return the isolation mechanisms in force."""
+        return self._ensure_zygote().isolation
+
+    @property
+    def isolation(self) -> tuple[str, ...]:
+        """Mechanisms in force in the current warm parent (starts it if needed)."""
+        return self.start()
+
+    def _ensure_zygote(self) -> _Zygote:
+        zygote = self._zygote
+        if zygote is not None and not zygote.dead:
+            return zygote
+        with self._start_lock:
+            if self._closed:
+                raise RuntimeError("Sandbox is closed")
+            if self._zygote is None or self._zygote.dead:
+                if self._zygote is not None:
+                    self._metrics.record_restart()
+                self._zygote = _Zygote(self.config)
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _kill_quietly, [self._zygote])
+                self._check_strict(self._zygote)
+            return self._zygote
+
+    def _check_strict(self, zygote: _Zygote) -> None:
+        required = NAMESPACE_ISOLATION + (() if self.config.network else ("netns",))
+        missing = [m for m in required if m not in zygote.isolation]
+        if self.config.strict and missing:
+            zygote.close()
+            self._zygote = None
+            raise SandboxUnavailableError(f"strict sandbox: missing isolation {missing}; "
+                                          f"warnings: {zygote.ready.get('warnings')}")
+
+    def close(self) -> None:
+        """Stop the warm parent; running calls are killed and answered ``sandbox_error``."""
+        with self._start_lock:
+            self._closed = True
+            zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote.close()
+        self._finalizer.detach()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ---- calls
+
+    async def run(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
+                  stdin: str | None = None, files: dict[str, bytes] | None = None,
+                  fetch_files=()) -> ExecutionResult:
+        """Run ``code`` in a fresh isolated process; never raises for anything the code does.
+
+        ``stdin``: ``None`` gives the process an empty stdin; a string is fed to it.
+        ``files``: relative path -> bytes written into the call's empty working directory
+        first; ``fetch_files``: relative paths read back afterwards into ``result.files``
+        (missing ones are left out). Bad arguments raise ``ValueError``/``TypeError``.
+        """
+        zygote = self._zygote
+        if zygote is None or zygote.dead:
+            await asyncio.to_thread(self._ensure_zygote)
+        future = self._submit(code, timeout_s, memory_mb, stdin, files, fetch_files)
+        return await asyncio.wrap_future(future)
+
+    def run_sync(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
+                 stdin: str | None = None, files: dict[str, bytes] | None = None,
+                 fetch_files=()) -> ExecutionResult:
+        """Blocking form of :meth:`run` for plain threads (not from inside an event loop)."""
+        return self._submit(code, timeout_s, memory_mb, stdin, files, fetch_files).result()
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """``sandbox/*`` metrics since the last reset (see :class:`SandboxMetrics`)."""
+        return self._metrics.snapshot(reset)
+
+    def _submit(self, code, timeout_s, memory_mb, stdin, files, fetch_files) -> concurrent.futures.Future:
+        timeout_s = self.config.timeout_s if timeout_s is None else float(timeout_s)
+        memory_mb = self.config.memory_mb if memory_mb is None else int(memory_mb)
+        call_id = str(next(self._ids))
+        request = self._request(call_id, code, timeout_s, memory_mb, stdin, files, fetch_files)
+        pending = _Pending(concurrent.futures.Future(), timeout_s, memory_mb, time.monotonic())
+        pending.future.add_done_callback(lambda f: self._on_done(f, pending, call_id))
+        zygote = self._ensure_zygote()
+        try:
+            zygote.submit(call_id, request, pending)
+        except BrokenPipeError as exc:
+            message = str(exc)
+            _resolve(pending, lambda: sandbox_error(message, zygote.isolation))
+        return pending.future
+
+    def _on_done(self, future: concurrent.futures.Future, pending: _Pending, call_id: str) -> None:
+        if future.cancelled():
+            zygote = self._zygote
+            if zygote is not None:
+                zygote.cancel(call_id)
+            return
+        self._metrics.record(future.result(), time.monotonic() - pending.submitted)
+
+    def _request(self, call_id, code, timeout_s, memory_mb, stdin, files, fetch_files) -> dict:
+        if not isinstance(code, str):
+            raise TypeError(f"code must be str, got {type(code).__name__}")
+        if not timeout_s > 0 or not memory_mb > 0:
+            raise ValueError(f"timeout_s and memory_mb must be > 0, got {timeout_s!r}, {memory_mb!r}")
+        if stdin is not None and not isinstance(stdin, str):
+            raise TypeError(f"stdin must be str or None, got {type(stdin).__name__}")
+        files = files or {}
+        for path, data in files.items():
+            check_relative_path(path)
+            if not isinstance(data, (bytes, bytearray)):
+                raise TypeError(f"files[{path!r}] must be bytes, got {type(data).__name__}")
+        fetch = [check_relative_path(p) for p in fetch_files]
+        cpu_s = self.config.cpu_time_s or timeout_s + 1.0
+        return {"op": "run", "id": call_id, "code": code, "timeout_s": timeout_s, "memory_mb": memory_mb,
+                "cpu_s": cpu_s, "stdin": stdin, "fetch_files": fetch,
+                "files": {p: base64.b64encode(bytes(d)).decode() for p, d in files.items()}}
+
+
+def check_relative_path(path: str) -> str:
+    """Return ``path`` if it is a plain relative path inside the call directory, else raise."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ValueError(f"file path must be a non-empty string, got {path!r}")
+    norm = posixpath.normpath(path)
+    if posixpath.isabs(path) or norm == "." or norm.split("/")[0] == ".." or ".." in path.split("/"):
+        raise ValueError(f"file path must be relative and stay inside the working directory: {path!r}")
+    return path
+
+
+def _remove_empty_dir(path: str | None) -> None:
+    """Remove the warm parent's (by now empty) mount point; never anything with content."""
+    if path:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def _kill_quietly(holder) -> None:
+    """Finalizer of an unclosed Sandbox: SIGTERM the launcher, which kills the zygote
+    (and with it every call) and removes its mount point; does not wait."""
+    zygote = holder[0] if isinstance(holder, list) else holder
+    if zygote is not None and zygote.proc.poll() is None:
+        zygote.proc.terminate()
+
+
+# ---------------------------------------------------------------- results
+
+
+def sandbox_error(message: str, isolation: tuple[str, ...] = ()) -> ExecutionResult:
+    """The result of a call the sandbox itself failed to run."""
+    return ExecutionResult(status=ExecStatus.SANDBOX_ERROR, stderr=message,
+                           observation=f"Sandbox error: {message}", isolation=isolation)
+
+
+def classify(reply: dict, stderr: str) -> ExecStatus:
+    """The status of a finished call from the zygote's reply (see ``ExecStatus``)."""
+    sig = reply.get("signal")
+    if reply.get("setup_failed"):
+        return ExecStatus.SANDBOX_ERROR
+    if reply.get("killed") == "timeout" or sig == signal.SIGXCPU:
+        return ExecStatus.TIMEOUT
+    if reply.get("killed") == "output_limit":
+        return ExecStatus.OUTPUT_LIMIT
+    if reply.get("exc_type") == "MemoryError" or _looks_out_of_memory(sig, stderr):
+        return ExecStatus.MEMORY
+    if reply.get("exit_code") == 0 and sig is None:
+        return ExecStatus.OK
+    return ExecStatus.ERROR
+
+
+def _looks_out_of_memory(sig: int | None, stderr: str) -> bool:
+    if sig is None:
+        return False
+    if sig == signal.SIGKILL:  # not killed by us: the kernel's OOM killer
+        return True
+    tail = stderr[-2000:]
+    return any(s in tail for s in ("MemoryError", "Cannot allocate memory", "bad_alloc", "out of memory"))
+
+
+def build_result(reply: dict, timeout_s: float, memory_mb: int, cfg: SandboxConfig) -> ExecutionResult:
+    """Turn the zygote's reply into an :class:`ExecutionResult` with its observation."""
+    isolation = tuple(reply.get("isolation", ()))
+    if "sandbox_error" in reply:
+        return sandbox_error(reply["sandbox_error"], isolation)
+    if reply.get("setup_failed"):
+        detail = reply["setup_failed"] if isinstance(reply["setup_failed"], str) else "call set-up failed"
+        return sandbox_error(f"could not isolate the call: {detail.strip()}", isolation)
+    stdout = base64.b64decode(reply["stdout"]).decode("utf-8", "replace")
+    stderr = base64.b64decode(reply["stderr"]).decode("utf-8", "replace")
+    status = classify(reply, stderr)
+    return ExecutionResult(
+        status=status, stdout=stdout, stderr=stderr, exit_code=reply.get("exit_code"),
+        signal=reply.get("signal"), wall_s=reply["wall_s"], cpu_s=reply["cpu_s"],
+        peak_rss_bytes=reply.get("peak_rss_bytes"), truncated=status is ExecStatus.OUTPUT_LIMIT,
+        observation=observation(status, stdout, stderr, reply, timeout_s, memory_mb, cfg),
+        isolation=isolation, files={k: base64.b64decode(v) for k, v in reply.get("files", {}).items()})
+
+
+def observation(status: ExecStatus, stdout: str, stderr: str, reply: dict, timeout_s: float,
+                memory_mb: int, cfg: SandboxConfig) -> str:
+    """What the model sees: stdout, then what went wrong (if anything), in a few lines."""
+    if status is ExecStatus.OK:
+        tail = stderr
+    elif status is ExecStatus.TIMEOUT:
+        tail = f"Execution timed out after {timeout_s:g} s"
+    elif status is ExecStatus.OUTPUT_LIMIT:
+        tail = f"[output truncated: more than {cfg.max_output_bytes} bytes; the process was stopped]"
+    elif status is ExecStatus.SANDBOX_ERROR:
+        tail = f"Sandbox error: {stderr.strip() or 'the sandbox could not run this call'}"
+    elif reply.get("short_tb"):
+        tail = reply["short_tb"]
+    elif status is ExecStatus.MEMORY:
+        tail = f"MemoryError: the program exceeded the memory limit of {memory_mb} MB"
+    else:
+        tail = _describe_failure(stderr, reply)
+    return _join(stdout, tail)
+
+
+def _describe_failure(stderr: str, reply: dict) -> str:
+    sig = reply.get("signal")
+    if sig is not None:
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        return _join(stderr[-2000:], f"Process killed by signal {name}")
+    return stderr[-2000:] or f"Process exited with code {reply.get('exit_code')}"
+
+
+def _join(head: str, tail: str) -> str:
+    if not tail:
+        return head
+    if head and not head.endswith("\n"):
+        head += "\n"
+    return head + tail

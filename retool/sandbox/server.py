@@ -1,0 +1,529 @@
+"""A SandboxFusion-compatible HTTP front end for the retool sandbox.
+
+Speaks the ``POST /run_code`` dialect of SandboxFusion (https://github.com/bytedance/SandboxFusion)
+so that verl, the official ``sandbox-fusion`` PyPI client and other trainers can use
+the local warm-fork :class:`~retool.sandbox.Sandbox` as their code runner.
+
+Endpoints:
+
+- ``POST /run_code``: run one Python snippet. Request fields ``code``, ``language``
+  (must be ``"python"``), ``run_timeout``, ``memory_limit_MB``, ``stdin``, ``files``
+  (path -> base64 content, written into the call's fresh working directory),
+  ``fetch_files`` (paths read back after the run and returned base64 in ``files``);
+  ``compile_timeout`` and ``args`` are accepted and ignored (Python has no compile
+  step). The code runs as a script: a final bare expression is not displayed unless
+  the request sets ``auto_print`` (a retool extension, sent by our client). The response is SandboxFusion's ``RunCodeResponse`` plus a ``retool`` object
+  with the fields SandboxFusion has no place for (our status, signal, peak memory,
+  observation, ...); clients built for SandboxFusion ignore it.
+- ``GET /v1/ping``: ``"pong"`` (as SandboxFusion).
+- ``GET /metrics``: the sandbox's counters and latencies since the server started, plus
+  the server's own counts of rejected requests.
+
+Statuses follow the official server: a process that ran and exited (even with a
+traceback, ``MemoryError`` or a kill for exceeding a limit) is ``Finished`` with its
+return code (negative signal number when killed) and overall ``Failed`` when that code
+is non-zero; a timeout is ``TimeLimitExceeded`` with no return code; a failure of the
+sandbox itself is ``run_result.status = Error`` and overall ``SandboxError`` (the
+official client raises on it). Bad requests get a 4xx JSON ``{"detail": ...}``:
+400 for a body that is not JSON, 413 for one over the size limit, 422 for fields that
+fail validation, for languages other than Python (as the official server answers a
+language it does not know) and for limits over this server's ceilings.
+
+Non-goals: languages other than Python, ``/run_jupyter``, the online-judge dataset
+endpoints, authentication. Anyone who can reach the port can run code as the server's
+user, inside the sandbox's isolation (see ``retool.sandbox`` for its threat model), so
+the server binds 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import base64
+import binascii
+import collections
+import ipaddress
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from retool.types import ExecStatus, ExecutionResult
+
+if TYPE_CHECKING:
+    from retool.sandbox import Sandbox, SandboxConfig
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_LANGUAGES: tuple[str, ...] = ("python",)
+"""The SandboxFusion ``language`` values this server runs."""
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``retool sandbox serve`` needs; the defaults run."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind. Loopback by default: the server has no authentication."""
+    port: int = 8080
+    """TCP port; 0 picks a free one (the bound URL is printed and returned)."""
+    sandbox: SandboxConfig | None = None
+    """Executor settings (pool size, default timeout and memory limit, ...); ``None``
+    means ``SandboxConfig()``'s defaults."""
+    max_timeout_s: float = 300.0
+    """Largest ``run_timeout`` a request may ask for; more is rejected with 422."""
+    max_memory_mb: int = 16384
+    """Largest ``memory_limit_MB`` a request may ask for; more is rejected with 422."""
+    max_request_mb: float = 64.0
+    """Largest request body (code + base64 files); more is rejected with 413."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGINT/SIGTERM, how long in-flight runs may take to finish before closing."""
+
+
+# ---------------------------------------------------------------- wire models
+
+
+class RunCodeRequest(BaseModel):
+    """The body of ``POST /run_code`` (SandboxFusion's request, unknown keys ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    code: str = Field(..., description="the Python source to run")
+    language: str = Field(..., description='must be "python"')
+    run_timeout: float | None = Field(
+        None, gt=0, description="wall-clock limit in seconds; omitted -> the server default"
+    )
+    memory_limit_MB: int = Field(
+        -1, description="address-space limit in MiB; <= 0 -> the server default"
+    )
+    stdin: str | None = Field(None, description="text fed to the program's stdin")
+    compile_timeout: float = Field(10, description="accepted for compatibility; unused")
+    files: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="relative path -> base64 content, written before the run; null skips",
+    )
+    fetch_files: list[str] = Field(
+        default_factory=list, description="relative paths returned base64 after the run"
+    )
+    args: list[str] = Field(default_factory=list, description="pytest-only; unused")
+    auto_print: bool = Field(
+        False,
+        description="retool extension: show the value of a final bare expression, as the "
+        "model's sandbox does; off by default, so output is what `python file.py` prints",
+    )
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """One validated request, as keyword arguments of :meth:`Sandbox.run`."""
+
+    code: str
+    timeout_s: float | None = None
+    memory_mb: int | None = None
+    stdin: str | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    fetch_files: tuple[str, ...] = ()
+
+
+class RequestError(Exception):
+    """A request the server refuses; carries the HTTP status and a FastAPI-style detail."""
+
+    def __init__(self, http_status: int, detail: Any, reason: str):
+        super().__init__(str(detail))
+        self.http_status = http_status
+        self.detail = detail
+        self.reason = reason
+        """Short tag counted in ``/metrics`` (``bad_json``, ``invalid``, ...)."""
+
+
+def _field_error(loc: tuple[Any, ...], msg: str, kind: str) -> RequestError:
+    detail = [{"loc": ["body", *loc], "msg": msg, "type": kind}]
+    return RequestError(422, detail, kind)
+
+
+# ---------------------------------------------------------------- request -> run
+
+
+def parse_request(body: bytes) -> RunCodeRequest:
+    """Decode and validate a raw ``/run_code`` body, or raise :class:`RequestError`."""
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"request body is not valid JSON: {e}", "bad_json") from None
+    if not isinstance(payload, dict):
+        raise RequestError(
+            422, f"request body must be a JSON object, got {type(payload).__name__}", "invalid"
+        )
+    try:
+        return RunCodeRequest.model_validate(payload)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_context=False, include_input=False)
+        detail = [{**err, "loc": ["body", *err["loc"]]} for err in errors]
+        raise RequestError(422, detail, "invalid") from None
+
+
+def to_run_args(request: RunCodeRequest, config: ServerConfig) -> RunArgs:
+    """Check a validated request against this server's abilities and ceilings."""
+    if request.language not in SUPPORTED_LANGUAGES:
+        raise _field_error(
+            ("language",),
+            f"unsupported language {request.language!r}: this server runs only "
+            f"{', '.join(map(repr, SUPPORTED_LANGUAGES))}",
+            "unsupported_language",
+        )
+    if request.run_timeout is not None and request.run_timeout > config.max_timeout_s:
+        raise _field_error(
+            ("run_timeout",),
+            f"run_timeout {request.run_timeout:g} s exceeds this server's ceiling of "
+            f"{config.max_timeout_s:g} s",
+            "limit_exceeded",
+        )
+    if request.memory_limit_MB > config.max_memory_mb:
+        raise _field_error(
+            ("memory_limit_MB",),
+            f"memory_limit_MB {request.memory_limit_MB} exceeds this server's ceiling of "
+            f"{config.max_memory_mb} MB",
+            "limit_exceeded",
+        )
+    return RunArgs(
+        code=request.code if request.auto_print else as_script(request.code),
+        timeout_s=request.run_timeout,
+        memory_mb=request.memory_limit_MB if request.memory_limit_MB > 0 else None,
+        stdin=request.stdin,
+        files=decode_files(request.files),
+        fetch_files=tuple(_checked_path(p, ("fetch_files", i)) for i, p in enumerate(request.fetch_files)),
+    )
+
+
+def as_script(code: str) -> str:
+    """``code`` made to print exactly what ``python file.py`` would print.
+
+    The sandbox shows the value of a final bare expression, as a REPL does (useful for a
+    model, wrong for SandboxFusion clients that compare stdout: a last line
+    ``sys.stdout.write("5\\n")`` would also print ``2``). When the code parses and its
+    last top-level statement is an expression, a ``pass`` line is appended after it:
+    same semantics, same line numbers, nothing displayed. Code that does not parse is
+    left alone, so its SyntaxError reads as the user wrote it.
+    """
+    try:
+        body = ast.parse(code).body
+    except (SyntaxError, ValueError):
+        return code
+    if body and isinstance(body[-1], ast.Expr):
+        return code + "\npass\n"
+    return code
+
+
+def decode_files(files: dict[str, str | None]) -> dict[str, bytes]:
+    """Base64-decode request files; ``None`` contents are skipped (as SandboxFusion does)."""
+    decoded: dict[str, bytes] = {}
+    for path, content in files.items():
+        if content is None:
+            continue
+        key = _checked_path(path, ("files", path))
+        try:
+            decoded[key] = base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise _field_error(("files", path), f"content is not valid base64: {e}", "bad_base64") from None
+    return decoded
+
+
+def _checked_path(path: str, loc: tuple[Any, ...]) -> str:
+    """``path`` unchanged if it is relative to the run's working directory and cannot escape it.
+
+    Kept as given (not normalised): SandboxFusion answers fetched files under the
+    names the request used.
+    """
+    parts = PurePosixPath(path).parts
+    if not parts or path.startswith("/") or ".." in parts or "\\" in path or "\x00" in path:
+        raise _field_error(
+            loc,
+            f"path {path!r} must be relative to the run's working directory, "
+            "without '..', backslashes or NUL",
+            "bad_path",
+        )
+    return path
+
+
+# ---------------------------------------------------------------- result -> response
+
+
+def to_response(result: ExecutionResult, fetch_files: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Render an :class:`ExecutionResult` as a SandboxFusion ``RunCodeResponse`` dict."""
+    overall, message = _overall_status(result)
+    files = {p: base64.b64encode(result.files[p]).decode("ascii") for p in fetch_files if p in result.files}
+    return {
+        "status": overall,
+        "message": message,
+        "compile_result": None,
+        "run_result": _run_result(result),
+        "executor_pod_name": None,
+        "files": files,
+        "retool": _extension(result),
+    }
+
+
+def _run_result(result: ExecutionResult) -> dict[str, Any]:
+    if result.status is ExecStatus.TIMEOUT:
+        status, return_code = "TimeLimitExceeded", None
+    elif result.status is ExecStatus.SANDBOX_ERROR:
+        status, return_code = "Error", None
+    else:
+        status, return_code = "Finished", return_code_of(result)
+    return {
+        "status": status,
+        "execution_time": result.wall_s,
+        "cpu_time": result.cpu_s,
+        "return_code": return_code,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+    }
+
+
+def return_code_of(result: ExecutionResult) -> int:
+    """The process's return code as SandboxFusion reports it (``-N`` when killed by signal N).
+
+    A run that ended with neither an exit code nor a signal (the executor could not
+    tell) reports 0 when it succeeded and 1 otherwise, so clients never see a
+    ``Finished`` run without a return code.
+    """
+    if result.exit_code is not None:
+        return result.exit_code
+    if result.signal is not None:
+        return -result.signal
+    return 0 if result.ok else 1
+
+
+_MESSAGES = {
+    ExecStatus.OK: "",
+    ExecStatus.ERROR: "",
+    ExecStatus.TIMEOUT: "time limit exceeded",
+    ExecStatus.MEMORY: "memory limit exceeded",
+    ExecStatus.OUTPUT_LIMIT: "output limit exceeded; output truncated",
+}
+
+
+def _overall_status(result: ExecutionResult) -> tuple[str, str]:
+    if result.status is ExecStatus.SANDBOX_ERROR:
+        return "SandboxError", result.stderr or result.observation or "sandbox error"
+    message = _MESSAGES[result.status]
+    if result.truncated and not message:
+        message = "output truncated"
+    failed = result.status is not ExecStatus.OK or return_code_of(result) != 0
+    return ("Failed" if failed else "Success"), message
+
+
+def _extension(result: ExecutionResult) -> dict[str, Any]:
+    """The ExecutionResult fields SandboxFusion's schema has no place for."""
+    return {
+        "status": result.status.value,
+        "exit_code": result.exit_code,
+        "signal": result.signal,
+        "peak_rss_bytes": result.peak_rss_bytes,
+        "truncated": result.truncated,
+        "observation": result.observation,
+        "isolation": list(result.isolation),
+    }
+
+
+# ---------------------------------------------------------------- the aiohttp app
+
+_SANDBOX = web.AppKey("sandbox", object)
+_CONFIG = web.AppKey("config", ServerConfig)
+_REJECTED = web.AppKey("rejected", collections.Counter)
+
+
+def create_app(config: ServerConfig = ServerConfig()) -> web.Application:
+    """The aiohttp application; it owns a Sandbox, started on startup, closed on cleanup."""
+    app = web.Application(client_max_size=int(config.max_request_mb * 2**20))
+    app[_CONFIG] = config
+    app[_REJECTED] = collections.Counter()
+    app.cleanup_ctx.append(_sandbox_lifetime)
+    app.router.add_post("/run_code", _handle_run_code)
+    app.router.add_get("/v1/ping", _handle_ping)
+    app.router.add_get("/metrics", _handle_metrics)
+    return app
+
+
+async def _sandbox_lifetime(app: web.Application):
+    """Start the sandbox before accepting connections (a broken one fails here, loudly)."""
+    from retool.sandbox import Sandbox, SandboxConfig
+
+    async with Sandbox(app[_CONFIG].sandbox or SandboxConfig()) as sandbox:
+        isolation = await asyncio.to_thread(sandbox.start)
+        log.info("sandbox ready: %d workers, isolation %s", sandbox.config.workers, ", ".join(isolation))
+        app[_SANDBOX] = sandbox
+        yield
+    log.info("sandbox closed")
+
+
+async def _handle_run_code(request: web.Request) -> web.Response:
+    app = request.app
+    try:
+        body = await request.read()
+        args = to_run_args(parse_request(body), app[_CONFIG])
+    except web.HTTPRequestEntityTooLarge as e:
+        return _reject(app, RequestError(413, f"request body too large: {e.text}", "too_large"))
+    except RequestError as e:
+        return _reject(app, e)
+    try:
+        result = await _run(app[_SANDBOX], args)
+    except (ValueError, TypeError) as e:  # arguments the sandbox refuses
+        return _reject(app, RequestError(422, f"the sandbox refused the request: {e}", "invalid"))
+    return web.json_response(to_response(result, args.fetch_files))
+
+
+async def _run(sandbox: Sandbox, args: RunArgs) -> ExecutionResult:
+    """Run one request; a failure of the sandbox machinery becomes a SandboxError answer.
+
+    ``ValueError``/``TypeError`` (the sandbox's verdict on bad arguments) propagate.
+    """
+    try:
+        return await sandbox.run(
+            args.code,
+            timeout_s=args.timeout_s,
+            memory_mb=args.memory_mb,
+            stdin=args.stdin,
+            files=args.files or None,
+            fetch_files=args.fetch_files,
+        )
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:  # the HTTP boundary: report, never drop the connection
+        from retool.sandbox.executor import sandbox_error
+
+        log.exception("sandbox failed to run a request")
+        return sandbox_error(f"{type(e).__name__}: {e}")
+
+
+def _reject(app: web.Application, error: RequestError) -> web.Response:
+    app[_REJECTED][error.reason] += 1
+    return web.json_response({"detail": error.detail}, status=error.http_status)
+
+
+async def _handle_ping(request: web.Request) -> web.Response:
+    return web.json_response("pong")
+
+
+async def _handle_metrics(request: web.Request) -> web.Response:
+    app = request.app
+    metrics: dict[str, float] = dict(app[_SANDBOX].metrics(reset=False))
+    for reason, count in sorted(app[_REJECTED].items()):
+        metrics[f"server/rejected_{reason}"] = float(count)
+    metrics["server/rejected"] = float(sum(app[_REJECTED].values()))
+    return web.json_response(metrics)
+
+
+# ---------------------------------------------------------------- running it
+
+
+async def start(config: ServerConfig) -> tuple[web.AppRunner, str]:
+    """Start serving on ``config.host:config.port``; returns the runner and the bound URL."""
+    if not _is_loopback(config.host):
+        log.warning(
+            "binding %s: anyone who can reach this port can run code (no authentication)",
+            config.host,
+        )
+    runner = web.AppRunner(
+        create_app(config), shutdown_timeout=config.shutdown_timeout_s, access_log=None
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{_url_host(host)}:{port}"
+
+
+async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (default: until SIGINT/SIGTERM), then shut down.
+
+    Shutdown stops accepting connections, lets in-flight runs finish (up to
+    ``config.shutdown_timeout_s``) and closes the sandbox.
+    """
+    runner, url = await start(config)
+    print(f"retool sandbox server listening on {url} (POST {url}/run_code)", flush=True)
+    stop = stop or _stop_on_signals()
+    try:
+        await stop.wait()
+    finally:
+        print("retool sandbox server shutting down", flush=True)
+        await runner.cleanup()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+class BackgroundServer:
+    """A server running on its own event loop in a daemon thread (tests, notebooks,
+    a trainer that embeds its own sandbox server).
+
+    Use as a context manager; ``url`` is the bound address::
+
+        with BackgroundServer(ServerConfig(port=0)) as server:
+            SandboxClient(server.url).run_sync("print(1)")
+    """
+
+    def __init__(self, config: ServerConfig = ServerConfig(port=0)):
+        self.config = config
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(start(self.config), self._loop)
+        try:
+            self._runner, self.url = future.result()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result()
+            self._runner = None
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+

@@ -1,0 +1,419 @@
+"""Adversarial tests of the local sandbox: one hostile property per test.
+
+The test process plays the trainer: it must survive every test, and no test may leave
+processes or temporary directories behind. Isolation is asserted to be on before the
+hostile tests rely on it; with ``CI=true`` a missing mechanism fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from retool.sandbox import Sandbox, SandboxConfig
+from retool.sandbox._zygote import compile_with_autoprint
+from retool.sandbox.executor import build_result, check_relative_path
+from retool.types import ExecStatus
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "retool-test-secret-" + uuid.uuid4().hex
+TIMEOUT = 1.5
+CI = os.environ.get("CI", "").lower() == "true"
+ROOT_ISOLATION = ("netns", "pidns", "mountns", "minimal_root", "readonly_fs", "private_proc",
+                  "uid_drop", "no_new_privs", "rlimits")
+
+
+@pytest.fixture(scope="module")
+def sb():
+    os.environ["RETOOL_TEST_SECRET"] = SECRET  # planted in the trainer before the sandbox starts
+    sandbox = Sandbox(SandboxConfig(timeout_s=TIMEOUT, workers=8))
+    sandbox.start()
+    host_dir = sandbox._zygote.ready["host_dir"]
+    yield sandbox
+    sandbox.close()
+    os.environ.pop("RETOOL_TEST_SECRET", None)
+    assert not os.path.exists(host_dir), "the sandbox left its directory behind"
+
+
+@pytest.fixture(autouse=True)
+def no_strays(request):
+    """After every test: no process of a sandbox uid survives."""
+    yield
+    if "sb" in request.fixturenames:
+        assert _sandbox_uid_processes() == []
+
+
+def _sandbox_uid_processes(base: int = SandboxConfig().uid_base) -> list[int]:
+    pids = []
+    for status in glob.glob("/proc/[0-9]*/status"):
+        try:
+            uid_line = next(line for line in open(status) if line.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        if base <= int(uid_line.split()[1]) < base + 1000:
+            pids.append(int(status.split("/")[2]))
+    return pids
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            if marker.encode() in open(path, "rb").read():
+                found.append(int(path.split("/")[2]))
+        except OSError:
+            pass
+    return found
+
+
+def require(sb: Sandbox, *mechanisms: str) -> None:
+    """Skip (fail under CI=true) unless the named isolation mechanisms are in force."""
+    missing = [m for m in mechanisms if m not in sb.isolation]
+    if missing:
+        message = f"isolation not in force here: {missing} (warnings: {sb._zygote.ready['warnings']})"
+        if CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def run(sb: Sandbox, code: str, **kwargs):
+    return sb.run_sync(code, **kwargs)
+
+
+# ---------------------------------------------------------------- isolation is on
+
+
+def test_isolation_is_actually_on(sb):
+    if os.geteuid() != 0 and not CI:
+        pytest.skip("full isolation is asserted when running as root (CI)")
+    require(sb, *ROOT_ISOLATION)
+    res = run(sb, "import os; print(os.getuid(), os.getpid(), os.getcwd())")
+    uid, pid, cwd = res.stdout.split()
+    assert res.ok and int(uid) >= SandboxConfig().uid_base and int(pid) == 2
+    assert set(ROOT_ISOLATION) <= set(res.isolation)
+
+
+# ---------------------------------------------------------------- semantics
+
+
+def test_autoprint_last_expression_like_a_notebook(sb):
+    assert run(sb, "x = 6\nx * 7").stdout == "42\n"
+    assert run(sb, "'text'").stdout == "'text'\n"
+    assert run(sb, "print('once')").stdout == "once\n"  # print returns None: not shown again
+    assert run(sb, "x = 1").stdout == ""
+    assert run(sb, "if True:\n    5").stdout == ""  # inside a block: not the last top-level stmt
+    assert run(sb, "import sympy\nsympy.factorint(360)").stdout == "{2: 3, 3: 2, 5: 1}\n"
+
+
+def test_autoprint_uses_ast_not_text():
+    blocks = compile_with_autoprint("a = 1  # 2\n'''doc'''  ;  a + 1")
+    assert len(blocks) == 2
+    assert len(compile_with_autoprint("for i in range(3):\n    i")) == 1
+    with pytest.raises(SyntaxError):
+        compile_with_autoprint("def f(:\n")
+
+
+def test_error_shows_traceback_last_frames(sb):
+    res = run(sb, "def f(n):\n    return 1 / n\n\nf(0)")
+    assert res.status is ExecStatus.ERROR and res.exit_code == 1
+    assert "ZeroDivisionError: division by zero" in res.observation
+    assert 'File "<code>", line 2, in f' in res.observation and "_zygote" not in res.stderr
+    syntax = run(sb, "def f(:")
+    assert syntax.status is ExecStatus.ERROR and "SyntaxError" in syntax.observation
+
+
+def test_timeout_observation(sb):
+    res = run(sb, "print('started', flush=True)\nwhile True: pass", timeout_s=0.5)
+    assert res.status is ExecStatus.TIMEOUT
+    assert res.observation == "started\nExecution timed out after 0.5 s"
+    assert 0.5 <= res.wall_s < 3
+
+
+def test_stdin_closed_by_default_and_fed_when_given(sb):
+    assert "EOFError" in run(sb, "input()").observation
+    assert run(sb, "print(int(input()) * 2)", stdin="21\n").stdout == "42\n"
+
+
+def test_files_written_and_fetched(sb):
+    code = "print(open('data/in.txt').read())\nn = open('out.bin', 'wb').write(bytes(range(256)))"
+    res = run(sb, code, files={"data/in.txt": b"hello"}, fetch_files=["out.bin", "missing.txt"])
+    assert res.stdout == "hello\n" and res.files == {"out.bin": bytes(range(256))}
+    for bad in ("../x", "/etc/passwd", "a/../../b", ""):
+        with pytest.raises(ValueError):
+            check_relative_path(bad)
+
+
+def test_fetch_refuses_symlinks_out_of_the_call_directory(sb):
+    res = run(sb, "import os; os.symlink('/etc/hostname', 'leak')", fetch_files=["leak"])
+    assert res.ok and res.files == {}
+
+
+def test_unicode_and_binary_output(sb):
+    res = run(sb, "import sys\nprint('héllo ✓ 😀')\nprint('\\ud800')\nsys.stdout.flush()\n"
+                  "sys.stdout.buffer.write(b'\\xff\\xfe\\n')")
+    assert res.ok and res.stdout.startswith("héllo ✓ 😀\n\\ud800\n") and "\ufffd" in res.stdout
+
+
+def test_exit_paths(sb):
+    assert run(sb, "import sys; sys.exit(0)").status is ExecStatus.OK
+    exited = run(sb, "import sys; sys.exit(3)")
+    assert exited.status is ExecStatus.ERROR and exited.exit_code == 3
+    assert run(sb, "import os; os._exit(5)").exit_code == 5
+    message = run(sb, "import sys; sys.exit('bad input')")
+    assert message.exit_code == 1 and "bad input" in message.observation
+
+
+def test_segfault_is_an_error_not_a_crash(sb):
+    res = run(sb, "import ctypes; ctypes.string_at(0)")
+    assert res.status is ExecStatus.ERROR and res.signal == signal.SIGSEGV
+    assert "SIGSEGV" in res.observation
+    assert run(sb, "1").ok
+
+
+def test_recursion_overflow(sb):
+    res = run(sb, "def f(n): return f(n + 1)\nf(0)")
+    assert res.status is ExecStatus.ERROR and "RecursionError" in res.observation
+    deep = run(sb, "import sys\nsys.setrecursionlimit(10**8)\ndef f(n): return f(n + 1)\nf(0)",
+               memory_mb=256, timeout_s=10)
+    assert deep.status in (ExecStatus.ERROR, ExecStatus.MEMORY), deep
+    assert run(sb, "1").ok
+
+
+def test_no_state_leaks_between_calls(sb):
+    first = ("import math, builtins, sys, os\nleak = 1\nmath.pi = 3\nbuiltins.leaked = True\n"
+             "sys.modules['planted'] = math\nopen('left.txt', 'w').write('x')\nos.environ['X'] = '1'")
+    assert run(sb, first).ok
+    second = ("import math, builtins, sys, os\nprint('leak' in globals(), math.pi, hasattr(builtins, 'leaked'),"
+              " 'planted' in sys.modules, os.listdir('.'), 'X' in os.environ)")
+    assert run(sb, second).stdout == "False 3.141592653589793 False False [] False\n"
+
+
+# ---------------------------------------------------------------- hostile
+
+
+def test_secret_not_in_environment(sb):
+    res = run(sb, "import os; print(dict(os.environ))")
+    assert res.ok and SECRET not in res.stdout and "RETOOL_TEST_SECRET" not in res.stdout
+
+
+def test_secret_not_readable_through_proc(sb):
+    require(sb, "private_proc")
+    code = f"""
+import glob
+seen = []
+for path in [f"/proc/{os.getpid()}/environ", f"/proc/{os.getpid()}/cmdline", *glob.glob("/proc/*/environ")]:
+    try:
+        seen.append(open(path, "rb").read().decode("latin-1"))
+    except OSError as exc:
+        seen.append(type(exc).__name__)
+print(seen)
+"""
+    res = run(sb, "import os\n" + code)
+    assert res.ok and SECRET not in res.stdout
+
+
+@pytest.mark.parametrize("target", [str(REPO / "sandbox_wrote_here.txt"), os.path.expanduser("~/sandbox_wrote_here.txt"),
+                                    os.path.join(tempfile.gettempdir(), "sandbox_wrote_here.txt")])
+def test_cannot_write_outside_its_directory(sb, target):
+    res = run(sb, f"open({target!r}, 'w').write('pwned')")
+    assert res.status is ExecStatus.ERROR and ("Errno 30" in res.stderr or "Errno 13" in res.stderr
+                                               or "Errno 2" in res.stderr)
+    assert not os.path.exists(target)
+
+
+def test_no_network(sb):
+    require(sb, "netns")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        res = run(sb, f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)")
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    assert res.status is ExecStatus.ERROR and "OSError" in res.observation
+
+
+def test_fork_bomb(sb):
+    require(sb, "pidns", "uid_drop")
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    res = run(sb, code, timeout_s=1.0)
+    assert res.status is ExecStatus.TIMEOUT
+    assert run(sb, "print('alive')").stdout == "alive\n"
+
+
+def test_process_count_is_capped(sb):
+    require(sb, "uid_drop")
+    code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+            "        n += 1\nexcept OSError as exc:\n    print(n, type(exc).__name__)")
+    res = run(sb, code, timeout_s=5)
+    count, error = res.stdout.split()
+    assert res.ok and int(count) < SandboxConfig().max_processes and error == "BlockingIOError"
+
+
+def test_memory_bomb(sb):
+    res = run(sb, "x = bytearray(1 << 33)", memory_mb=256)
+    assert res.status is ExecStatus.MEMORY and "MemoryError" in res.observation
+    grow = run(sb, "chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 24))", memory_mb=256)
+    assert grow.status is ExecStatus.MEMORY
+    assert grow.peak_rss_bytes is not None and grow.peak_rss_bytes < 300 << 20
+
+
+def test_huge_file(sb):
+    res = run(sb, "with open('big', 'wb') as f:\n    for _ in range(64):\n        f.write(bytes(1 << 20))")
+    assert res.status is ExecStatus.ERROR and "File too large" in res.observation
+
+
+def test_print_forever(sb):
+    res = run(sb, "while True:\n    print('x' * 1000)", timeout_s=10)
+    assert res.status is ExecStatus.OUTPUT_LIMIT and res.truncated
+    assert len(res.stdout.encode()) <= SandboxConfig().max_output_bytes and res.wall_s < 5
+
+
+@pytest.mark.parametrize("main_ends", ["timeout", "exit"])
+def test_setsid_and_double_fork_children_die(sb, main_ends):
+    require(sb, "pidns")
+    marker = f"{int(time.time() * 1000) % 10**6 + 1000}.{os.getpid() % 997}"
+    code = f"""
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/bin/sleep", ["sleep", "{marker}"])
+    os._exit(0)
+time.sleep(0.3)
+{"while True: pass" if main_ends == "timeout" else "print('done')"}
+"""
+    res = run(sb, code, timeout_s=1.0)
+    assert res.status is (ExecStatus.TIMEOUT if main_ends == "timeout" else ExecStatus.OK)
+    assert _processes_with(marker) == []
+
+
+def test_cannot_signal_the_trainer_or_the_warm_parent(sb):
+    zygote_pid = sb._zygote.proc.pid
+    code = f"""
+import os, signal
+for target in ({os.getpid()}, {zygote_pid}, 1, 0, -1):
+    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
+        try:
+            os.kill(target, sig)
+        except OSError:
+            pass
+print("survived")
+"""
+    run(sb, code)
+    assert sb._zygote.proc.poll() is None and sb.metrics(reset=False)["sandbox/worker_restarts"] == 0
+    assert run(sb, "print('still serving')").stdout == "still serving\n"
+
+
+def test_64_concurrent_calls_with_timeouts(sb):
+    async def main():
+        slow = {5, 20, 41, 63}
+        codes = ["while True: pass" if i in slow else f"import sympy\nprint({i}, sympy.isprime({i}))"
+                 for i in range(64)]
+        results = await asyncio.gather(*(sb.run(c, timeout_s=1.0) for c in codes))
+        return slow, results
+
+    slow, results = asyncio.run(main())
+    for i, res in enumerate(results):
+        if i in slow:
+            assert res.status is ExecStatus.TIMEOUT
+        else:
+            assert res.ok and res.stdout.split()[0] == str(i), res
+    assert run(sb, "print('healthy')").stdout == "healthy\n"
+
+
+def test_threads_can_share_the_pool(sb):
+    outputs = [None] * 16
+
+    def worker(i):
+        outputs[i] = sb.run_sync(f"{i} * 2").stdout
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outputs == [f"{i * 2}\n" for i in range(16)]
+
+
+def test_cancelled_call_is_killed(sb):
+    marker = f"{int(time.time()) % 10**5 + 2000}.{os.getpid() % 991}"
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(sb.run(f"import os; os.execv('/bin/sleep', ['sleep', '{marker}'])",
+                                          timeout_s=30), 0.5)
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 3
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_with(marker) == []
+
+
+# ---------------------------------------------------------------- pool health and metrics
+
+
+def test_dead_worker_is_replaced_and_its_call_reports_sandbox_error():
+    with Sandbox(SandboxConfig(timeout_s=5, preload=("math",))) as sandbox:
+        sandbox.start()
+        victim = sandbox._zygote.proc.pid
+
+        async def main():
+            call = asyncio.ensure_future(sandbox.run("import time; time.sleep(3)"))
+            await asyncio.sleep(0.3)
+            os.killpg(victim, signal.SIGKILL)
+            return await call
+
+        res = asyncio.run(main())
+        assert res.status is ExecStatus.SANDBOX_ERROR and "died" in res.observation
+        assert sandbox.run_sync("print('back')").stdout == "back\n"
+        assert sandbox._zygote.proc.pid != victim
+        assert sandbox.metrics()["sandbox/worker_restarts"] == 1
+
+
+def test_metrics_per_window():
+    with Sandbox(SandboxConfig(timeout_s=0.5, preload=())) as sandbox:
+        for code in ("1", "2", "1/0", "while True: pass"):
+            sandbox.run_sync(code)
+        m = sandbox.metrics(reset=True)
+        assert m["sandbox/calls"] == 4 and m["sandbox/count_ok"] == 2
+        assert m["sandbox/success_rate"] == 0.5 and m["sandbox/error_rate"] == 0.25
+        assert m["sandbox/timeout_rate"] == 0.25 and m["sandbox/count_timeout"] == 1
+        assert 0 < m["sandbox/latency_p50"] <= m["sandbox/latency_p95"]
+        assert sandbox.metrics()["sandbox/calls"] == 0
+
+
+def test_classification_of_replies():
+    cfg = SandboxConfig()
+    base = {"stdout": "", "stderr": "", "wall_s": 0.1, "cpu_s": 0.1, "exit_code": None, "signal": None}
+    cases = [
+        ({"signal": signal.SIGXCPU}, ExecStatus.TIMEOUT),
+        ({"exit_code": 1, "exc_type": "MemoryError"}, ExecStatus.MEMORY),
+        ({"signal": signal.SIGKILL}, ExecStatus.MEMORY),  # not ours: the OOM killer
+        ({"exit_code": 0}, ExecStatus.OK),
+        ({"exit_code": 2}, ExecStatus.ERROR),
+        ({"exit_code": 70, "setup_failed": "no uid"}, ExecStatus.SANDBOX_ERROR),
+    ]
+    for extra, status in cases:
+        assert build_result({**base, **extra}, 1.0, 64, cfg).status is status, extra
+
+
+def test_bad_arguments_raise(sb):
+    with pytest.raises(TypeError):
+        run(sb, b"print(1)")
+    with pytest.raises(ValueError):
+        run(sb, "1", timeout_s=0)
+    with pytest.raises(TypeError):
+        run(sb, "1", files={"a.txt": "not bytes"})

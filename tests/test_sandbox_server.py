@@ -1,0 +1,449 @@
+"""The SandboxFusion-compatible server, its client and ``retool sandbox``.
+
+The first half checks the request/response mapping as pure functions, validating our
+answers with the official ``sandbox_fusion`` client's own pydantic models. The second
+half starts the real server (real executor, no mocks) on a free loopback port and talks
+to it with the official client, verl's exact payload, raw HTTP and our client.
+All network traffic goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import sandbox_fusion
+from sandbox_fusion import RunCodeRequest as OfficialRequest
+from sandbox_fusion import RunCodeResponse as OfficialResponse
+from sandbox_fusion import RunStatus, SummaryMapping, summary_run_code_result
+
+from retool.sandbox.client import (
+    SandboxClient,
+    SandboxRequestError,
+    ServerUnavailableError,
+    build_request,
+    from_response,
+)
+from retool.sandbox.server import (
+    RequestError,
+    ServerConfig,
+    as_script,
+    parse_request,
+    to_response,
+    to_run_args,
+)
+from retool.types import ExecStatus, ExecutionResult
+
+REPO = Path(__file__).resolve().parents[1]
+SUMMARY = SummaryMapping(Success="ok", Failed="failed", RunFailed="run_failed", RunTimeout="run_timeout")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"code": "print(1)", "language": "python", **fields}).encode()
+
+
+def _refusal(body: bytes, config: ServerConfig = ServerConfig()) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        to_run_args(parse_request(body), config)
+    return info.value
+
+
+# ---------------------------------------------------------------- request mapping
+
+
+def test_full_official_request_maps_to_run_args():
+    official = OfficialRequest(
+        code="print(open('in.txt').read())",
+        language="python",
+        run_timeout=3,
+        stdin="hi",
+        files={"in.txt": _b64(b"data"), "skipped.txt": None, "sub/dir/x.bin": _b64(b"\x00\xff")},
+        fetch_files=["out.txt", "./sub/y.txt"],
+    )
+    body = json.dumps({**official.dict(), "memory_limit_MB": 512}).encode()
+    args = to_run_args(parse_request(body), ServerConfig())
+    assert args.code == official.code + "\npass\n"  # runs as a script (see below)
+    assert (args.timeout_s, args.memory_mb, args.stdin) == (3.0, 512, "hi")
+    assert args.files == {"in.txt": b"data", "sub/dir/x.bin": b"\x00\xff"}
+    assert args.fetch_files == ("out.txt", "./sub/y.txt")  # kept as given: answers use these names
+
+
+def test_defaults_defer_to_the_server():
+    args = to_run_args(parse_request(_body(memory_limit_MB=-1)), ServerConfig())
+    assert args.timeout_s is None and args.memory_mb is None and args.stdin is None
+    assert args.files == {} and args.fetch_files == ()
+
+
+def test_bad_json_is_400_with_a_clear_message():
+    with pytest.raises(RequestError) as info:
+        parse_request(b'{"code": "print(1)", ')
+    assert info.value.http_status == 400 and "not valid JSON" in info.value.detail
+    with pytest.raises(RequestError) as info:
+        parse_request(b"\xff\xfe")
+    assert info.value.http_status == 400
+
+
+@pytest.mark.parametrize(
+    "body, loc",
+    [
+        (b"[1, 2]", None),
+        (json.dumps({"language": "python"}).encode(), ["body", "code"]),
+        (json.dumps({"code": 5, "language": "python"}).encode(), ["body", "code"]),
+        (_body(run_timeout=0), ["body", "run_timeout"]),
+        (_body(run_timeout="soon"), ["body", "run_timeout"]),
+        (_body(files=["a.txt"]), ["body", "files"]),
+    ],
+)
+def test_invalid_fields_are_422_naming_the_field(body, loc):
+    error = _refusal(body)
+    assert error.http_status == 422
+    if loc is not None:
+        assert [e["loc"][:2] for e in error.detail] == [loc]
+
+
+@pytest.mark.parametrize("language", ["cpp", "nodejs", "python3", "Python", ""])
+def test_unsupported_language_is_422_and_says_what_is_supported(language):
+    error = _refusal(_body(language=language))
+    assert error.http_status == 422 and error.reason == "unsupported_language"
+    (item,) = error.detail
+    assert item["loc"] == ["body", "language"]
+    assert f"unsupported language {language!r}" in item["msg"] and "'python'" in item["msg"]
+
+
+def test_limits_over_the_ceiling_are_refused_not_clamped():
+    config = ServerConfig(max_timeout_s=60, max_memory_mb=1024)
+    assert "ceiling of 60 s" in _refusal(_body(run_timeout=61), config).detail[0]["msg"]
+    assert "ceiling of 1024 MB" in _refusal(_body(memory_limit_MB=1025), config).detail[0]["msg"]
+    assert to_run_args(parse_request(_body(run_timeout=60, memory_limit_MB=1024)), config).timeout_s == 60
+
+
+@pytest.mark.parametrize("path", ["../x", "/etc/passwd", "a/../../b", "a\\b", "", "nul\x00"])
+def test_paths_that_could_escape_the_working_dir_are_refused(path):
+    assert _refusal(_body(files={path: _b64(b"x")})).reason == "bad_path"
+    assert _refusal(_body(fetch_files=[path])).reason == "bad_path"
+
+
+@pytest.mark.parametrize(
+    "code, script",
+    [
+        ("import sys\nsys.stdout.write('5\\n')", "import sys\nsys.stdout.write('5\\n')\npass\n"),
+        ("x = 1  # last line is a comment", "x = 1  # last line is a comment"),
+        ("if True:\n    f()\n", "if True:\n    f()\n"),
+        ("print(1", "print(1"),  # a SyntaxError stays the user's own
+        ("", ""),
+    ],
+)
+def test_requests_run_as_scripts_unless_auto_print_is_asked(code, script):
+    assert as_script(code) == script
+    assert to_run_args(parse_request(_body(code=code)), ServerConfig()).code == script
+    assert to_run_args(parse_request(_body(code=code, auto_print=True)), ServerConfig()).code == code
+
+
+def test_bad_base64_is_refused():
+    error = _refusal(_body(files={"a.txt": "not base64!"}))
+    assert error.reason == "bad_base64" and error.detail[0]["loc"] == ["body", "files", "a.txt"]
+
+
+# ---------------------------------------------------------------- response mapping
+
+RESULTS = {
+    "ok": ExecutionResult(ExecStatus.OK, stdout="4\n", exit_code=0, wall_s=0.01, cpu_s=0.01,
+                          observation="4\n", isolation=("rlimits",), files={"out.txt": b"\x00hi"}),
+    "error": ExecutionResult(ExecStatus.ERROR, stderr="Traceback ...\nZeroDivisionError", exit_code=1,
+                             observation="ZeroDivisionError"),
+    "timeout": ExecutionResult(ExecStatus.TIMEOUT, stdout="partial", signal=9, wall_s=1.0,
+                               observation="Execution timed out after 1 s"),
+    "memory": ExecutionResult(ExecStatus.MEMORY, stderr="MemoryError", exit_code=1, peak_rss_bytes=1 << 28),
+    "killed": ExecutionResult(ExecStatus.MEMORY, signal=9),
+    "output_limit": ExecutionResult(ExecStatus.OUTPUT_LIMIT, stdout="x" * 10, signal=9, truncated=True),
+    "sandbox_error": ExecutionResult(ExecStatus.SANDBOX_ERROR, stderr="worker died"),
+}
+EXPECTED = {  # name: (overall status, run_result.status, return_code, official summary)
+    "ok": ("Success", "Finished", 0, "ok"),
+    "error": ("Failed", "Finished", 1, "run_failed"),
+    "timeout": ("Failed", "TimeLimitExceeded", None, "run_timeout"),
+    "memory": ("Failed", "Finished", 1, "run_failed"),
+    "killed": ("Failed", "Finished", -9, "run_failed"),
+    "output_limit": ("Failed", "Finished", -9, "run_failed"),
+    "sandbox_error": ("SandboxError", "Error", None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESULTS))
+def test_responses_validate_against_the_official_models(name):
+    result = RESULTS[name]
+    answer = json.loads(json.dumps(to_response(result, fetch_files=("out.txt", "missing.txt"))))
+    official = OfficialResponse(**answer)
+    overall, run_status, return_code, summary = EXPECTED[name]
+    assert official.status.value == overall
+    assert official.run_result.status.value == run_status
+    assert official.run_result.return_code == return_code
+    assert official.run_result.stdout == result.stdout and official.run_result.stderr == result.stderr
+    if summary is not None:
+        assert summary_run_code_result(official, SUMMARY) == summary
+    else:
+        assert "worker died" in official.message
+    expected_files = {"out.txt": _b64(b"\x00hi")} if name == "ok" else {}
+    assert official.files == expected_files
+
+
+@pytest.mark.parametrize("name", sorted(RESULTS))
+def test_client_recovers_the_exact_result_from_our_response(name):
+    result = RESULTS[name]
+    answer = json.loads(json.dumps(to_response(result, fetch_files=tuple(result.files))))
+    assert from_response(answer) == result
+
+
+def test_client_reads_a_plain_sandbox_fusion_answer():
+    """Answers of the official server carry no ``retool`` object."""
+    ok = {"status": "Success", "message": "", "compile_result": None, "executor_pod_name": None, "files": {},
+          "run_result": {"status": "Finished", "execution_time": 0.02, "return_code": 0,
+                         "stdout": "Hello, world!\n", "stderr": ""}}
+    result = from_response(ok)
+    assert (result.status, result.stdout, result.exit_code, result.observation) == (
+        ExecStatus.OK, "Hello, world!\n", 0, "Hello, world!\n")
+    failed = {**ok, "status": "Failed", "run_result": {**ok["run_result"], "return_code": 1, "stderr": "Boom"}}
+    assert from_response(failed).status is ExecStatus.ERROR and "Boom" in from_response(failed).observation
+    killed = {**ok, "status": "Failed", "run_result": {**ok["run_result"], "return_code": -9}}
+    assert (from_response(killed).signal, from_response(killed).exit_code) == (9, None)
+    tle = {**ok, "status": "Failed", "run_result": {"status": "TimeLimitExceeded", "execution_time": 2.0}}
+    assert from_response(tle, timeout_s=2).observation == "Execution timed out after 2 s"
+    broken = {"status": "SandboxError", "message": "runner crashed", "run_result": None}
+    assert from_response(broken).status is ExecStatus.SANDBOX_ERROR
+    assert from_response(broken).stderr == "runner crashed"
+
+
+def test_client_requests_validate_against_the_official_model():
+    body = build_request("print(1)", timeout_s=2.5, memory_mb=256, stdin="x", files={"a": b"\x01"},
+                         fetch_files=["b"])
+    official = OfficialRequest(**body)
+    assert (official.run_timeout, official.stdin, official.files, official.fetch_files) == (2.5, "x", {"a": "AQ=="}, ["b"])
+    assert body["memory_limit_MB"] == 256
+    assert "run_timeout" not in build_request("1") and "memory_limit_MB" not in build_request("1")
+    assert SandboxClient("http://127.0.0.1:9/run_code/").endpoint == "http://127.0.0.1:9"
+
+
+# ---------------------------------------------------------------- the real server
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The real server with the real executor on a free loopback port."""
+    from retool.sandbox import SandboxConfig
+    from retool.sandbox.server import BackgroundServer
+
+    config = ServerConfig(port=0, max_request_mb=1, max_timeout_s=30,
+                          sandbox=SandboxConfig(workers=4, timeout_s=10))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NO_PROXY", "127.0.0.1,localhost")  # requests must not route loopback via a proxy
+        with BackgroundServer(config) as running:
+            yield running
+
+
+def _official(server, **fields) -> OfficialResponse:
+    request = OfficialRequest(language="python", **fields)
+    return sandbox_fusion.run_code(request, endpoint=server.url, max_attempts=1, client_timeout=60)
+
+
+def test_official_client_success(server):
+    resp = _official(server, code="import sympy\nprint(sympy.factorint(360))", run_timeout=10)
+    assert resp.status is RunStatus.Success and resp.message == ""
+    assert resp.run_result.stdout == "{2: 3, 3: 2, 5: 1}\n" and resp.run_result.return_code == 0
+    assert 0 < resp.run_result.execution_time < 10
+    assert summary_run_code_result(resp, SUMMARY) == "ok"
+
+
+def test_official_client_runtime_error(server):
+    resp = _official(server, code="x = 1\nprint('before')\nx / 0")
+    assert resp.status is RunStatus.Failed
+    assert resp.run_result.status.value == "Finished" and resp.run_result.return_code == 1
+    assert resp.run_result.stdout == "before\n" and "ZeroDivisionError" in resp.run_result.stderr
+    assert summary_run_code_result(resp, SUMMARY) == "run_failed"
+
+
+def test_official_client_timeout(server):
+    start = time.monotonic()
+    resp = _official(server, code="import time\nprint('start', flush=True)\ntime.sleep(60)", run_timeout=1)
+    assert time.monotonic() - start < 10
+    assert resp.status is RunStatus.Failed and resp.run_result.status.value == "TimeLimitExceeded"
+    assert resp.run_result.return_code is None
+    assert summary_run_code_result(resp, SUMMARY) == "run_timeout"
+
+
+def test_official_client_files_round_trip(server):
+    blob = bytes(range(256)) * 4
+    code = (
+        "import pathlib\n"
+        "data = pathlib.Path('data/in.bin').read_bytes()\n"
+        "pathlib.Path('out.bin').write_bytes(data[::-1])\n"
+        "pathlib.Path('sub').mkdir()\n"
+        "pathlib.Path('sub/n.txt').write_text(str(len(data)) + input())\n"
+    )
+    resp = _official(server, code=code, stdin="!", files={"data/in.bin": _b64(blob), "ignored.txt": None},
+                     fetch_files=["out.bin", "sub/n.txt", "never-written.txt"])
+    assert resp.status is RunStatus.Success, resp.run_result.stderr
+    assert sorted(resp.files) == ["out.bin", "sub/n.txt"]
+    assert base64.b64decode(resp.files["out.bin"]) == blob[::-1]
+    assert base64.b64decode(resp.files["sub/n.txt"]) == b"1024!"
+
+
+def test_official_client_unsupported_language_fails_clearly(server):
+    request = OfficialRequest(code="int main() { return 0; }", language="cpp")
+    with pytest.raises(Exception, match=r"422.*unsupported language 'cpp'"):
+        sandbox_fusion.run_code(request, endpoint=server.url, max_attempts=1)
+
+
+def _verl_call(server, code: str, stdin: str) -> dict:
+    """Exactly the payload and headers of verl's ``call_sandbox_api``."""
+    payload = json.dumps({"compile_timeout": 10, "run_timeout": 10, "code": code, "stdin": stdin,
+                          "memory_limit_MB": 1024, "language": "python", "files": {}, "fetch_files": []})
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    resp = requests.post(server.url + "/run_code", headers=headers, data=payload, timeout=30)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def test_official_client_gets_script_output_not_repl_output(server):
+    """A trailing ``sys.stdout.write`` must not also display its return value."""
+    resp = _official(server, code="import sys\nsys.stdout.write(input() + '\\n')", stdin="7")
+    assert resp.run_result.stdout == "7\n"
+
+
+def test_verl_payload_is_served_and_classified_as_verl_expects(server):
+    ok = _verl_call(server, "a, b = map(int, input().split())\nprint(a + b)", "2 40\n")
+    assert ok["status"] == "Success" and ok["run_result"]["status"] == "Finished"
+    assert ok["run_result"]["stdout"].rstrip("\n") == "42"
+    crash = _verl_call(server, "raise SystemExit(3)", "")
+    assert crash["status"] == "Failed" and crash["run_result"]["status"] == "Finished"
+    assert crash["run_result"]["return_code"] == 3  # verl: runtime_error
+
+
+def test_http_refusals_are_clear_and_counted(server):
+    bad = requests.post(server.url + "/run_code", data=b'{"code": ', timeout=10)
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["detail"]
+    missing = requests.post(server.url + "/run_code", json={"language": "python"}, timeout=10)
+    assert missing.status_code == 422 and missing.json()["detail"][0]["loc"] == ["body", "code"]
+    huge = requests.post(server.url + "/run_code", json={"code": "#" * (2 << 20), "language": "python"}, timeout=10)
+    assert huge.status_code == 413 and "too large" in huge.json()["detail"]
+    assert requests.get(server.url + "/v1/ping", timeout=10).json() == "pong"
+    metrics = requests.get(server.url + "/metrics", timeout=10).json()
+    for reason in ("bad_json", "invalid", "too_large"):
+        assert metrics[f"server/rejected_{reason}"] >= 1
+
+
+def test_our_client_round_trips_files_stdin_and_exact_statuses(server):
+    client = SandboxClient(server.url)
+    result = client.run_sync("import sys\nd = open('in.txt').read()\nopen('out.txt', 'w').write(d + sys.stdin.read())",
+                             stdin=" world", files={"in.txt": b"hello"}, fetch_files=("out.txt",))
+    assert result.ok and result.files == {"out.txt": b"hello world"}
+    shown = client.run_sync("x = 6\nx * 7")  # our client keeps the local sandbox's auto-print
+    assert (shown.stdout, shown.observation) == ("42\n", "42\n")
+    assert SandboxClient(server.url, auto_print=False).run_sync("x = 6\nx * 7").stdout == ""
+    memory = client.run_sync("x = bytearray(4 * 1024**3)", memory_mb=256)
+    assert memory.status is ExecStatus.MEMORY
+    timeout = client.run_sync("while True: pass", timeout_s=0.5)
+    assert timeout.status is ExecStatus.TIMEOUT and "timed out" in timeout.observation
+    with pytest.raises(SandboxRequestError, match="ceiling of 30 s"):
+        client.run_sync("1", timeout_s=31)
+
+
+def test_sixteen_parallel_requests_share_the_pool(server):
+    async def burst():
+        async with SandboxClient(server.url) as client:
+            start = time.monotonic()
+            results = await asyncio.gather(
+                *(client.run(f"import time\ntime.sleep(0.5)\nprint({i})") for i in range(16))
+            )
+            return results, time.monotonic() - start
+
+    results, elapsed = asyncio.run(burst())
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(16)]
+    assert all(r.ok for r in results)
+    assert elapsed < 0.6 * 16 * 0.5, f"16 x 0.5 s runs on 4 workers took {elapsed:.1f} s"
+
+
+def test_unreachable_server_raises_after_retries():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = SandboxClient(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.01)
+    with pytest.raises(ServerUnavailableError, match="failed 2 times"):
+        client.run_sync("print(1)")
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def _cli(*argv: str) -> int:
+    import argparse
+
+    from retool.sandbox import cli
+
+    parser = argparse.ArgumentParser(prog="retool")
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(list(argv))
+    return args.func(args)
+
+
+def test_cli_run_prints_the_result_as_json(tmp_path, capsys):
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text("print(sum(range(10)))\n")
+    assert _cli("sandbox", "run", str(snippet), "--timeout", "5") == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["status"] == "ok" and record["stdout"] == "45\n"
+    snippet.write_text("1 / 0\n")
+    assert _cli("sandbox", "run", str(snippet)) == 1
+    assert json.loads(capsys.readouterr().out)["status"] == "error"
+
+
+def test_cli_run_against_the_server(server, tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("21")
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text("open('out.txt', 'w').write(str(2 * int(open('data.txt').read())))\n")
+    code = _cli("sandbox", "run", str(snippet), "--endpoint", server.url,
+                "--put", f"{tmp_path / 'in.txt'}=data.txt", "--fetch", "out.txt")
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0, record
+    assert base64.b64decode(record["files"]["out.txt"]) == b"42"
+
+
+def test_cli_serve_starts_answers_and_shuts_down_on_sigterm(tmp_path):
+    import select
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "retool", "sandbox", "serve", "--port", "0", "--workers", "1"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 90)
+        line = proc.stdout.readline() if ready else ""
+        assert "listening on http://127.0.0.1:" in line, log_path.read_text()
+        url = line.split("listening on ")[1].split()[0]
+        resp = requests.post(url + "/run_code", json={"code": "print('hi')", "language": "python"}, timeout=30)
+        assert resp.json()["run_result"]["stdout"] == "hi\n"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "shutting down" in out
+    assert "sandbox closed" in log_path.read_text()
