@@ -1,0 +1,293 @@
+"""Multi-turn, code-interleaved rollouts: the per-trajectory async state machine.
+
+One group = one problem × ``group_size`` trajectories. The first turn samples all of
+them in one request (group fork); afterwards every trajectory advances on its own
+asyncio task, so a slow sandbox call or a long generation in one trajectory never holds
+back the others (no per-round barrier).
+
+A trajectory alternates assistant turns and tool messages:
+
+1. sample an assistant turn (≤ ``max_turn_tokens``, and never past the trajectory
+   budget);
+2. parse it in the template's tool-call format (:mod:`retool.protocol`):
+   - no call attempt → the final turn: close it, grade it, done;
+   - a well-formed call within the code-call budget → run it in the sandbox; the tool
+     message is its sanitised, token-truncated observation;
+   - a malformed call → the tool message is the short error for the model (it uses
+     an assistant turn, not a code call);
+   - a call after ``max_code_calls`` → the tool message says the budget is spent;
+3. append the sampled tokens (mask 1) and the template/tool tokens (mask 0) exactly as
+   :class:`retool.render.Renderer` builds them — tokens in, tokens out;
+4. stop when the turn was cut by its token budget (``length``), when the assistant
+   turn budget or the trajectory token budget is spent (``budget``), else continue.
+
+Grading uses only the text of the final assistant turn (:mod:`retool.reward`). Every
+trajectory keeps its tokens, mask, sampler logprobs, turns, tool exchanges (code,
+result, status, latency) and grade. Failures of the sampler or the template propagate
+with the problem id attached (:class:`RolloutError`); failures of model code are
+execution results, never exceptions.
+
+Not covered: parallel tool calls within one turn (the protocol allows one per turn),
+tools other than ``code_interpreter``, reward shaping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from retool.engines.base import SampledSequence, SamplingClient, SamplingParams
+from retool.protocol import budget_exhausted_message, build_messages, tool_message_text, truncate_tool_output
+from retool.render import Renderer, Segment
+from retool.types import (
+    ExecutionResult,
+    Grade,
+    InvalidToolCall,
+    Problem,
+    StopReason,
+    ToolCall,
+    ToolExchange,
+    Trajectory,
+    Turn,
+)
+
+Grader = Callable[[str, str], Awaitable[Grade]]
+"""``await grader(final_turn_text, gold_answer) -> Grade``."""
+
+
+class RolloutError(RuntimeError):
+    """A rollout failed for a reason that is not the model's (sampler, template, sandbox)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Budgets and sampling of rollouts (defaults: SPEC §3)."""
+
+    max_code_calls: int = 4
+    max_assistant_turns: int = 6
+    max_trajectory_tokens: int = 8192
+    max_turn_tokens: int = 1024
+    max_tool_response_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    sandbox_timeout_s: float | None = None
+    """Per-call wall timeout; ``None`` uses the sandbox's own default (30 s)."""
+    seed: int | None = None
+    """Seed of the first (group-fork) request; later turns draw from the engine's stream."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_assistant_turns", "max_trajectory_tokens", "max_turn_tokens", "max_tool_response_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_code_calls < 0:
+            raise ValueError(f"max_code_calls must be >= 0, got {self.max_code_calls}")
+
+
+class CodeRunner:
+    """What a rollout needs from a sandbox: ``await run(code, timeout_s=...)``.
+
+    :class:`retool.sandbox.Sandbox` satisfies it; so does anything with that method.
+    """
+
+    async def run(self, code: str, *, timeout_s: float | None = None) -> ExecutionResult:  # pragma: no cover
+        raise NotImplementedError
+
+
+@dataclass
+class _State:
+    """The mutable state of one trajectory while it is being rolled out."""
+
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    turns: list[Turn] = field(default_factory=list)
+    code_calls: int = 0
+    final_text: str = ""
+    stop_reason: StopReason = StopReason.STOP
+
+    def extend(self, segment: Segment) -> None:
+        self.tokens.extend(segment.tokens)
+        self.mask.extend(segment.mask)
+        self.logprobs.extend(segment.logprobs)
+
+
+@dataclass
+class Rollout:
+    """Everything one rollout needs; build once per run and call :meth:`group`."""
+
+    renderer: Renderer
+    sampler: SamplingClient
+    sandbox: CodeRunner | None
+    grader: Grader
+    config: RolloutConfig = field(default_factory=RolloutConfig)
+    usage: Counter = field(default_factory=Counter, init=False)
+    """Token accounting since the last :meth:`take_usage`: ``prefill`` (context tokens
+    sent to the sampler, once per request) and ``sampled`` (tokens it returned)."""
+
+    @property
+    def tools(self) -> bool:
+        return self.renderer.tools
+
+    def __post_init__(self) -> None:
+        if self.tools and self.sandbox is None:
+            raise ValueError("tool mode needs a sandbox; build the Renderer with tools=False for text mode")
+
+    def take_usage(self) -> dict[str, int]:
+        """Return the token counts since the last call and reset them."""
+        usage = {"prefill": self.usage["prefill"], "sampled": self.usage["sampled"]}
+        self.usage.clear()
+        return usage
+
+    # ------------------------------------------------------------ groups
+
+    async def group(self, problem: Problem, group_size: int) -> list[Trajectory]:
+        """Roll out ``group_size`` trajectories for ``problem`` (first turn forked)."""
+        prompt = self.renderer.prompt_tokens(build_messages(problem.question, tools=self.tools))
+        budget = self._turn_budget(len(prompt))
+        if budget < 1:
+            raise RolloutError(f"problem {problem.id}: the prompt alone has {len(prompt)} tokens, "
+                               f"over max_trajectory_tokens={self.config.max_trajectory_tokens}")
+        first = await self._sample(problem, prompt, group_size, budget, seed=self.config.seed)
+        tasks = [asyncio.create_task(self._trajectory(problem, prompt, seq)) for seq in first]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    async def groups(self, problems: Sequence[Problem], group_size: int) -> list[list[Trajectory]]:
+        """All groups of a batch concurrently, in the order of ``problems``."""
+        return list(await asyncio.gather(*(self.group(p, group_size) for p in problems)))
+
+    # ------------------------------------------------------------ one trajectory
+
+    async def _trajectory(self, problem: Problem, prompt: list[int], first: SampledSequence) -> Trajectory:
+        state = _State(tokens=list(prompt), mask=[0] * len(prompt), logprobs=[0.0] * len(prompt))
+        sequence: SampledSequence | None = first
+        for turn_index in range(self.config.max_assistant_turns):
+            if sequence is None:
+                budget = self._turn_budget(len(state.tokens))
+                if budget < 1:
+                    state.stop_reason = StopReason.BUDGET
+                    break
+                sequence = (await self._sample(problem, state.tokens, 1, budget))[0]
+            last_turn = turn_index == self.config.max_assistant_turns - 1
+            if not await self._advance(state, sequence, last_turn):
+                break
+            sequence = None
+        grade = await self.grader(state.final_text, problem.answer)
+        return Trajectory(
+            problem_id=problem.id, prompt_len=len(prompt), tokens_T=tuple(state.tokens),
+            mask_T=tuple(state.mask), logprobs_T=tuple(state.logprobs), turns=tuple(state.turns),
+            grade=grade, stop_reason=state.stop_reason,
+        )
+
+    async def _advance(self, state: _State, sequence: SampledSequence, last_turn: bool) -> bool:
+        """Append one sampled turn (and its tool message); return whether to go on."""
+        parsed = self.renderer.parse_turn(sequence.tokens)
+        text = self.renderer.decode_turn(sequence.tokens)
+        turn_stop = sequence.stop_reason
+        if turn_stop is StopReason.LENGTH or parsed.call is None or last_turn:
+            state.extend(self.renderer.final_turn(sequence.tokens, sequence.logprobs))
+            state.turns.append(Turn(text=text, num_tokens=len(sequence.tokens), stop_reason=turn_stop))
+            state.final_text = text
+            if turn_stop is StopReason.LENGTH:
+                state.stop_reason = StopReason.LENGTH
+            elif parsed.call is not None:
+                state.stop_reason = StopReason.BUDGET  # wanted the tool, but no turn is left
+            return False
+        exchange = await self._exchange(state, parsed.call)
+        segment = self.renderer.tool_turn(sequence.tokens, sequence.logprobs, exchange.response)
+        state.turns.append(Turn(text=text, num_tokens=len(sequence.tokens), stop_reason=turn_stop,
+                                exchange=exchange))
+        if len(state.tokens) + len(segment) >= self.config.max_trajectory_tokens:
+            # The tool message would not leave room for another turn: end here.
+            state.extend(self.renderer.final_turn(sequence.tokens, sequence.logprobs))
+            state.final_text = text
+            state.stop_reason = StopReason.BUDGET
+            return False
+        state.extend(segment)
+        return True
+
+    async def _exchange(self, state: _State, call: ToolCall | InvalidToolCall) -> ToolExchange:
+        """Answer one call attempt: run it, or explain why it was not run."""
+        if isinstance(call, InvalidToolCall):
+            return ToolExchange(call=call, result=None, response=self._plain_response(call.message))
+        if state.code_calls >= self.config.max_code_calls:
+            message = budget_exhausted_message(self.config.max_code_calls)
+            return ToolExchange(call=call, result=None, response=self._plain_response(message))
+        state.code_calls += 1
+        start = time.monotonic()
+        result = await self.sandbox.run(call.code, timeout_s=self.config.sandbox_timeout_s)
+        latency = time.monotonic() - start
+        response = tool_message_text(result, self.renderer.sanitizer,
+                                     max_tokens=self.config.max_tool_response_tokens)
+        return ToolExchange(call=call, result=result, response=response, latency_s=latency)
+
+    def _plain_response(self, message: str) -> str:
+        clean = self.renderer.sanitizer(message)
+        return truncate_tool_output(clean, self.renderer.tokenizer, self.config.max_tool_response_tokens)
+
+    # ------------------------------------------------------------ sampling
+
+    def _turn_budget(self, context_len: int) -> int:
+        return min(self.config.max_turn_tokens, self.config.max_trajectory_tokens - context_len)
+
+    async def _sample(self, problem: Problem, tokens: list[int], n: int, max_tokens: int,
+                      seed: int | None = None) -> tuple[SampledSequence, ...]:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=self.config.temperature, top_p=self.config.top_p,
+            top_k=self.config.top_k, stop_token_ids=self.renderer.stop_token_ids, seed=seed,
+        )
+        try:
+            result = await self.sampler.sample(tokens, n, params)
+        except Exception as err:
+            raise RolloutError(f"problem {problem.id}: sampling failed at context length "
+                               f"{len(tokens)}: {type(err).__name__}: {err}") from err
+        if len(result.sequences) != n:
+            raise RolloutError(f"problem {problem.id}: asked the sampler for {n} sequences, "
+                               f"got {len(result.sequences)}")
+        self.usage["prefill"] += len(tokens)
+        self.usage["sampled"] += sum(len(s.tokens) for s in result.sequences)
+        return result.sequences
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-step rollout and reward metrics (SPEC §4.8 names) over a batch of trajectories."""
+    if not trajectories:
+        return {}
+    turns = [t.turns for t in trajectories]
+    attempts = [turn.exchange for ts in turns for turn in ts if turn.exchange is not None]
+    valid = [e for e in attempts if isinstance(e.call, ToolCall)]
+    executed = [e for e in valid if e.result is not None]
+    invalid = Counter(e.call.reason for e in attempts if isinstance(e.call, InvalidToolCall))
+    stops = Counter(t.stop_reason.value for t in trajectories)
+    n = len(trajectories)
+    metrics = {
+        "reward/mean": statistics.fmean(t.grade.reward for t in trajectories),
+        "reward/correct": sum(t.grade.correct for t in trajectories) / n,
+        "reward/format": sum(t.grade.formatted for t in trajectories) / n,
+        "reward/grader_errors": float(sum(t.grade.grader_error is not None for t in trajectories)),
+        "rollout/turns": statistics.fmean(len(ts) for ts in turns),
+        "rollout/code_calls": len(executed) / n,
+        "rollout/tool_call_attempts": len(attempts) / n,
+        "rollout/valid_tool_call_rate": len(valid) / len(attempts) if attempts else 1.0,
+        "rollout/budget_exhausted_calls": float(len(valid) - len(executed)),
+        "rollout/trajectory_tokens": statistics.fmean(len(t.tokens_T) for t in trajectories),
+        "rollout/sampled_tokens": statistics.fmean(sum(t.mask_T) for t in trajectories),
+        "rollout/used_tool_rate": sum(t.num_code_calls > 0 for t in trajectories) / n,
+    }
+    for reason, count in invalid.items():
+        metrics[f"rollout/invalid_calls/{reason}"] = float(count)
+    for reason in StopReason:
+        metrics[f"rollout/stop/{reason.value}"] = stops.get(reason.value, 0) / n
+    return metrics
