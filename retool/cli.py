@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.reward",
     "retool.sandbox.cli",
     "retool.train",
+    "retool.evaluate",
     "retool.report.plots",
     "retool.report.view",
 )
