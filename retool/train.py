@@ -1,0 +1,471 @@
+"""The ReTool RL loop: ``retool train``.
+
+One step, top to bottom (:func:`train_step`):
+
+    batch of problems → sampler with the current weights → rollout (group fork,
+    code calls in the sandbox) → outcome rewards → group-centred advantages →
+    datums (interpreter tokens weight 0) → forward_backward(ppo) → optim_step →
+    metrics → (every N steps) checkpoint
+
+Everything a run writes lives in its run folder (``docs/formats.md``): the resolved
+config, ``metrics.jsonl``, optional compressed trajectories per step, and checkpoints
+with a ``manifest.json``. ``--resume RUN_DIR`` continues from the last complete
+checkpoint with the same step numbering, data order, weights, Adam moments and RNG
+states; metric rows a crashed run wrote after that checkpoint are dropped.
+
+Failures: a sampler or template error is reported with the step and problem id; a
+rollout that fails is retried ``max_retries`` times (transient service errors), then
+the run stops; a non-finite loss or gradient stops the run without applying the
+update. Bad config values are rejected before any model loads.
+
+Not covered here: the engines themselves (:mod:`retool.engines`), multi-node
+training (the verl integration), a KL penalty or a reference model (ReTool trains
+without one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gzip
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retool.config import ConfigError, add_config_args, config_from_args, config_from_dict, option, require, save_config
+
+CHECKPOINT_PREFIX = "step_"
+LOSSES = ("ppo", "importance_sampling")
+MODES = ("retool", "text")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of ``retool train``; defaults are the seed's configuration (SPEC §3)."""
+
+    # ---- model and engine
+    model: str = option("Qwen/Qwen3.5-4B", "HF model id, local folder, or bundled:smollm2")
+    chat_template: str | None = option(None, "chat-template override: 'hermes', a .jinja file, or Jinja source")
+    engine: str = option("local", "training backend", choices=("local",))
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
+    full_finetune: bool = option(False, "train all weights instead of a LoRA adapter")
+    lora_rank: int = option(32, "LoRA rank")
+    lora_alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank)")
+    lora_targets: str = option("all-linear", "LoRA target modules: all-linear or comma-separated names")
+    gradient_checkpointing: bool = option(False, "recompute activations to save memory")
+    micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
+    init_from: str | None = option(None, "start from these weights: an SFT run folder or a checkpoint folder")
+
+    # ---- data and batch
+    train_data: str = option("data/train.jsonl", "training problems (JSONL from retool prepare-data, or a bundled set)")
+    batch_size: int = option(8, "problems per step")
+    group_size: int = option(8, "trajectories per problem (GRPO group)")
+    max_steps: int = option(200, "number of RL steps")
+    mode: str = option("retool", "retool = tool on, text = tool off", choices=MODES)
+
+    # ---- rollout budgets and sampling
+    max_code_calls: int = option(4, "code executions per trajectory")
+    max_assistant_turns: int = option(6, "assistant turns per trajectory")
+    max_trajectory_tokens: int = option(8192, "tokens per trajectory, prompt included")
+    max_turn_tokens: int = option(1024, "tokens per assistant turn")
+    max_tool_response_tokens: int = option(512, "tokens per tool response (head+tail kept)")
+    temperature: float = option(1.0, "rollout sampling temperature")
+    top_p: float = option(1.0, "rollout nucleus sampling")
+
+    # ---- sandbox
+    sandbox_workers: int = option(8, "concurrent sandbox executions")
+    sandbox_timeout_s: float = option(30.0, "wall-clock limit of one code execution")
+    sandbox_memory_mb: int = option(2048, "address-space limit of one code execution")
+
+    # ---- optimisation
+    loss: str = option("ppo", "policy loss", choices=LOSSES)
+    clip_low: float = option(0.8, "PPO ratio clip lower bound (1 - eps_low)")
+    clip_high: float = option(1.28, "PPO ratio clip upper bound (1 + eps_high, clip-higher)")
+    dual_clip: float | None = option(None, "PPO dual-clip constant c (e.g. 10); none = off")
+    normalize_std: bool = option(False, "divide group-centred advantages by the group std")
+    drop_degenerate_groups: bool = option(False, "skip groups whose rewards are all equal (zero advantage)")
+    lr: float = option(4e-5, "Adam learning rate")
+    beta1: float = option(0.9, "Adam beta1")
+    beta2: float = option(0.95, "Adam beta2")
+    weight_decay: float = option(0.0, "decoupled weight decay")
+    grad_clip_norm: float | None = option(None, "clip the global gradient norm; none = only measure")
+
+    # ---- run bookkeeping
+    run_dir: str = option("runs/retool", "where the run writes metrics, trajectories and checkpoints")
+    run_name: str | None = option(None, "name for remote metric sinks (default: run folder name)")
+    save_every: int = option(50, "checkpoint every N steps (and at the last step)")
+    save_trajectories: bool = option(False, "write every trajectory of every step (gzip JSONL)")
+    sinks: tuple[str, ...] = option(("jsonl",), "metric sinks: jsonl,swanlab,wandb,tensorboard")
+    seed: int = option(42, "seed of data order, adapter init and sampling")
+    max_retries: int = option(2, "retries of a failed rollout before the run stops")
+
+    def validate(self) -> None:
+        for name in ("batch_size", "group_size", "max_steps", "max_assistant_turns", "max_trajectory_tokens",
+                     "max_turn_tokens", "max_tool_response_tokens", "sandbox_workers", "save_every",
+                     "lora_rank", "micro_batch_tokens", "sandbox_memory_mb"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.group_size >= 2, f"group_size must be >= 2 for group-centred advantages, got {self.group_size}")
+        require(self.max_code_calls >= 0, f"max_code_calls must be >= 0, got {self.max_code_calls}")
+        require(self.max_turn_tokens < self.max_trajectory_tokens,
+                "max_turn_tokens must be smaller than max_trajectory_tokens")
+        require(0 < self.clip_low <= 1 <= self.clip_high, f"need 0 < clip_low <= 1 <= clip_high, got "
+                f"{self.clip_low}, {self.clip_high}")
+        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 (or none)")
+        require(self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "invalid Adam settings")
+        require(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
+        require(self.sandbox_timeout_s > 0, "sandbox_timeout_s must be > 0")
+        require(self.max_retries >= 0, "max_retries must be >= 0")
+        from retool.log import check_sinks
+
+        try:
+            check_sinks(self.sinks)
+        except (ValueError, RuntimeError) as err:
+            raise ConfigError(str(err)) from None
+
+
+class StepError(RuntimeError):
+    """A training step failed; the message names the step and what failed."""
+
+
+# ---------------------------------------------------------------- data order
+
+
+def batch_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
+    """Indices of the problems of ``step`` (1-based): a fresh seeded shuffle per epoch.
+
+    A pure function of its arguments, so a resumed run sees exactly the batches the
+    uninterrupted run would have seen (the "data cursor" is the step number).
+    """
+    import numpy as np
+
+    start = (step - 1) * batch_size
+    out = []
+    for position in range(start, start + batch_size):
+        epoch, offset = divmod(position, num_problems)
+        order = np.random.default_rng([seed, epoch]).permutation(num_problems)
+        out.append(int(order[offset]))
+    return out
+
+
+# ---------------------------------------------------------------- one step
+
+
+@dataclass
+class Trainer:
+    """The objects a run holds: config, engine, rollout, problems, counters."""
+
+    config: TrainConfig
+    engine: Any
+    rollout: Any
+    problems: list
+    sandbox: Any
+    totals: dict[str, float] = dataclasses.field(default_factory=lambda: {
+        "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0})
+
+
+def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
+    """Run one RL step; return its metrics and the trajectory groups (with advantages)."""
+    from retool import algo
+    from retool.engines.base import AdamParams
+    from retool.rollout import rollout_metrics
+
+    cfg, t0 = trainer.config, time.monotonic()
+    problems = [trainer.problems[i] for i in batch_indices(step, cfg.batch_size, len(trainer.problems), cfg.seed)]
+    trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
+    groups = _rollout_with_retries(trainer, problems, step)
+    t_rollout = time.monotonic() - t0
+    _failpoint("after_rollout", step)
+
+    advantages_BG = [algo.group_advantages([t.grade.reward for t in g], cfg.normalize_std) for g in groups]
+    kept = [(g, a) for g, a in zip(groups, advantages_BG)
+            if not (cfg.drop_degenerate_groups and algo.is_degenerate([t.grade.reward for t in g]))]
+    datums = [algo.trajectory_datum(t, a) for g, adv in kept for t, a in zip(g, adv)]
+    datums = [d for d in datums if d.num_trained > 0]
+    metrics: dict[str, float] = {}
+    t1 = time.monotonic()
+    if datums:
+        fb = trainer.engine.forward_backward(datums, cfg.loss, _loss_config(cfg))
+        opt = trainer.engine.optim_step(AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                                                   weight_decay=cfg.weight_decay,
+                                                   grad_clip_norm=cfg.grad_clip_norm))
+        metrics.update(fb.metrics)
+        metrics.update(opt.metrics)
+    t_train = time.monotonic() - t1
+
+    flat = [t for g in groups for t in g]
+    usage = trainer.rollout.take_usage()
+    trained = float(sum(d.num_trained for d in datums))
+    _add_totals(trainer.totals, usage["prefill"], usage["sampled"], trained)
+    metrics.update(rollout_metrics(flat))
+    metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
+    metrics.update({
+        "rollout/degenerate_group_rate": algo.count_degenerate_groups(
+            [[t.grade.reward for t in g] for g in groups]) / len(groups),
+        "train/datums": float(len(datums)),
+        "tokens/prefill": float(usage["prefill"]), "tokens/sampled": float(usage["sampled"]),
+        "tokens/trained": trained, **trainer.totals,
+        "time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0,
+    })
+    return metrics, list(zip(groups, advantages_BG))
+
+
+def _loss_config(cfg: TrainConfig) -> dict[str, float]:
+    if cfg.loss != "ppo":
+        return {}
+    out = {"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high}
+    if cfg.dual_clip is not None:
+        out["dual_clip"] = cfg.dual_clip
+    return out
+
+
+def _add_totals(totals: dict[str, float], prefill: int, sampled: int, trained: float) -> None:
+    totals["tokens/prefill_total"] += prefill
+    totals["tokens/sampled_total"] += sampled
+    totals["tokens/trained_total"] += trained
+
+
+def _rollout_with_retries(trainer: Trainer, problems: list, step: int) -> list:
+    from retool.rollout import RolloutError
+
+    for attempt in range(trainer.config.max_retries + 1):
+        try:
+            return asyncio.run(trainer.rollout.groups(problems, trainer.config.group_size))
+        except RolloutError as err:
+            if attempt == trainer.config.max_retries:
+                raise StepError(f"step {step}: rollout failed after {attempt + 1} attempt(s): {err}") from err
+            print(f"step {step}: rollout failed ({err}); retrying ({attempt + 1}/{trainer.config.max_retries})",
+                  file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- failpoints
+
+
+FAILPOINTS_ENV = "RETOOL_FAILPOINTS"
+"""Comma-separated ``name@step`` pairs; the process SIGKILLs itself on reaching one.
+
+Used by the crash/resume tests to kill a run at an exact point (mid-step, or halfway
+through a checkpoint write) instead of racing a timer. Names: ``after_rollout``,
+``checkpoint_write``. Unset in normal use.
+"""
+
+
+def _failpoint(name: str, step: int) -> None:
+    wanted = os.environ.get(FAILPOINTS_ENV, "")
+    if wanted and f"{name}@{step}" in wanted.split(","):
+        import signal
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def save_checkpoint(trainer: Trainer, run_dir: Path, step: int) -> Path:
+    """Write ``checkpoints/step_NNNNNN`` atomically, then list it in ``manifest.json``."""
+    final = _checkpoint_dir(run_dir, step)
+    staging = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    trainer.engine.save_state(staging / "engine")
+    _failpoint("checkpoint_write", step)
+    state = {"step": step, "data_cursor": step * trainer.config.batch_size, "totals": trainer.totals}
+    (staging / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    _fsync_tree(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    manifest = read_manifest(run_dir)
+    manifest = [m for m in manifest if m["step"] != step] + [{"step": step, "path": str(final.relative_to(run_dir)),
+                                                              "time": time.time()}]
+    _write_json_atomic(run_dir / "manifest.json", {"checkpoints": sorted(manifest, key=lambda m: m["step"])})
+    return final
+
+
+def read_manifest(run_dir: Path) -> list[dict[str, Any]]:
+    """The checkpoints listed in ``RUN_DIR/manifest.json`` (oldest first)."""
+    path = Path(run_dir) / "manifest.json"
+    if not path.exists():
+        return []
+    return json.loads(path.read_text())["checkpoints"]
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint of a run, as (step, folder)."""
+    for entry in reversed(read_manifest(run_dir)):
+        folder = Path(run_dir) / entry["path"]
+        if (folder / "trainer_state.json").is_file() and (folder / "engine" / "engine.json").is_file():
+            return entry["step"], folder
+    return None
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) -> Path:
+    """Write every trajectory of a step to ``trajectories/step_NNNNNN.jsonl.gz``."""
+    from retool.serialize import to_jsonable
+
+    folder = run_dir / "trajectories"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{CHECKPOINT_PREFIX}{step:06d}.jsonl.gz"
+    tmp = path.with_suffix(".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        for g, (group, advantages) in enumerate(groups_with_advantages):
+            for i, (trajectory, advantage) in enumerate(zip(group, advantages)):
+                row = {"step": step, "group": g, "index": i, "advantage": advantage,
+                       "trajectory": to_jsonable(trajectory)}
+                f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------- building a run
+
+
+def build_trainer(cfg: TrainConfig) -> Trainer:
+    """Load data, engine, renderer, sandbox and rollout for ``cfg``."""
+    from retool.data import load_problems
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    from retool.render import Renderer
+    from retool.reward import agrade
+    from retool.rollout import Rollout, RolloutConfig
+    from retool.sandbox import Sandbox, SandboxConfig
+
+    problems = load_problems(cfg.train_data)
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
+    engine = LocalTrainingClient(LocalEngineConfig(
+        model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
+        gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
+        seed=cfg.seed, init_from=resolve_init_from(cfg.init_from)))
+    tools = cfg.mode == "retool"
+    renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model)
+    sandbox = Sandbox(SandboxConfig(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
+                                    workers=cfg.sandbox_workers)) if tools else None
+    rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade, RolloutConfig(
+        max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns,
+        max_trajectory_tokens=cfg.max_trajectory_tokens, max_turn_tokens=cfg.max_turn_tokens,
+        max_tool_response_tokens=cfg.max_tool_response_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        sandbox_timeout_s=cfg.sandbox_timeout_s))
+    return Trainer(cfg, engine, rollout, problems, sandbox)
+
+
+def resolve_init_from(path: str | None) -> str | None:
+    """An SFT/RL run folder → its newest checkpoint's engine folder; a folder → itself."""
+    if path is None:
+        return None
+    folder = Path(path)
+    latest = latest_checkpoint(folder)
+    if latest is not None:
+        return str(latest[1] / "engine")
+    if (folder / "engine" / "engine.json").is_file():
+        return str(folder / "engine")
+    if folder.is_dir():
+        return str(folder)
+    raise ConfigError(f"init_from: {path} is neither a run folder with checkpoints nor a checkpoint folder")
+
+
+def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
+    """Run (or resume) RL training as configured; return the run folder."""
+    from retool.log import MetricsLogger, StepProgress
+
+    run_dir = Path(cfg.run_dir)
+    start_step, checkpoint = 0, None
+    if resume:
+        latest = latest_checkpoint(run_dir)
+        if latest is not None:
+            start_step, checkpoint = latest
+    elif read_manifest(run_dir):
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} or choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.json")
+    trainer = build_trainer(cfg)
+    if checkpoint is not None:
+        trainer.engine.load_state(checkpoint / "engine")
+        trainer.totals.update(json.loads((checkpoint / "trainer_state.json").read_text())["totals"])
+        print(f"resumed {run_dir} from step {start_step}", file=sys.stderr)
+    logger = MetricsLogger(run_dir, sinks=cfg.sinks, run_name=cfg.run_name or run_dir.name,
+                           config=dataclasses.asdict(cfg), resume_step=start_step if resume else None)
+    try:
+        with logger, StepProgress(cfg.max_steps, start=start_step) as progress:
+            for step in range(start_step + 1, cfg.max_steps + 1):
+                metrics, groups = train_step(trainer, step)
+                logger.log(step, metrics)
+                if cfg.save_trajectories:
+                    save_trajectories(run_dir, step, groups)
+                if step % cfg.save_every == 0 or step == cfg.max_steps:
+                    save_checkpoint(trainer, run_dir, step)
+                progress.update(step, reward=metrics["reward/mean"], correct=metrics["reward/correct"],
+                                tok_s=metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9))
+    finally:
+        if trainer.sandbox is not None:
+            trainer.sandbox.close()
+    return run_dir
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train", help="RL-train a model to use the code interpreter (GRPO/PPO)",
+        description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset (configs/*.toml); "
+        "every flag's default is the seed's configuration.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue the run in RUN_DIR from its last checkpoint (its saved config is used; "
+                        "--max-steps may extend it)")
+    add_config_args(p, TrainConfig)
+    p.set_defaults(func=_run_train_command)
+
+
+def _run_train_command(args: argparse.Namespace) -> int:
+    try:
+        if args.resume:
+            cfg = _resumed_config(args)
+        else:
+            cfg = config_from_args(TrainConfig, args)
+        run_dir = train(cfg, resume=bool(args.resume))
+    except (ConfigError, StepError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"run folder: {run_dir}")
+    return 0
+
+
+def _resumed_config(args: argparse.Namespace) -> TrainConfig:
+    saved = Path(args.resume) / "config.json"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {args.resume}: no config.json there (not a run folder)")
+    data = json.loads(saved.read_text())
+    data["run_dir"] = str(args.resume)
+    if hasattr(args, "max_steps"):
+        data["max_steps"] = args.max_steps
+    return config_from_dict(TrainConfig, data, str(saved))
