@@ -181,3 +181,17 @@ def require(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless ``condition`` holds (for ``validate()`` methods)."""
     if not condition:
         raise ConfigError(message)
+
+
+def markdown_table(cls: type) -> str:
+    """A Markdown table of a config's flags, defaults and help (for the docs)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, tuple):
+            default = ",".join(map(str, default))
+        help_text = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            help_text += f" ({' / '.join(f.metadata['choices'])})"
+        rows.append(f"| `{_flag(f.name)}` | `{default}` | {help_text} |")
+    return "\n".join(rows) + "\n"

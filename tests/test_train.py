@@ -181,3 +181,9 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
     for key, state in ref_opt["state"].items():
         for moment in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt["state"][key][moment], state[moment], atol=1e-6, rtol=0)
+
+
+def test_docs_list_every_flag():
+    from retool.config import markdown_table
+
+    assert markdown_table(TrainConfig) in (REPO / "docs" / "train.md").read_text()
