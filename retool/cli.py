@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.sandbox.cli",
     "retool.train",
     "retool.evaluate",
+    "retool.demo",
     "retool.report.plots",
     "retool.report.view",
 )

@@ -23,6 +23,7 @@ import fnmatch
 import math
 import sys
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 from retool.report import EvalResults, ReportInputError, is_eval_results, read_eval_results, read_jsonl
@@ -104,17 +105,26 @@ def checkpoint_point(results: EvalResults) -> CheckpointPoint:
                            format=summary["format"], k=int(summary["k"]), complete=results.summary is not None)
 
 
-def order_checkpoints(points: list[CheckpointPoint]) -> list[CheckpointPoint]:
-    """Base (no step) first, then by step; ties keep label order."""
-    return sorted(points, key=lambda p: (p.step is not None, p.step or 0, p.label))
+def order_checkpoints(points: list[CheckpointPoint], order: Sequence[str] | None = None) -> list[CheckpointPoint]:
+    """Base (no step) first, then by step; ties keep label order.
+
+    ``order`` (labels) overrides that for the labels it names — e.g. the demo's
+    "before SFT", "after SFT", "after RL", whose steps count different runs; points
+    it does not name follow in the default order.
+    """
+    ranked = sorted(points, key=lambda p: (p.step is not None, p.step or 0, p.label))
+    if not order:
+        return ranked
+    rank = {label: i for i, label in enumerate(order)}
+    return sorted(ranked, key=lambda p: rank.get(p.label, len(rank)))
 
 
 def plot_checkpoints(results_dir: str | Path, out_dir: str | Path, *, dataset: str | None = None,
-                     mode: str | None = None) -> list[Path]:
+                     mode: str | None = None, order: Sequence[str] | None = None) -> list[Path]:
     """Draw one checkpoint figure per (dataset, mode) found in ``results_dir``.
 
     Returns the written paths (PNG and SVG per figure). Raises :class:`ReportInputError`
-    when no eval results match.
+    when no eval results match. ``order`` lists labels to place first, in that order.
     """
     found, skipped = discover_eval_results(results_dir)
     for path in skipped:
@@ -128,7 +138,7 @@ def plot_checkpoints(results_dir: str | Path, out_dir: str | Path, *, dataset: s
         raise ReportInputError(f"{results_dir}: no eval results found (dataset={dataset}, mode={mode})")
     written = []
     for (ds, md), members in sorted(groups.items()):
-        points = order_checkpoints([checkpoint_point(r) for r in members])
+        points = order_checkpoints([checkpoint_point(r) for r in members], order)
         fig = _checkpoint_figure(points, title=f"{ds} · {md} mode")
         written += _save(fig, Path(out_dir) / f"checkpoints_{_slug(ds)}_{_slug(md)}")
     return written

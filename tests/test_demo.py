@@ -1,0 +1,48 @@
+"""``retool demo`` end to end on the small-vocab tiny model (the real demo uses SmolLM2)."""
+
+from __future__ import annotations
+
+import json
+
+from retool.cli import main as cli_main
+from retool.demo import STAGES, DemoConfig
+from tests.tiny import small_vocab_model_dir
+
+TINY_ARGS = ["--quick", "--sft-dialogues", "16", "--sft-steps", "2", "--rl-problems", "8", "--rl-steps", "2",
+             "--eval-problems", "2", "--eval-samples", "2", "--max-turn-tokens", "16",
+             "--max-trajectory-tokens", "900"]
+
+
+def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["demo", "--model", str(small_vocab_model_dir()), "--output-dir", str(out), *TINY_ARGS]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert all(stage in printed for stage in STAGES) and str(out) in printed
+    summaries = json.loads((out / "summary.json").read_text())
+    assert list(summaries) == list(STAGES)
+    assert all(s["num_problems"] == 2 and s["k"] == 2 for s in summaries.values())
+    for name in ("plots/checkpoints_test_retool.png", "plots/checkpoints_test_retool.svg", "plots/training.png",
+                 "view.html", "summary.md", "sft/manifest.json", "rl/manifest.json", "data/sft.jsonl"):
+        assert (out / name).is_file(), name
+    assert "| after RL |" in (out / "summary.md").read_text()
+    rl_rows = (out / "rl" / "metrics.jsonl").read_text().splitlines()
+
+    # Re-running resumes every stage: nothing is trained or sampled again.
+    assert cli_main(argv) == 0
+    assert (out / "rl" / "metrics.jsonl").read_text().splitlines() == rl_rows
+    for stage in STAGES:
+        lines = (out / "eval" / f"{stage.replace(' ', '-').lower()}.jsonl").read_text().splitlines()
+        assert sum(json.loads(line)["type"] == "problem" for line in lines) == 2
+
+
+def test_quick_shrinks_the_defaults():
+    quick = DemoConfig(quick=True).shrunk()
+    full = DemoConfig()
+    assert quick.rl_steps < full.rl_steps and quick.eval_problems < full.eval_problems
+    assert DemoConfig().shrunk() == full
+
+
+def test_bad_sizes_are_rejected(capsys):
+    assert cli_main(["demo", "--rl-group-size", "1"]) == 2
+    assert "rl_group_size must be >= 2" in capsys.readouterr().err
