@@ -25,10 +25,10 @@ Reproducibility: with ``seeded`` (the default) every sampler request gets a seed
 derived from (seed, problem id, the request's context tokens, how often that context
 was asked before), so a problem's samples depend on nothing else — not on
 concurrency, timing, order or an interruption — and a killed-and-resumed eval ends
-with the summary an uninterrupted one writes. The price, with the local engine, is
-that requests with different seeds are not batched together (one ``generate`` call
-per request of ``val_n`` rows); ``--no-seeded`` lets the local engine batch across
-problems, faster, but then the samples depend on how requests happened to meet.
+with the summary an uninterrupted one writes. The local engine draws every row with
+its own seeded generator, so seeded requests of different problems still share one
+batched ``generate`` call. ``--no-seeded`` leaves seeding to the engine's stream; the
+samples then depend on how requests happened to meet.
 
 Not covered: engines other than the local one (``retool.engines.local``), sharding one
 eval over several machines, comparing checkpoints (``retool plot checkpoints``), and
@@ -97,7 +97,7 @@ class EvalConfig:
     max_tool_response_tokens: int = option(512, "tokens per tool response (head+tail kept)")
     seed: int = option(42, "seed of every problem's sampling")
     seeded: bool = option(True, "seed every request from (seed, problem, context): results independent of "
-                                "batching and resume; --no-seeded batches across problems (faster, not reproducible)")
+                                "batching and resume; --no-seeded uses the engine's stream (not reproducible)")
 
     # ---- sandbox (retool mode)
     sandbox_workers: int = option(8, "concurrent sandbox executions")
