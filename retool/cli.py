@@ -20,6 +20,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.data",
     "retool.reward",
     "retool.sandbox.cli",
+    "retool.tasks",
+    "retool.sft",
     "retool.train",
     "retool.evaluate",
     "retool.demo",

@@ -1,0 +1,576 @@
+"""Cold-start SFT: ``retool sft`` (ReTool's first stage; SPEC §4.10).
+
+Supervised fine-tuning on code-interleaved dialogues in OpenAI chat format, on the
+same engine and in the same checkpoint layout as RL, so ``retool train --init-from
+SFT_RUN_DIR`` continues from the result. One step, top to bottom (:func:`sft_step`):
+
+    batch of dialogues (seeded shuffle per epoch) → datums → forward_backward
+    (cross_entropy) → optim_step (scheduled lr) → metrics → (every N steps) checkpoint
+
+**Token layout = the RL rollout's.** A dialogue becomes exactly the tokens a rollout
+would have produced had the policy written its assistant turns: the prompt (mask 0),
+then per assistant turn its text and end-of-turn token (mask 1) followed by what
+:class:`retool.render.Renderer` appends — the template's closing, the sanitised and
+truncated tool message, the next generation prompt (mask 0). The text of a tool-call
+turn is the chat template's own render of the OpenAI ``tool_calls`` message, and it
+must parse back to the same code with the protocol's parser, or the dialogue is
+rejected. So the loss covers assistant tokens only; tool output is never trained on.
+
+**Input** (JSONL, one dialogue per line): ``{"messages": [...]}`` with an optional
+system message, one user message (the question), then assistant turns; an assistant
+turn that calls ``code_interpreter`` (one call, ``arguments`` a JSON string or an
+object with one ``code`` string) is followed by one ``tool`` message; the last message
+is the final assistant answer. Other top-level keys (``id``, ``answer``) are kept for
+error messages and otherwise ignored. Anything else is a :class:`ConversationError`
+naming the file, line, message and what is wrong — raised before any model loads.
+Dialogues longer than ``max_seq_tokens`` are dropped and counted (never silently).
+
+Not covered: multi-turn user dialogues, parallel tool calls, tools other than
+``code_interpreter``, packing several dialogues into one sequence, evaluation during
+SFT (use the RL rollout on held-out problems, as ``docs/sft.md`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retool.config import ConfigError, add_config_args, config_from_args, config_from_dict, option, require, save_config
+from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
+from retool.types import Datum
+
+SCHEDULES = ("constant", "linear", "cosine")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class SFTConfig:
+    """Every knob of ``retool sft``; model/adapter settings mirror ``retool train``'s."""
+
+    # ---- model and engine (keep them equal to the RL run's: its --init-from loads this adapter)
+    model: str = option("Qwen/Qwen3.5-4B", "HF model id, local folder, or bundled:smollm2")
+    chat_template: str | None = option(None, "chat-template override: 'hermes', a .jinja file, or Jinja source")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
+    full_finetune: bool = option(False, "train all weights instead of a LoRA adapter")
+    lora_rank: int = option(32, "LoRA rank")
+    lora_alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank)")
+    lora_targets: str = option("all-linear", "LoRA target modules: all-linear or comma-separated names")
+    gradient_checkpointing: bool = option(False, "recompute activations to save memory")
+    micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
+    init_from: str | None = option(None, "start from these weights: a run folder or a checkpoint folder")
+
+    # ---- data
+    data: str = option("data/sft.jsonl", "OpenAI-format tool dialogues (JSONL; see `retool task-data`)")
+    max_seq_tokens: int = option(4096, "drop (and count) dialogues longer than this many tokens")
+    max_tool_response_tokens: int = option(512, "tokens per tool message (head+tail kept), as in RL")
+
+    # ---- optimisation
+    batch_size: int = option(8, "dialogues per step")
+    epochs: float = option(1.0, "passes over the data (ignored when max_steps is set)")
+    max_steps: int | None = option(None, "number of steps; none = epochs x dialogues / batch_size")
+    lr: float = option(2e-4, "peak Adam learning rate (SFT of a LoRA adapter wants more than RL's 4e-5)")
+    lr_schedule: str = option("constant", "decay after warm-up", choices=SCHEDULES)
+    warmup_steps: int = option(0, "linear warm-up steps from 0 to lr")
+    beta1: float = option(0.9, "Adam beta1")
+    beta2: float = option(0.95, "Adam beta2")
+    weight_decay: float = option(0.0, "decoupled weight decay")
+    grad_clip_norm: float | None = option(1.0, "clip the global gradient norm; none = only measure")
+
+    # ---- run bookkeeping
+    run_dir: str = option("runs/sft", "where the run writes metrics and checkpoints")
+    run_name: str | None = option(None, "name for remote metric sinks (default: run folder name)")
+    save_every: int = option(50, "checkpoint every N steps (and at the last step)")
+    sinks: tuple[str, ...] = option(("jsonl",), "metric sinks: jsonl,swanlab,wandb,tensorboard")
+    seed: int = option(42, "seed of data order and adapter init")
+
+    def validate(self) -> None:
+        for name in ("batch_size", "save_every", "lora_rank", "micro_batch_tokens", "max_seq_tokens",
+                     "max_tool_response_tokens"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.max_steps is None or self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
+        require(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
+        require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "invalid Adam settings")
+        require(self.grad_clip_norm is None or self.grad_clip_norm > 0, "grad_clip_norm must be > 0 (or none)")
+        from retool.log import check_sinks
+
+        try:
+            check_sinks(self.sinks)
+        except (ValueError, RuntimeError) as err:
+            raise ConfigError(str(err)) from None
+
+
+# ---------------------------------------------------------------- dialogues
+
+
+class ConversationError(ValueError):
+    """A dialogue of an SFT file is malformed; the message names file, line and message."""
+
+
+@dataclass(frozen=True)
+class AssistantTurn:
+    """One assistant message: its text, and the call it made with the tool's answer."""
+
+    content: str
+    code: str | None = None
+    """The ``code_interpreter`` call's code; ``None`` for the final answer."""
+    tool_output: str | None = None
+    """The content of the tool message that answered the call."""
+
+
+@dataclass(frozen=True)
+class Dialogue:
+    """One validated SFT dialogue: the opening messages and the assistant turns."""
+
+    where: str
+    """``FILE:LINE`` of the source row, for error messages."""
+    system: str | None
+    question: str
+    turns: tuple[AssistantTurn, ...]
+
+    def prompt_messages(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return [*system, {"role": "user", "content": self.question}]
+
+
+def load_dialogues(path: str | Path) -> list[Dialogue]:
+    """Read and validate every dialogue of a JSONL file (see the module docstring).
+
+    Raises :class:`ConversationError` at the first bad row, ``FileNotFoundError`` for a
+    missing file and ``ConversationError`` for a file without dialogues.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data {path}: no such file (write one with `retool task-data`)")
+    dialogues = []
+    with path.open(encoding="utf-8") as f:
+        for line, raw in enumerate(f, 1):
+            if raw.strip():
+                dialogues.append(parse_dialogue(_json_row(raw, f"{path}:{line}"), f"{path}:{line}"))
+    if not dialogues:
+        raise ConversationError(f"{path}: holds no dialogues")
+    return dialogues
+
+
+def _json_row(raw: str, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ConversationError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+
+
+def parse_dialogue(row: Any, where: str = "<dialogue>") -> Dialogue:
+    """Validate one OpenAI-format row ``{"messages": [...]}`` into a :class:`Dialogue`."""
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+        raise ConversationError(f"{where}: expected an object with a 'messages' list")
+    messages = row["messages"]
+    for i, message in enumerate(messages):
+        _check_message(message, f"{where}: message {i}")
+    roles = [m["role"] for m in messages]
+    start = 1 if roles[:1] == ["system"] else 0
+    if roles[start:start + 1] != ["user"]:
+        raise ConversationError(f"{where}: a dialogue starts with an optional system message and then one "
+                                f"user message (the question); got roles {roles[:2]}")
+    turns, i = [], start + 1
+    while i < len(messages):
+        turn, i = _assistant_turn(messages, i, where)
+        turns.append(turn)
+    if not turns or turns[-1].code is not None:
+        raise ConversationError(f"{where}: the last message must be the final assistant answer "
+                                "(an assistant message without tool_calls)")
+    if not messages[start]["content"].strip():
+        raise ConversationError(f"{where}: message {start}: the question (user message) is empty")
+    system = messages[0]["content"] if start else None
+    return Dialogue(where, system, messages[start]["content"], tuple(turns))
+
+
+def _check_message(message: Any, where: str) -> None:
+    if not isinstance(message, dict) or "role" not in message:
+        raise ConversationError(f"{where}: a message must be an object with a 'role'")
+    if message["role"] not in ROLES:
+        raise ConversationError(f"{where}: unknown role {message['role']!r} (expected one of {', '.join(ROLES)})")
+    content = message.get("content")
+    if not (isinstance(content, str) or (content is None and message.get("tool_calls"))):
+        raise ConversationError(f"{where}: {message['role']} content must be a string")
+
+
+def _assistant_turn(messages: list[dict[str, Any]], i: int, where: str) -> tuple[AssistantTurn, int]:
+    """Parse the assistant message at ``i`` (and its tool message); return the next index."""
+    message, here = messages[i], f"{where}: message {i}"
+    if message["role"] != "assistant":
+        what = "a tool message without a preceding tool call" if message["role"] == "tool" else \
+            f"a {message['role']} message after the question"
+        raise ConversationError(f"{here}: {what}; only assistant turns (each call followed by its tool "
+                                "message) may follow the question")
+    content = message.get("content") or ""
+    calls = message.get("tool_calls") or []
+    if not calls:
+        if not content.strip():
+            raise ConversationError(f"{here}: empty assistant turn (no content and no tool call)")
+        return AssistantTurn(content), i + 1
+    code = _call_code(calls, here)
+    if i + 1 >= len(messages) or messages[i + 1]["role"] != "tool":
+        raise ConversationError(f"{here}: the tool call is not followed by a tool message with its output")
+    tool = messages[i + 1]
+    call_id = calls[0].get("id") if isinstance(calls[0], dict) else None
+    if call_id and tool.get("tool_call_id") and tool["tool_call_id"] != call_id:
+        raise ConversationError(f"{where}: message {i + 1}: tool_call_id {tool['tool_call_id']!r} does not "
+                                f"answer the call {call_id!r} before it")
+    return AssistantTurn(content, code, tool["content"]), i + 2
+
+
+def _call_code(calls: Any, where: str) -> str:
+    """The code of the single ``code_interpreter`` call in ``tool_calls``."""
+    if not isinstance(calls, list) or len(calls) != 1:
+        raise ConversationError(f"{where}: exactly one tool call per assistant turn is supported "
+                                f"(the protocol runs one call per turn)")
+    call = calls[0]
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ConversationError(f"{where}: a tool call must be an object with a 'function'")
+    if function.get("name") != TOOL_NAME:
+        raise ConversationError(f"{where}: tool call names {function.get('name')!r}; the only tool is {TOOL_NAME}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise ConversationError(f"{where}: tool call arguments are not valid JSON ({err.msg})") from None
+    if not isinstance(arguments, dict) or set(arguments) != {"code"} or not isinstance(arguments["code"], str):
+        raise ConversationError(f"{where}: {TOOL_NAME} takes exactly one argument, code (a string)")
+    if not arguments["code"].strip():
+        raise ConversationError(f"{where}: the tool call's code is empty")
+    return arguments["code"]
+
+
+# ---------------------------------------------------------------- tokens and datums
+
+
+class AssistantFormatter:
+    """The text a policy writes for an assistant message, taken from the chat template.
+
+    A message's text is the template's render of the conversation ending in that
+    message, minus the render of the prompt (with its generation prompt) and minus the
+    template's closing of a final turn — so a tool call reads exactly as the template
+    would show an OpenAI ``tool_calls`` message (Hermes JSON, Qwen3.5 XML …).
+    """
+
+    _PLACEHOLDER = "RETOOLSFTCONTENT"
+
+    def __init__(self, renderer: Any) -> None:
+        from retool.protocol import build_messages
+
+        self.renderer = renderer
+        self._base = build_messages("RETOOLSFTQUESTION")
+        self._prefix = renderer.render(self._base, add_generation_prompt=True)
+        probe = self._cut({"role": "assistant", "content": self._PLACEHOLDER}, closing="")
+        if probe.count(self._PLACEHOLDER) != 1:
+            raise _template_error(renderer, "it does not keep assistant content intact")
+        self._closing = probe.split(self._PLACEHOLDER)[1]
+
+    def text(self, turn: AssistantTurn) -> str:
+        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+        if turn.code is not None:
+            message["tool_calls"] = [{"type": "function",
+                                      "function": {"name": TOOL_NAME, "arguments": {"code": turn.code}}}]
+        return self._cut(message, self._closing)
+
+    def _cut(self, message: dict[str, Any], closing: str) -> str:
+        rendered = self.renderer.render([*self._base, message], add_generation_prompt=False)
+        if not rendered.startswith(self._prefix) or not rendered.endswith(closing):
+            raise _template_error(self.renderer, "an assistant message does not render as the generation "
+                                                 "prompt followed by its text and the turn's closing")
+        return rendered[len(self._prefix):len(rendered) - len(closing)]
+
+
+def _template_error(renderer: Any, why: str) -> Exception:
+    from retool.protocol import TemplateError
+
+    return TemplateError(f"the chat template of {renderer.model_name} cannot be used for SFT: {why}")
+
+
+@dataclass(frozen=True)
+class DialogueTokens:
+    """A dialogue in the rollout's token layout (``mask_T`` 1 = trained)."""
+
+    tokens_T: tuple[int, ...]
+    mask_T: tuple[int, ...]
+    truncated_tool_outputs: int = 0
+
+
+def dialogue_tokens(dialogue: Dialogue, renderer: Any, formatter: AssistantFormatter,
+                    max_tool_response_tokens: int = 512) -> DialogueTokens:
+    """The tokens and loss mask a rollout would have produced for ``dialogue``.
+
+    Raises :class:`ConversationError` when an assistant text does not parse back, with
+    the protocol's parser, to the same call (or to no call, for the final answer).
+    """
+    from retool.protocol import truncate_tool_output
+
+    tokens = renderer.prompt_tokens(dialogue.prompt_messages())
+    mask, truncated = [0] * len(tokens), 0
+    for k, turn in enumerate(dialogue.turns):
+        text = formatter.text(turn)
+        _check_round_trip(renderer, text, turn, f"{dialogue.where}: assistant turn {k}")
+        sampled = [*renderer.encode(text), renderer.end_of_turn_id]
+        zeros = [0.0] * len(sampled)
+        if turn.code is None:
+            segment = renderer.final_turn(sampled, zeros)
+        else:
+            clean = renderer.sanitizer(turn.tool_output)
+            tool_text = truncate_tool_output(clean, renderer.tokenizer, max_tool_response_tokens)
+            truncated += tool_text != clean
+            segment = renderer.tool_turn(sampled, zeros, tool_text)
+        tokens.extend(segment.tokens)
+        mask.extend(segment.mask)
+    return DialogueTokens(tuple(tokens), tuple(mask), truncated)
+
+
+def _check_round_trip(renderer: Any, text: str, turn: AssistantTurn, where: str) -> None:
+    from retool.protocol import parse_assistant
+    from retool.types import ToolCall
+
+    parsed = parse_assistant(text, renderer.tool_format)
+    code = parsed.call.code if isinstance(parsed.call, ToolCall) else None
+    if parsed.call is not None and code is None:
+        raise ConversationError(f"{where}: the rendered turn holds a malformed tool call "
+                                f"({parsed.call.reason}); the policy would be taught a broken call")
+    if code != turn.code:
+        expected = "no tool call" if turn.code is None else f"a call with code {turn.code!r}"
+        raise ConversationError(f"{where}: the rendered turn parses back to "
+                                f"{'no tool call' if code is None else repr(code)}, not {expected}")
+
+
+@dataclass(frozen=True)
+class SFTData:
+    """Datums ready to train, and what happened on the way."""
+
+    datums: tuple[Datum, ...]
+    dialogues: int
+    dropped_too_long: tuple[str, ...]
+    """``FILE:LINE`` of dialogues over ``max_seq_tokens``."""
+    truncated_tool_outputs: int
+    nonstandard_system_prompts: int
+    """Dialogues whose system prompt differs from the RL rollout's (``protocol.SYSTEM_PROMPT``)."""
+
+    def summary(self) -> dict[str, Any]:
+        return {"dialogues": self.dialogues, "datums": len(self.datums),
+                "dropped_too_long": len(self.dropped_too_long),
+                "tokens": sum(d.num_tokens for d in self.datums),
+                "trained_tokens": sum(d.num_trained for d in self.datums),
+                "truncated_tool_outputs": self.truncated_tool_outputs,
+                "nonstandard_system_prompts": self.nonstandard_system_prompts}
+
+
+def build_sft_data(dialogues: Sequence[Dialogue], renderer: Any, *, max_seq_tokens: int = 4096,
+                   max_tool_response_tokens: int = 512) -> SFTData:
+    """Cross-entropy datums (weights 1 on assistant tokens incl. end of turn, 0 elsewhere).
+
+    Raises :class:`ConversationError` when every dialogue is over ``max_seq_tokens``.
+    """
+    from retool.algo import make_datum
+
+    formatter = AssistantFormatter(renderer)
+    datums, dropped, truncated = [], [], 0
+    for dialogue in dialogues:
+        seq = dialogue_tokens(dialogue, renderer, formatter, max_tool_response_tokens)
+        truncated += seq.truncated_tool_outputs
+        if len(seq.tokens_T) > max_seq_tokens:
+            dropped.append(dialogue.where)
+            continue
+        datums.append(make_datum(seq.tokens_T, seq.mask_T))
+    if not datums:
+        raise ConversationError(f"all {len(dialogues)} dialogues are longer than max_seq_tokens={max_seq_tokens}")
+    nonstandard = sum(d.system != SYSTEM_PROMPT for d in dialogues)
+    return SFTData(tuple(datums), len(dialogues), tuple(dropped), truncated, nonstandard)
+
+
+# ---------------------------------------------------------------- schedule and step
+
+
+def learning_rate(step: int, total_steps: int, cfg: SFTConfig) -> float:
+    """The learning rate of ``step`` (1-based): linear warm-up, then ``lr_schedule`` decay to 0."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    progress = (step - 1 - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    if cfg.lr_schedule == "linear":
+        return cfg.lr * (1.0 - progress)
+    if cfg.lr_schedule == "cosine":
+        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr
+
+
+def total_steps(cfg: SFTConfig, num_datums: int) -> int:
+    """``max_steps`` if set, else ``ceil(epochs * datums / batch_size)``."""
+    return cfg.max_steps or max(1, math.ceil(cfg.epochs * num_datums / cfg.batch_size))
+
+
+@dataclass
+class SFTRun:
+    """What a run holds (the shape :func:`retool.train.save_checkpoint` writes)."""
+
+    config: SFTConfig
+    engine: Any
+    datums: tuple[Datum, ...]
+    total_steps: int
+    totals: dict[str, float] = dataclasses.field(default_factory=lambda: {"tokens/trained_total": 0.0})
+
+
+def sft_step(run: SFTRun, step: int) -> dict[str, float]:
+    """One SFT step: this step's batch → forward_backward(cross_entropy) → optim_step."""
+    from retool.engines.base import AdamParams
+    from retool.train import batch_indices
+
+    cfg, t0 = run.config, time.monotonic()
+    batch = [run.datums[i] for i in batch_indices(step, cfg.batch_size, len(run.datums), cfg.seed)]
+    lr = learning_rate(step, run.total_steps, cfg)
+    fb = run.engine.forward_backward(batch, "cross_entropy")
+    opt = run.engine.optim_step(AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                                           weight_decay=cfg.weight_decay, grad_clip_norm=cfg.grad_clip_norm))
+    trained = float(sum(d.num_trained for d in batch))
+    run.totals["tokens/trained_total"] += trained
+    return {
+        "sft/loss": fb.metrics["train/loss"], "sft/grad_norm": opt.metrics["train/grad_norm"], "sft/lr": lr,
+        "sft/epoch": step * cfg.batch_size / len(run.datums), "sft/sequences": float(len(batch)),
+        "tokens/trained": trained, "tokens/sequence": float(sum(d.num_tokens for d in batch)),
+        **run.totals, "time/step": time.monotonic() - t0,
+    }
+
+
+# ---------------------------------------------------------------- a run
+
+
+def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SFTData]:
+    """Load the engine and turn ``dialogues`` into datums."""
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    from retool.render import Renderer
+    from retool.train import resolve_init_from
+
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
+    engine = LocalTrainingClient(LocalEngineConfig(
+        model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        lora_targets=targets, device=cfg.device, dtype=cfg.dtype, gradient_checkpointing=cfg.gradient_checkpointing,
+        micro_batch_tokens=cfg.micro_batch_tokens, seed=cfg.seed, init_from=resolve_init_from(cfg.init_from)))
+    renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=True, model_name=cfg.model)
+    data = build_sft_data(dialogues, renderer, max_seq_tokens=cfg.max_seq_tokens,
+                          max_tool_response_tokens=cfg.max_tool_response_tokens)
+    return SFTRun(cfg, engine, data.datums, total_steps(cfg, len(data.datums))), data
+
+
+def sft(cfg: SFTConfig, *, resume: bool = False) -> Path:
+    """Run (or resume) SFT as configured; return the run folder."""
+    from retool.log import MetricsLogger, StepProgress
+    from retool.train import latest_checkpoint, read_manifest, save_checkpoint
+
+    run_dir = Path(cfg.run_dir)
+    if not resume and read_manifest(run_dir):
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} or choose another --run-dir")
+    dialogues = load_dialogues(cfg.data)  # data errors surface before the model loads
+    data_info = _check_data_file(run_dir, cfg.data, resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.json")
+    run, data = build_run(cfg, dialogues)
+    _report_data(run_dir, data, data_info)
+    start_step = _restore(run, run_dir) if resume else 0
+    logger = MetricsLogger(run_dir, sinks=cfg.sinks, run_name=cfg.run_name or run_dir.name,
+                           config=dataclasses.asdict(cfg), resume_step=start_step if resume else None)
+    with logger, StepProgress(run.total_steps, start=start_step, description="sft") as progress:
+        for step in range(start_step + 1, run.total_steps + 1):
+            metrics = sft_step(run, step)
+            logger.log(step, metrics)
+            if step % cfg.save_every == 0 or step == run.total_steps:
+                save_checkpoint(run, run_dir, step)
+            progress.update(step, loss=metrics["sft/loss"], lr=metrics["sft/lr"])
+    if latest_checkpoint(run_dir) is None:
+        raise RuntimeError(f"{run_dir}: the run ended without a checkpoint")
+    return run_dir
+
+
+def _restore(run: SFTRun, run_dir: Path) -> int:
+    from retool.train import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return 0
+    step, folder = latest
+    run.engine.load_state(folder / "engine")
+    run.totals.update(json.loads((folder / "trainer_state.json").read_text())["totals"])
+    print(f"resumed {run_dir} from step {step}", file=sys.stderr)
+    return step
+
+
+def _check_data_file(run_dir: Path, data_path: str, resume: bool) -> dict[str, str]:
+    """The data file's checksum; on resume it must equal the one the run started with."""
+    digest = hashlib.sha256(Path(data_path).read_bytes()).hexdigest()
+    saved = run_dir / "sft_data.json"
+    if resume and saved.is_file():
+        before = json.loads(saved.read_text())["sha256"]
+        if before != digest:
+            raise ConfigError(f"{data_path} changed since {run_dir} started (sha256 {before[:12]} → "
+                              f"{digest[:12]}); a resumed run must see the same data")
+    return {"path": str(data_path), "sha256": digest}
+
+
+def _report_data(run_dir: Path, data: SFTData, data_info: dict[str, str]) -> None:
+    summary = data.summary()
+    (run_dir / "sft_data.json").write_text(json.dumps({**data_info, **summary,
+                                                       "dropped": list(data.dropped_too_long)}, indent=2))
+    print("sft data: " + ", ".join(f"{k} {v}" for k, v in summary.items()), file=sys.stderr)
+    if data.dropped_too_long:
+        print(f"warning: dropped {len(data.dropped_too_long)} dialogues over max_seq_tokens "
+              f"(first: {data.dropped_too_long[0]}); listed in {run_dir / 'sft_data.json'}", file=sys.stderr)
+    if data.nonstandard_system_prompts:
+        print(f"note: {data.nonstandard_system_prompts} dialogues use a system prompt other than the RL "
+              "rollout's (retool.protocol.SYSTEM_PROMPT)", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "sft", help="cold-start SFT on tool dialogues (loss on assistant tokens only)",
+        description="Cold-start SFT (ReTool's first stage) on OpenAI-format tool dialogues, with the loss on "
+        "assistant tokens only (tool output and template tokens are masked). Writes RUN_DIR/metrics.jsonl and checkpoints in the layout "
+        "of `retool train`, whose --init-from RUN_DIR starts RL from the result (use the same model, "
+        "chat template and LoRA settings there). Flags override a --config TOML preset.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue the run in RUN_DIR from its last checkpoint (its saved config is used; "
+                        "--max-steps may extend it)")
+    add_config_args(p, SFTConfig)
+    p.set_defaults(func=_run_sft_command)
+
+
+def _run_sft_command(args: argparse.Namespace) -> int:
+    from retool.protocol import TemplateError
+
+    try:
+        cfg = _resumed_config(args) if args.resume else config_from_args(SFTConfig, args)
+        run_dir = sft(cfg, resume=bool(args.resume))
+    except (ConfigError, ConversationError, TemplateError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"run folder: {run_dir}")
+    return 0
+
+
+def _resumed_config(args: argparse.Namespace) -> SFTConfig:
+    saved = Path(args.resume) / "config.json"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {args.resume}: no config.json there (not a run folder)")
+    data = json.loads(saved.read_text())
+    data["run_dir"] = str(args.resume)
+    if hasattr(args, "max_steps"):
+        data["max_steps"] = args.max_steps
+    return config_from_dict(SFTConfig, data, str(saved))

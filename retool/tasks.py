@@ -1,0 +1,365 @@
+"""A synthetic, tool-worthy arithmetic task: the CPU demo's problems and cold-start data.
+
+Small models cannot multiply five-digit numbers, reduce ``7^613 mod 9973`` or count
+the divisors of 83,160 in their heads, but a one-line Python snippet can. This module
+draws such problems (integer answers, several operations and paraphrases) and writes:
+
+- :func:`make_problems` — :class:`~retool.types.Problem` records for RL training
+  (split ``rl``) and held-out evaluation (split ``test``);
+- :func:`make_sft_conversations` — OpenAI-format tool dialogues for cold-start SFT
+  (split ``sft``): system prompt, question, a short plan with one ``code_interpreter``
+  call, the call's real output from :class:`retool.sandbox.Sandbox`, and a final answer
+  ending in ``\\boxed{N}``.
+
+The three splits are disjoint by construction: every problem's split is a hash of its
+operation and operands (never of its wording), so a test problem never reappears,
+reworded, in SFT or RL data, whatever the seeds. Draws are deterministic in
+``(n, seed, split, kinds)``.
+
+Difficulty (see ``docs/sft.md`` for the measured calibration): the operands are far
+beyond mental arithmetic, so without the tool a small model scores near zero; with the
+tool the work is to set the snippet up from the question — trivial for a bare product,
+error-prone for the word problems, whose numbers must go to the right places.
+
+Non-goals: problems with non-integer answers, multi-call solutions, natural-language
+variety beyond a few paraphrases per operation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
+from retool.types import Problem
+
+SPLITS = ("sft", "rl", "test")
+"""``sft``: cold-start dialogues; ``rl``: RL training problems; ``test``: held out."""
+
+DATA_SOURCE = "synthetic-arithmetic"
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One drawn problem with the snippet that solves it.
+
+    ``key`` identifies the mathematics (operation and operands) and decides the split;
+    ``plan`` is the assistant's short text before the call and ``conclusion`` the final
+    answer's sentence (without the box).
+    """
+
+    kind: str
+    key: tuple[int, ...]
+    question: str
+    code: str
+    answer: int
+    plan: str
+    conclusion: str
+
+
+# ---------------------------------------------------------------- operations
+
+_PLANS = (
+    "This is too error-prone to do by hand, so I will compute it with Python.",
+    "Let me compute this exactly with the code interpreter.",
+    "I will let Python do the arithmetic.",
+)
+
+
+def _product(rng: random.Random) -> Draw:
+    a, b = rng.randint(100, 99_999), rng.randint(1_000, 99_999)
+    question = rng.choice((f"What is {a} × {b}?", f"Compute the product of {a} and {b}.",
+                           f"Multiply {a} by {b}. What is the result?"))
+    return Draw("product", (a, b), question, f"print({a} * {b})", a * b, rng.choice(_PLANS),
+                f"{a} × {b} = {a * b}.")
+
+
+def _modpow(rng: random.Random) -> Draw:
+    base, exponent, modulus = rng.randint(2, 99), rng.randint(50, 999), rng.randint(7, 9_999)
+    answer = pow(base, exponent, modulus)
+    question = rng.choice((f"What is the remainder when {base}^{exponent} is divided by {modulus}?",
+                           f"Find {base}^{exponent} mod {modulus}."))
+    return Draw("modpow", (base, exponent, modulus), question, f"print(pow({base}, {exponent}, {modulus}))",
+                answer, rng.choice(_PLANS), f"The remainder is {answer}.")
+
+
+def _digit_sum_power(rng: random.Random) -> Draw:
+    base, exponent = rng.randint(2, 30), rng.randint(20, 300)
+    answer = sum(map(int, str(base**exponent)))
+    question = rng.choice((f"What is the sum of the digits of {base}^{exponent}?",
+                           f"Find the digit sum of {base} raised to the power {exponent}."))
+    code = f"print(sum(int(d) for d in str({base} ** {exponent})))"
+    return Draw("digit_sum_power", (base, exponent), question, code, answer, rng.choice(_PLANS),
+                f"The digit sum of {base}^{exponent} is {answer}.")
+
+
+def _divisors(rng: random.Random) -> Draw:
+    n = rng.randint(1_000, 99_999)
+    answer = sum(1 if d * d == n else 2 for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    question = rng.choice((f"How many positive divisors does {n} have?",
+                           f"Count the positive integers that divide {n}."))
+    code = f"n = {n}\nprint(sum(1 for d in range(1, n + 1) if n % d == 0))"
+    return Draw("divisors", (n,), question, code, answer, rng.choice(_PLANS), f"{n} has {answer} divisors.")
+
+
+def _range_sum(rng: random.Random) -> Draw:
+    a = rng.randint(10, 9_999)
+    b = a + rng.randint(100, 99_999)
+    question = rng.choice((f"What is the sum of all integers from {a} to {b} inclusive?",
+                           f"Add up every whole number from {a} through {b}."))
+    return Draw("range_sum", (a, b), question, f"print(sum(range({a}, {b} + 1)))", (a + b) * (b - a + 1) // 2,
+                rng.choice(_PLANS), f"The sum is {(a + b) * (b - a + 1) // 2}.")
+
+
+def _gcd_operands(rng: random.Random) -> tuple[int, int]:
+    """Two numbers with a non-trivial common factor."""
+    g = rng.randint(2, 400)
+    return g * rng.randint(10, 999), g * rng.randint(10, 999)
+
+
+def _gcd(rng: random.Random) -> Draw:
+    a, b = _gcd_operands(rng)
+    question = rng.choice((f"What is the greatest common divisor of {a} and {b}?", f"Find gcd({a}, {b})."))
+    return Draw("gcd", (a, b), question, f"import math\nprint(math.gcd({a}, {b}))", math.gcd(a, b),
+                rng.choice(_PLANS), f"The greatest common divisor is {math.gcd(a, b)}.")
+
+
+def _lcm(rng: random.Random) -> Draw:
+    a, b = _gcd_operands(rng)
+    question = rng.choice((f"What is the least common multiple of {a} and {b}?", f"Find lcm({a}, {b})."))
+    return Draw("lcm", (a, b), question, f"import math\nprint(math.lcm({a}, {b}))", math.lcm(a, b),
+                rng.choice(_PLANS), f"The least common multiple is {math.lcm(a, b)}.")
+
+
+def _multiples_sum(rng: random.Random) -> Draw:
+    k, n = rng.randint(3, 97), rng.randint(1_000, 99_999)
+    answer = sum(range(0, n, k))
+    question = rng.choice((f"What is the sum of all positive multiples of {k} that are less than {n}?",
+                           f"Add up all the multiples of {k} below {n}."))
+    code = f"print(sum(x for x in range(1, {n}) if x % {k} == 0))"
+    return Draw("multiples_sum", (k, n), question, code, answer, rng.choice(_PLANS), f"The sum is {answer}.")
+
+
+_STORIES = (
+    ("A warehouse holds {a} crates with {b} bottles in each crate. During a move, {c} bottles break. "
+     "How many bottles are left?", "{a} * {b} - {c}", lambda a, b, c: a * b - c),
+    ("A printer prints {a} pages per minute for {b} minutes, then another {c} pages. "
+     "How many pages does it print in total?", "{a} * {b} + {c}", lambda a, b, c: a * b + c),
+    ("A farm packs {a} eggs into cartons of {b}, and sells each full carton for {c} cents. "
+     "How many cents does it earn from the full cartons?", "({a} // {b}) * {c}", lambda a, b, c: (a // b) * c),
+    ("A school orders {a} boxes of pencils with {b} pencils per box and shares them equally among {c} classes. "
+     "How many pencils does each class get (whole pencils only)?", "({a} * {b}) // {c}",
+     lambda a, b, c: (a * b) // c),
+    ("A cyclist rides {a} metres every day for {b} days and has {c} metres still to go. "
+     "How long is the whole route in metres?", "{a} * {b} + {c}", lambda a, b, c: a * b + c),
+)
+
+
+def _word_problem(rng: random.Random) -> Draw:
+    index = rng.randrange(len(_STORIES))
+    template, expression, solve = _STORIES[index]
+    a, b, c = rng.randint(100, 9_999), rng.randint(12, 999), rng.randint(13, 999)
+    answer = solve(a, b, c)
+    code = f"print({expression.format(a=a, b=b, c=c)})"
+    return Draw("word_problem", (index, a, b, c), template.format(a=a, b=b, c=c), code, answer,
+                "Let me set up the calculation and let Python do the arithmetic.", f"The answer is {answer}.")
+
+
+KINDS: dict[str, Callable[[random.Random], Draw]] = {
+    "product": _product,
+    "modpow": _modpow,
+    "digit_sum_power": _digit_sum_power,
+    "divisors": _divisors,
+    "range_sum": _range_sum,
+    "gcd": _gcd,
+    "lcm": _lcm,
+    "multiples_sum": _multiples_sum,
+    "word_problem": _word_problem,
+}
+"""Problem generators by name; each draws one :class:`Draw` from a seeded ``Random``."""
+
+MIX: dict[str, float] = {
+    "product": 1.0,
+    "modpow": 1.0,
+    "digit_sum_power": 1.0,
+    "divisors": 1.0,
+    "range_sum": 1.0,
+    "gcd": 0.5,
+    "lcm": 0.5,
+    "multiples_sum": 1.0,
+    "word_problem": 2.0,
+}
+"""Default sampling weights of the kinds (calibrated in ``docs/sft.md``)."""
+
+
+# ---------------------------------------------------------------- drawing
+
+
+_MAX_MISSES = 5_000
+"""Consecutive draws without a new problem of the split after which the space counts as exhausted."""
+
+
+def split_of(draw: Draw) -> str:
+    """The split a problem belongs to: a hash of its operation and operands (20/40/40 %)."""
+    digest = hashlib.sha256(f"{draw.kind}:{draw.key}".encode()).digest()
+    bucket = int.from_bytes(digest[:4], "big") % 10
+    return "test" if bucket < 2 else "sft" if bucket < 6 else "rl"
+
+
+def draw_problems(n: int, seed: int, split: str, kinds: Sequence[str] | None = None) -> list[Draw]:
+    """``n`` distinct draws of ``split``, kinds weighted by :data:`MIX` (or uniform over ``kinds``)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    names = list(kinds) if kinds else list(MIX)
+    unknown = sorted(set(names) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown problem kind(s) {unknown}; choose from {sorted(KINDS)}")
+    weights = [MIX.get(k, 1.0) if not kinds else 1.0 for k in names]
+    rng = random.Random(f"retool-arithmetic/{seed}/{split}")
+    draws: dict[tuple[str, tuple[int, ...]], Draw] = {}
+    misses = 0
+    while misses < _MAX_MISSES:
+        draw = KINDS[rng.choices(names, weights)[0]](rng)
+        if split_of(draw) != split or (draw.kind, draw.key) in draws:
+            misses += 1
+            continue
+        draws[draw.kind, draw.key], misses = draw, 0
+        if len(draws) == n:
+            return list(draws.values())
+    raise ValueError(f"could only draw {len(draws)} distinct {split} problems of kinds {names}; ask for fewer")
+
+
+def make_problems(n: int, seed: int = 0, split: str = "test", kinds: Sequence[str] | None = None) -> list[Problem]:
+    """``n`` distinct problems of ``split`` (``rl`` to train on, ``test`` held out).
+
+    Ids are ``arith-<kind>-<hash>``: stable across calls and unique within a split.
+    """
+    return [_problem(d) for d in draw_problems(n, seed, split, kinds)]
+
+
+def _problem(draw: Draw) -> Problem:
+    digest = hashlib.sha256(f"{draw.kind}:{draw.key}".encode()).hexdigest()[:10]
+    return Problem(f"arith-{draw.kind}-{digest}", draw.question, str(draw.answer), DATA_SOURCE)
+
+
+# ---------------------------------------------------------------- SFT dialogues
+
+
+def make_sft_conversations(n: int, seed: int = 0, *, kinds: Sequence[str] | None = None,
+                           sandbox: Any = None) -> list[dict[str, Any]]:
+    """``n`` OpenAI-format tool dialogues for cold-start SFT (split ``sft``).
+
+    Each is ``{"id", "answer", "messages"}`` with messages system
+    (:data:`retool.protocol.SYSTEM_PROMPT`), user, assistant (plan + one
+    ``code_interpreter`` call), tool (the snippet's observation from the real sandbox)
+    and assistant (the answer, ending with ``\\boxed{N}``). ``sandbox`` is a
+    :class:`retool.sandbox.Sandbox` to use (one is started and closed otherwise).
+    Raises ``RuntimeError`` if a snippet's output is not its answer (a generator bug).
+    """
+    draws = draw_problems(n, seed, "sft", kinds)
+    observations = _run_all([d.code for d in draws], sandbox)
+    return [_conversation(d, obs) for d, obs in zip(draws, observations)]
+
+
+def _run_all(codes: list[str], sandbox: Any) -> list[str]:
+    from retool.sandbox import Sandbox, SandboxConfig
+
+    async def run(sb: Any) -> list[Any]:
+        return await asyncio.gather(*(sb.run(code, timeout_s=10.0) for code in codes))
+
+    if sandbox is not None:
+        results = asyncio.run(run(sandbox))
+    else:
+        with Sandbox(SandboxConfig(timeout_s=10.0, workers=4)) as sb:
+            results = asyncio.run(run(sb))
+    for code, result in zip(codes, results):
+        if not result.ok:
+            raise RuntimeError(f"generator snippet failed in the sandbox ({result.status.value}): {code!r}\n"
+                               f"{result.observation}")
+    return [r.observation for r in results]
+
+
+def _conversation(draw: Draw, observation: str) -> dict[str, Any]:
+    if observation.strip() != str(draw.answer):
+        raise RuntimeError(f"generator bug: {draw.code!r} printed {observation!r}, expected {draw.answer}")
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": TOOL_NAME, "arguments": json.dumps({"code": draw.code})}}
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": draw.question},
+        {"role": "assistant", "content": draw.plan, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "name": TOOL_NAME, "content": observation},
+        {"role": "assistant", "content": f"{draw.conclusion}\n\n\\boxed{{{draw.answer}}}"},
+    ]
+    return {"id": _problem(draw).id, "answer": str(draw.answer), "messages": messages}
+
+
+# ---------------------------------------------------------------- files and CLI
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    """Write rows as JSON Lines atomically (a reader never sees half a file); return the count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    count = 0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                count += 1
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return count
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "task-data", help="write the synthetic arithmetic task: SFT dialogues or RL/test problems",
+        description="Write the synthetic tool-worthy arithmetic task. Split 'sft' writes OpenAI-format "
+        "tool dialogues for `retool sft` (tool outputs from the real sandbox); splits 'rl' and 'test' "
+        "write problem rows {id, question, answer, data_source} for `retool train` and evaluation. "
+        "The splits never share a problem.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--split", choices=SPLITS, default="sft", help="which split to write")
+    p.add_argument("--n", type=int, default=400, help="number of dialogues or problems")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    p.add_argument("--kinds", default=None,
+                   help=f"comma-separated problem kinds (default: the calibrated mix of {', '.join(KINDS)})")
+    p.add_argument("--output", type=Path, required=True, help="the JSONL file to write")
+    p.set_defaults(func=_run_task_data)
+
+
+def _run_task_data(args: argparse.Namespace) -> int:
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
+    try:
+        if args.split == "sft":
+            rows: list[dict[str, Any]] = make_sft_conversations(args.n, args.seed, kinds=kinds)
+        else:
+            rows = [_problem_row(p) for p in make_problems(args.n, args.seed, args.split, kinds)]
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    count = write_jsonl(args.output, rows)
+    what = "dialogues" if args.split == "sft" else "problems"
+    print(f"wrote {count} {args.split} {what} to {args.output}")
+    return 0
+
+
+def _problem_row(p: Problem) -> dict[str, str]:
+    return {"id": p.id, "question": p.question, "answer": p.answer, "data_source": p.data_source}

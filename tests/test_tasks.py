@@ -1,0 +1,125 @@
+"""The synthetic arithmetic task: disjoint splits, correct answers, real-sandbox dialogues, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from retool import tasks
+from retool.data import load_problems
+from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
+from retool.reward import boxed, grade
+from retool.sandbox import Sandbox, SandboxConfig
+from retool.sft import parse_dialogue
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = Sandbox(SandboxConfig(timeout_s=10.0, workers=2))
+    yield sb
+    sb.close()
+
+
+def test_draws_are_deterministic_distinct_and_in_their_split():
+    first = tasks.make_problems(60, seed=3, split="rl")
+    assert first == tasks.make_problems(60, seed=3, split="rl")
+    assert first != tasks.make_problems(60, seed=4, split="rl")
+    assert len({p.id for p in first}) == 60
+    for split in tasks.SPLITS:
+        assert all(tasks.split_of(d) == split for d in tasks.draw_problems(40, 0, split))
+
+
+def test_splits_never_share_a_problem_whatever_the_seeds():
+    keys = {split: {(d.kind, d.key) for seed in range(2) for d in tasks.draw_problems(120, seed, split)}
+            for split in tasks.SPLITS}
+    assert not keys["test"] & keys["sft"]
+    assert not keys["test"] & keys["rl"]
+    assert not keys["sft"] & keys["rl"]
+
+
+def test_every_kind_appears_in_every_split():
+    for split in tasks.SPLITS:
+        for kind in tasks.KINDS:
+            draws = tasks.draw_problems(5, 0, split, kinds=[kind])
+            assert {d.kind for d in draws} == {kind}
+
+
+def test_answers_are_what_the_snippets_print_in_the_sandbox(sandbox):
+    draws = [d for kind in tasks.KINDS for d in tasks.draw_problems(2, 1, "test", kinds=[kind])]
+    for d in draws:
+        result = sandbox.run_sync(d.code)
+        assert result.ok, (d.code, result.observation)
+        assert result.observation.strip() == str(d.answer), d
+
+
+def test_gold_answers_grade_against_themselves():
+    for p in tasks.make_problems(8, seed=0, split="test"):
+        assert p.answer.lstrip("-").isdigit()
+        assert grade(boxed(p.answer), p.answer).correct
+
+
+def test_answers_are_beyond_mental_arithmetic():
+    """At least a clear majority of answers have many digits or come from big operands."""
+    problems = tasks.make_problems(200, seed=0, split="test")
+    assert sum(len(p.answer) >= 4 for p in problems) / len(problems) > 0.6
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="unknown split"):
+        tasks.make_problems(3, split="dev")
+    with pytest.raises(ValueError, match="unknown problem kind"):
+        tasks.make_problems(3, kinds=["factorial"])
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        tasks.make_problems(0)
+
+
+def test_an_exhausted_problem_space_is_an_error(monkeypatch):
+    def make(x):
+        return tasks.Draw("tiny", (x,), f"What is {x} + 1?", f"print({x} + 1)", x + 1, "Plan.", "Done.")
+
+    monkeypatch.setitem(tasks.KINDS, "tiny", lambda rng: make(rng.randint(1, 20)))  # 20 problems in all
+    available = sum(tasks.split_of(make(x)) == "test" for x in range(1, 21))
+    assert 0 < available < 20
+    assert len(tasks.make_problems(available, kinds=["tiny"])) == available
+    with pytest.raises(ValueError, match=f"could only draw {available} distinct test problems"):
+        tasks.make_problems(available + 1, kinds=["tiny"])
+
+
+def test_sft_conversations_are_valid_tool_dialogues(sandbox):
+    rows = tasks.make_sft_conversations(12, seed=5, sandbox=sandbox)
+    assert len({r["id"] for r in rows}) == 12
+    for row in rows:
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant"]
+        assert row["messages"][0]["content"] == SYSTEM_PROMPT
+        call = row["messages"][2]["tool_calls"][0]
+        assert call["function"]["name"] == TOOL_NAME
+        code = json.loads(call["function"]["arguments"])["code"]
+        assert row["messages"][3]["content"] == sandbox.run_sync(code).observation
+        assert row["messages"][4]["content"].endswith(f"\\boxed{{{row['answer']}}}")
+        dialogue = parse_dialogue(row)
+        assert dialogue.turns[0].code == code
+
+
+def test_a_generator_bug_is_caught_by_the_sandbox_check():
+    draw = tasks.draw_problems(1, 0, "sft", kinds=["product"])[0]
+    wrong = tasks.Draw(**{**draw.__dict__, "answer": draw.answer + 1})
+    with pytest.raises(RuntimeError, match="generator bug"):
+        tasks._conversation(wrong, f"{draw.answer}\n")
+
+
+def test_cli_writes_dialogues_and_loadable_problems(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    tasks.register(parser.add_subparsers())
+    for split, n in (("sft", 3), ("test", 5)):
+        out = tmp_path / f"{split}.jsonl"
+        args = parser.parse_args(["task-data", "--split", split, "--n", str(n), "--output", str(out)])
+        assert args.func(args) == 0
+        assert len(out.read_text().splitlines()) == n
+    problems = load_problems(tmp_path / "test.jsonl")
+    assert [p.id for p in problems] == [p.id for p in tasks.make_problems(5, 0, "test")]
+    args = parser.parse_args(["task-data", "--kinds", "nope", "--output", str(tmp_path / "x.jsonl")])
+    assert args.func(args) == 2
+    assert "unknown problem kind" in capsys.readouterr().err
