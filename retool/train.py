@@ -191,10 +191,15 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     metrics: dict[str, float] = {}
     t1 = time.monotonic()
     if datums:
-        fb = trainer.engine.forward_backward(datums, cfg.loss, _loss_config(cfg))
-        opt = trainer.engine.optim_step(AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                                                   weight_decay=cfg.weight_decay,
-                                                   grad_clip_norm=cfg.grad_clip_norm))
+        adam = AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
+                          grad_clip_norm=cfg.grad_clip_norm)
+        try:
+            fb = trainer.engine.forward_backward(datums, cfg.loss, _loss_config(cfg))
+            opt = trainer.engine.optim_step(adam)
+        except (FloatingPointError, RuntimeError, ValueError) as err:  # non-finite loss/inputs, OOM
+            raise StepError(f"step {step}: the update failed and was not applied "
+                            f"({type(err).__name__}: {err}); resume from the last checkpoint "
+                            "after fixing the cause (e.g. a lower --lr or --micro-batch-tokens)") from err
         metrics.update(fb.metrics)
         metrics.update(opt.metrics)
     t_train = time.monotonic() - t1

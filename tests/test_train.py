@@ -187,3 +187,27 @@ def test_docs_list_every_flag():
     from retool.config import markdown_table
 
     assert markdown_table(TrainConfig) in (REPO / "docs" / "train.md").read_text()
+
+
+def test_a_non_finite_update_stops_the_run_with_the_step(tmp_path):
+    """A NaN in the sampler logprobs makes the PPO loss non-finite: the run stops, says where."""
+    from retool.train import StepError, build_trainer, train_step
+
+    trainer = build_trainer(tiny_config(tmp_path))
+    real_groups = trainer.rollout.groups
+
+    async def poisoned(problems, group_size):
+        import dataclasses
+
+        groups = await real_groups(problems, group_size)
+        bad = groups[0][0]
+        logprobs = tuple(float("nan") if m else lp for lp, m in zip(bad.logprobs_T, bad.mask_T))
+        groups[0][0] = dataclasses.replace(bad, logprobs_T=logprobs,
+                                           grade=dataclasses.replace(bad.grade, reward=1.0))
+        return groups
+
+    trainer.rollout.groups = poisoned
+    before = [p.detach().clone() for p in trainer.engine.params]
+    with pytest.raises(StepError, match="step 1: the update failed and was not applied"):
+        train_step(trainer, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.engine.params))
