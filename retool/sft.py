@@ -452,15 +452,10 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
 
 def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SFTData]:
     """Load the engine and turn ``dialogues`` into datums."""
-    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
     from retool.render import Renderer
-    from retool.train import resolve_init_from
+    from retool.train import load_engine
 
-    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
-    engine = LocalTrainingClient(LocalEngineConfig(
-        model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-        lora_targets=targets, device=cfg.device, dtype=cfg.dtype, gradient_checkpointing=cfg.gradient_checkpointing,
-        micro_batch_tokens=cfg.micro_batch_tokens, seed=cfg.seed, init_from=resolve_init_from(cfg.init_from)))
+    engine = load_engine(cfg)
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=True, model_name=cfg.model)
     data = build_sft_data(dialogues, renderer, max_seq_tokens=cfg.max_seq_tokens,
                           max_tool_response_tokens=cfg.max_tool_response_tokens)

@@ -357,19 +357,13 @@ def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) ->
 def build_trainer(cfg: TrainConfig) -> Trainer:
     """Load data, engine, renderer, sandbox and rollout for ``cfg``."""
     from retool.data import load_problems
-    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
     from retool.render import Renderer
     from retool.reward import agrade
     from retool.rollout import Rollout, RolloutConfig
     from retool.sandbox import Sandbox, SandboxConfig
 
     problems = load_problems(cfg.train_data)
-    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
-    engine = LocalTrainingClient(LocalEngineConfig(
-        model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-        lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
-        gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
-        seed=cfg.seed, init_from=resolve_init_from(cfg.init_from)))
+    engine = load_engine(cfg)
     tools = cfg.mode == "retool"
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model)
     sandbox = Sandbox(SandboxConfig(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
@@ -380,6 +374,19 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         max_tool_response_tokens=cfg.max_tool_response_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         sandbox_timeout_s=cfg.sandbox_timeout_s))
     return Trainer(cfg, engine, rollout, problems, sandbox)
+
+
+def load_engine(cfg: Any) -> Any:
+    """The local training engine for a config with the model/adapter fields that
+    ``TrainConfig`` and ``retool.sft.SFTConfig`` share (model, LoRA, device, init_from, seed)."""
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
+    return LocalTrainingClient(LocalEngineConfig(
+        model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
+        gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
+        seed=cfg.seed, init_from=resolve_init_from(cfg.init_from)))
 
 
 def resolve_init_from(path: str | None) -> str | None:
