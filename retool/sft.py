@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, config_from_dict, option, require, save_config
+from retool.engines.base import ModelConfig
 from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
 from retool.types import Datum
 
@@ -53,21 +54,13 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
-class SFTConfig:
-    """Every knob of ``retool sft``; model/adapter settings mirror ``retool train``'s."""
+class SFTConfig(ModelConfig):
+    """Every knob of ``retool sft``.
 
-    # ---- model and engine (keep them equal to the RL run's: its --init-from loads this adapter)
-    model: str = option("Qwen/Qwen3.5-4B", "HF model id, local folder, or bundled:smollm2")
-    chat_template: str | None = option(None, "chat-template override: 'hermes', a .jinja file, or Jinja source")
-    device: str = option("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
-    full_finetune: bool = option(False, "train all weights instead of a LoRA adapter")
-    lora_rank: int = option(32, "LoRA rank")
-    lora_alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank)")
-    lora_targets: str = option("all-linear", "LoRA target modules: all-linear or comma-separated names")
-    gradient_checkpointing: bool = option(False, "recompute activations to save memory")
-    micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
-    init_from: str | None = option(None, "start from these weights: a run folder or a checkpoint folder")
+    The model and adapter fields come from :class:`retool.engines.base.ModelConfig`,
+    shared with ``retool train``: keep them equal in both runs, since the RL run's
+    ``--init-from`` loads this run's adapter.
+    """
 
     # ---- data
     data: str = option("data/sft.jsonl", "OpenAI-format tool dialogues (JSONL; see `retool task-data`)")
@@ -94,9 +87,9 @@ class SFTConfig:
     seed: int = option(42, "seed of data order and adapter init")
 
     def validate(self) -> None:
-        for name in ("batch_size", "save_every", "lora_rank", "micro_batch_tokens", "max_seq_tokens",
-                     "max_tool_response_tokens"):
+        for name in ("batch_size", "save_every", "max_seq_tokens", "max_tool_response_tokens"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        self.validate_model()
         require(self.max_steps is None or self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
         require(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -455,7 +448,7 @@ def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SF
     from retool.render import Renderer
     from retool.train import load_engine
 
-    engine = load_engine(cfg)
+    engine = load_engine(cfg, cfg.seed)
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=True, model_name=cfg.model)
     data = build_sft_data(dialogues, renderer, max_seq_tokens=cfg.max_seq_tokens,
                           max_tool_response_tokens=cfg.max_tool_response_tokens)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, config_from_dict, option, require, save_config
+from retool.engines.base import ModelConfig
 
 CHECKPOINT_PREFIX = "step_"
 LOSSES = ("ppo", "importance_sampling")
@@ -46,22 +47,14 @@ MODES = ("retool", "text")
 
 
 @dataclass
-class TrainConfig:
-    """Every knob of ``retool train``; defaults are the seed's configuration (SPEC §3)."""
+class TrainConfig(ModelConfig):
+    """Every knob of ``retool train``; defaults are the seed's configuration (SPEC §3).
 
-    # ---- model and engine
-    model: str = option("Qwen/Qwen3.5-4B", "HF model id, local folder, or bundled:smollm2")
-    chat_template: str | None = option(None, "chat-template override: 'hermes', a .jinja file, or Jinja source")
+    The model and adapter fields come from :class:`retool.engines.base.ModelConfig`
+    (shared with ``retool sft``).
+    """
+
     engine: str = option("local", "training backend", choices=("local",))
-    device: str = option("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
-    full_finetune: bool = option(False, "train all weights instead of a LoRA adapter")
-    lora_rank: int = option(32, "LoRA rank")
-    lora_alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank)")
-    lora_targets: str = option("all-linear", "LoRA target modules: all-linear or comma-separated names")
-    gradient_checkpointing: bool = option(False, "recompute activations to save memory")
-    micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
-    init_from: str | None = option(None, "start from these weights: an SFT run folder or a checkpoint folder")
 
     # ---- data and batch
     train_data: str = option("data/train.jsonl", "training problems (JSONL from retool prepare-data, or a bundled set)")
@@ -109,8 +102,9 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("batch_size", "group_size", "max_steps", "max_assistant_turns", "max_trajectory_tokens",
                      "max_turn_tokens", "max_tool_response_tokens", "sandbox_workers", "save_every",
-                     "lora_rank", "micro_batch_tokens", "sandbox_memory_mb"):
+                     "sandbox_memory_mb"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        self.validate_model()
         require(self.group_size >= 2, f"group_size must be >= 2 for group-centred advantages, got {self.group_size}")
         require(self.max_code_calls >= 0, f"max_code_calls must be >= 0, got {self.max_code_calls}")
         require(self.max_turn_tokens < self.max_trajectory_tokens,
@@ -363,7 +357,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from retool.sandbox import Sandbox, SandboxConfig
 
     problems = load_problems(cfg.train_data)
-    engine = load_engine(cfg)
+    engine = load_engine(cfg, cfg.seed)
     tools = cfg.mode == "retool"
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model)
     sandbox = Sandbox(SandboxConfig(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
@@ -376,9 +370,9 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     return Trainer(cfg, engine, rollout, problems, sandbox)
 
 
-def load_engine(cfg: Any) -> Any:
-    """The local training engine for a config with the model/adapter fields that
-    ``TrainConfig`` and ``retool.sft.SFTConfig`` share (model, LoRA, device, init_from, seed)."""
+def load_engine(cfg: ModelConfig, seed: int) -> Any:
+    """The local training engine for the model/adapter settings that ``TrainConfig`` and
+    ``retool.sft.SFTConfig`` share (:class:`~retool.engines.base.ModelConfig`)."""
     from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
@@ -386,7 +380,8 @@ def load_engine(cfg: Any) -> Any:
         model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
         lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
         gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
-        seed=cfg.seed, init_from=resolve_init_from(cfg.init_from)))
+        packing=cfg.packing,
+        seed=seed, init_from=resolve_init_from(cfg.init_from)))
 
 
 def resolve_init_from(path: str | None) -> str | None:

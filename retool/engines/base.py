@@ -35,7 +35,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from retool.config import option, require
 from retool.types import Datum, StopReason
+
+
+
+@dataclass
+class ModelConfig:
+    """Which model a training engine holds and how it is adapted.
+
+    The fields ``retool train`` and ``retool sft`` share (both configs subclass this), so
+    an SFT run and the RL run that continues from it (``--init-from``) are described by
+    the same settings; ``retool.train.load_engine`` builds the engine from them.
+    """
+
+    model: str = option("Qwen/Qwen3.5-4B", "HF model id, local folder, or bundled:smollm2")
+    chat_template: str | None = option(None, "chat-template override: 'hermes', a .jinja file, or Jinja source")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
+    full_finetune: bool = option(False, "train all weights instead of a LoRA adapter")
+    lora_rank: int = option(32, "LoRA rank")
+    lora_alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank)")
+    lora_targets: str = option("all-linear", "LoRA target modules: all-linear or comma-separated names")
+    gradient_checkpointing: bool = option(False, "recompute activations to save memory")
+    micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
+    packing: str = option("bucketed", "micro-batch layout: bucketed (padded rows, any model), packed (one "
+                          "padding-free row) or shared-prefix (packed, shared prompt prefix computed once: "
+                          "2-3x faster for short turns under a long prompt; pure-attention models only)",
+                          choices=("bucketed", "packed", "shared-prefix"))
+    init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
+
+    def validate_model(self) -> None:
+        """Reject bad model/adapter values (raises ``retool.config.ConfigError``)."""
+        for name in ("lora_rank", "micro_batch_tokens"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
+        require(self.dtype in ("auto", "float32", "bfloat16"),
+                f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        require(bool(self.lora_targets.strip()), "lora_targets must name at least one module (or all-linear)")
 
 
 @dataclass(frozen=True)
