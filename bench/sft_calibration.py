@@ -32,8 +32,8 @@ from retool.tasks import make_problems
 PHASES = ("zero_shot_tool", "zero_shot_text", "sft", "after_sft_tool", "after_sft_text")
 
 
-def evaluate(engine, problems, *, tools: bool, chat_template: str, temperature: float, max_turn_tokens: int,
-             seed: int) -> dict:
+def evaluate(engine, problems, *, tools: bool, chat_template: str, temperature: float, top_p: float,
+             max_turn_tokens: int, seed: int) -> dict:
     """Roll out every problem once with the engine's current weights; accuracy and rollout metrics."""
     from retool.render import Renderer
     from retool.reward import agrade
@@ -42,7 +42,7 @@ def evaluate(engine, problems, *, tools: bool, chat_template: str, temperature: 
 
     renderer = Renderer(engine.get_tokenizer(), chat_template=chat_template, tools=tools)
     config = RolloutConfig(max_turn_tokens=max_turn_tokens, max_trajectory_tokens=1024 + max_turn_tokens,
-                           temperature=temperature, sandbox_timeout_s=10.0, seed=seed)
+                           temperature=temperature, top_p=top_p, sandbox_timeout_s=10.0, seed=seed)
     t0 = time.monotonic()
     with Sandbox(SandboxConfig(timeout_s=10.0, workers=4)) as sandbox:
         rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox if tools else None, agrade, config)
@@ -87,6 +87,7 @@ def main() -> int:
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--n-test", type=int, default=32, help="held-out problems (split 'test')")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling of the evaluations (retool eval's default)")
     p.add_argument("--max-turn-tokens", type=int, default=160)
     p.add_argument("--phases", default=",".join(PHASES),
                    help=f"comma-separated phases to run, in this order: {','.join(PHASES)}")
@@ -113,7 +114,7 @@ def main() -> int:
 
     def phase(name: str, tools: bool) -> None:
         out = evaluate(run.engine, problems, tools=tools, chat_template=args.chat_template,
-                       temperature=args.temperature, max_turn_tokens=args.max_turn_tokens, seed=args.seed)
+                       temperature=args.temperature, top_p=args.top_p, max_turn_tokens=args.max_turn_tokens, seed=args.seed)
         results[name] = out
         print(f"{name}: " + json.dumps({k: v for k, v in out.items() if k != "examples"}), file=sys.stderr)
         print(f"  first turn: {out['examples'][0]!r}", file=sys.stderr)

@@ -70,18 +70,20 @@ class Draw:
 
 # ---------------------------------------------------------------- operations
 
-_PLANS = (
-    "This is too error-prone to do by hand, so I will compute it with Python.",
-    "Let me compute this exactly with the code interpreter.",
-    "I will let Python do the arithmetic.",
-)
+def _plan(what: str) -> str:
+    """The assistant's text before the call: what to compute, stated before the code that computes it.
+
+    Stating the expression first gives a small model a copy path question → plan → code
+    (measured in ``docs/sft.md``: with generic plans it wrote prose into the ``code`` argument).
+    """
+    return f"I need {what}. That is error-prone by hand, so I will compute it with Python."
 
 
 def _product(rng: random.Random) -> Draw:
     a, b = rng.randint(100, 99_999), rng.randint(1_000, 99_999)
     question = rng.choice((f"What is {a} × {b}?", f"Compute the product of {a} and {b}.",
                            f"Multiply {a} by {b}. What is the result?"))
-    return Draw("product", (a, b), question, f"print({a} * {b})", a * b, rng.choice(_PLANS),
+    return Draw("product", (a, b), question, f"print({a} * {b})", a * b, _plan(f"{a} * {b}"),
                 f"{a} × {b} = {a * b}.")
 
 
@@ -91,7 +93,7 @@ def _modpow(rng: random.Random) -> Draw:
     question = rng.choice((f"What is the remainder when {base}^{exponent} is divided by {modulus}?",
                            f"Find {base}^{exponent} mod {modulus}."))
     return Draw("modpow", (base, exponent, modulus), question, f"print(pow({base}, {exponent}, {modulus}))",
-                answer, rng.choice(_PLANS), f"The remainder is {answer}.")
+                answer, _plan(f"pow({base}, {exponent}, {modulus})"), f"The remainder is {answer}.")
 
 
 def _digit_sum_power(rng: random.Random) -> Draw:
@@ -100,7 +102,8 @@ def _digit_sum_power(rng: random.Random) -> Draw:
     question = rng.choice((f"What is the sum of the digits of {base}^{exponent}?",
                            f"Find the digit sum of {base} raised to the power {exponent}."))
     code = f"print(sum(int(d) for d in str({base} ** {exponent})))"
-    return Draw("digit_sum_power", (base, exponent), question, code, answer, rng.choice(_PLANS),
+    return Draw("digit_sum_power", (base, exponent), question, code, answer,
+                _plan(f"the digit sum of {base} ** {exponent}"),
                 f"The digit sum of {base}^{exponent} is {answer}.")
 
 
@@ -110,7 +113,8 @@ def _divisors(rng: random.Random) -> Draw:
     question = rng.choice((f"How many positive divisors does {n} have?",
                            f"Count the positive integers that divide {n}."))
     code = f"n = {n}\nprint(sum(1 for d in range(1, n + 1) if n % d == 0))"
-    return Draw("divisors", (n,), question, code, answer, rng.choice(_PLANS), f"{n} has {answer} divisors.")
+    return Draw("divisors", (n,), question, code, answer, _plan(f"the number of divisors of {n}"),
+                f"{n} has {answer} divisors.")
 
 
 def _range_sum(rng: random.Random) -> Draw:
@@ -119,7 +123,7 @@ def _range_sum(rng: random.Random) -> Draw:
     question = rng.choice((f"What is the sum of all integers from {a} to {b} inclusive?",
                            f"Add up every whole number from {a} through {b}."))
     return Draw("range_sum", (a, b), question, f"print(sum(range({a}, {b} + 1)))", (a + b) * (b - a + 1) // 2,
-                rng.choice(_PLANS), f"The sum is {(a + b) * (b - a + 1) // 2}.")
+                _plan(f"sum(range({a}, {b} + 1))"), f"The sum is {(a + b) * (b - a + 1) // 2}.")
 
 
 def _gcd_operands(rng: random.Random) -> tuple[int, int]:
@@ -132,14 +136,14 @@ def _gcd(rng: random.Random) -> Draw:
     a, b = _gcd_operands(rng)
     question = rng.choice((f"What is the greatest common divisor of {a} and {b}?", f"Find gcd({a}, {b})."))
     return Draw("gcd", (a, b), question, f"import math\nprint(math.gcd({a}, {b}))", math.gcd(a, b),
-                rng.choice(_PLANS), f"The greatest common divisor is {math.gcd(a, b)}.")
+                _plan(f"math.gcd({a}, {b})"), f"The greatest common divisor is {math.gcd(a, b)}.")
 
 
 def _lcm(rng: random.Random) -> Draw:
     a, b = _gcd_operands(rng)
     question = rng.choice((f"What is the least common multiple of {a} and {b}?", f"Find lcm({a}, {b})."))
     return Draw("lcm", (a, b), question, f"import math\nprint(math.lcm({a}, {b}))", math.lcm(a, b),
-                rng.choice(_PLANS), f"The least common multiple is {math.lcm(a, b)}.")
+                _plan(f"math.lcm({a}, {b})"), f"The least common multiple is {math.lcm(a, b)}.")
 
 
 def _multiples_sum(rng: random.Random) -> Draw:
@@ -148,7 +152,8 @@ def _multiples_sum(rng: random.Random) -> Draw:
     question = rng.choice((f"What is the sum of all positive multiples of {k} that are less than {n}?",
                            f"Add up all the multiples of {k} below {n}."))
     code = f"print(sum(x for x in range(1, {n}) if x % {k} == 0))"
-    return Draw("multiples_sum", (k, n), question, code, answer, rng.choice(_PLANS), f"The sum is {answer}.")
+    return Draw("multiples_sum", (k, n), question, code, answer,
+                _plan(f"the sum of the multiples of {k} below {n}"), f"The sum is {answer}.")
 
 
 _STORIES = (
@@ -171,9 +176,9 @@ def _word_problem(rng: random.Random) -> Draw:
     template, expression, solve = _STORIES[index]
     a, b, c = rng.randint(100, 9_999), rng.randint(12, 999), rng.randint(13, 999)
     answer = solve(a, b, c)
-    code = f"print({expression.format(a=a, b=b, c=c)})"
-    return Draw("word_problem", (index, a, b, c), template.format(a=a, b=b, c=c), code, answer,
-                "Let me set up the calculation and let Python do the arithmetic.", f"The answer is {answer}.")
+    formula = expression.format(a=a, b=b, c=c)
+    return Draw("word_problem", (index, a, b, c), template.format(a=a, b=b, c=c), f"print({formula})", answer,
+                _plan(formula), f"The answer is {answer}.")
 
 
 KINDS: dict[str, Callable[[random.Random], Draw]] = {

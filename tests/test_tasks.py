@@ -66,6 +66,19 @@ def test_answers_are_beyond_mental_arithmetic():
     assert sum(len(p.answer) >= 4 for p in problems) / len(problems) > 0.6
 
 
+def test_plans_state_the_operands_before_the_call():
+    # the copy path question -> plan -> code that a small model can follow (docs/sft.md)
+    import re
+
+    for draw in tasks.draw_problems(120, seed=5, split="sft"):
+        numbers = re.findall(r"\d+", draw.question)
+        operands = [n for n in numbers if n in draw.code]
+        assert operands, draw
+        assert all(n in draw.plan for n in operands), (draw.plan, draw.code)
+        if draw.kind in ("product", "word_problem"):  # the plan holds the code's very expression
+            assert draw.code.removeprefix("print(").removesuffix(")") in draw.plan
+
+
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="unknown split"):
         tasks.make_problems(3, split="dev")
