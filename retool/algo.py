@@ -252,9 +252,11 @@ def token_mean(loss_N: Tensor, weights_N: Tensor) -> Tensor:
 # ---------------------------------------------------------------- micro-batching
 
 
-PACKINGS = ("bucketed", "packed")
+PACKINGS = ("bucketed", "packed", "shared-prefix")
 """``bucketed``: rows of similar length, right-padded to the longest in the micro-batch;
-``packed``: every sequence of a micro-batch concatenated into one row (padding-free)."""
+``packed``: every sequence of a micro-batch concatenated into one row (padding-free);
+``shared-prefix``: packed, and the prompt prefix the sequences share is computed once
+(planned like ``packed`` on the lengths after that prefix)."""
 
 
 def plan_micro_batches(lengths_D: Sequence[int], token_budget: int,
@@ -263,8 +265,8 @@ def plan_micro_batches(lengths_D: Sequence[int], token_budget: int,
 
     Datums are taken longest first. ``bucketed`` fills one micro-batch at a time, so
     each holds neighbouring lengths, and counts its padded size ``rows * longest``;
-    ``packed`` puts each datum into the first micro-batch with room (first-fit
-    decreasing) and counts the sum of lengths. A datum longer than the budget gets a
+    ``packed`` and ``shared-prefix`` put each datum into the first micro-batch with room
+    (first-fit decreasing) and count the sum of lengths. A datum longer than the budget gets a
     micro-batch of its own. Returns datum indices per micro-batch; every index appears
     exactly once.
     """
@@ -275,7 +277,7 @@ def plan_micro_batches(lengths_D: Sequence[int], token_budget: int,
     order = sorted(range(len(lengths_D)), key=lambda i: (-lengths_D[i], i))
     plan: list[list[int]] = []
     for i in order:
-        candidates = plan if packing == "packed" else plan[-1:]
+        candidates = plan if packing != "bucketed" else plan[-1:]
         fits = [b for b in candidates if _cost([lengths_D[j] for j in b + [i]], packing) <= token_budget]
         if fits:
             fits[0].append(i)
@@ -285,4 +287,4 @@ def plan_micro_batches(lengths_D: Sequence[int], token_budget: int,
 
 
 def _cost(lengths: list[int], packing: str) -> int:
-    return sum(lengths) if packing == "packed" else len(lengths) * max(lengths)
+    return sum(lengths) if packing != "bucketed" else len(lengths) * max(lengths)

@@ -20,6 +20,7 @@ import torch
 
 from retool import algo
 from retool.engines import base, create_training_client
+from retool.engines import local
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 from retool.types import StopReason
 
@@ -190,6 +191,41 @@ def test_packed_micro_batches_give_the_bucketed_gradient(make_engine):
     for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D):
         assert lp_a == pytest.approx(lp_b, abs=1e-5)
     assert_same(grads(bucketed), grads(packed))
+
+
+def prompt_sharing_datums() -> list:
+    """Datums like an RL batch: one system prefix, two groups with their own question,
+    responses of varied length; one datum is only the shared prompt plus one token."""
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(3, VOCAB, (9,), generator=g).tolist()
+    questions = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 2)]
+    datums = []
+    for i, length in enumerate((6, 11, 4, 8, 1)):
+        prompt = system + questions[i % 2]
+        response = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        logprobs = (-4.0 + torch.randn(len(prompt) + length, generator=g)).tolist()
+        datums.append(algo.make_datum(prompt + response, [0] * len(prompt) + [1] * length, logprobs,
+                                      advantage=(-1.0) ** i * (0.5 + i)))
+    return datums
+
+
+@pytest.mark.parametrize("loss_fn,budget", [("ppo", 4096), ("ppo", 24), ("cross_entropy", 4096)])
+def test_shared_prefix_packing_gives_the_bucketed_logprobs_and_gradient(make_engine, loss_fn, budget):
+    bucketed, shared = make_engine(), make_engine(packing="shared-prefix", micro_batch_tokens=budget)
+    perturb_lora_b(bucketed)
+    perturb_lora_b(shared)
+    datums = prompt_sharing_datums()
+    if loss_fn == "cross_entropy":  # train on the prompt tokens too: gradients through the shared rows
+        datums = [dataclasses.replace(d, weights_N=(1.0,) * d.num_tokens) for d in datums]
+    assert local._shared_prefix_length(datums) == 9
+    assert local._shared_prefix_length(datums[::2]) == 12  # one group: its question is shared too
+    a = bucketed.forward_backward(datums, loss_fn)
+    b = shared.forward_backward(datums, loss_fn)
+    assert (b.metrics["train/micro_batches"] > 1) == (budget < 100)
+    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    assert b.metrics["train/loss"] == pytest.approx(a.metrics["train/loss"], rel=1e-5)
+    assert_same(grads(bucketed), grads(shared))
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(make_engine):

@@ -211,3 +211,20 @@ def test_a_non_finite_update_stops_the_run_with_the_step(tmp_path):
     with pytest.raises(StepError, match="step 1: the update failed and was not applied"):
         train_step(trainer, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.engine.params))
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_presets_are_valid_train_configs(preset):
+    from retool.config import load_toml, make_config
+
+    cfg = make_config(TrainConfig, **load_toml(TrainConfig, preset))
+    assert cfg.max_turn_tokens < cfg.max_trajectory_tokens
+
+
+def test_packing_choices_are_the_engines():
+    import dataclasses
+
+    from retool import algo
+
+    field = {f.name: f for f in dataclasses.fields(TrainConfig)}["packing"]
+    assert tuple(field.metadata["choices"]) == algo.PACKINGS
