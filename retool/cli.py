@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.train",
     "retool.evaluate",
     "retool.demo",
+    "retool.report.compare",
     "retool.report.plots",
     "retool.report.view",
 )

@@ -14,9 +14,14 @@ Definitions (those of the seed's report, plus the unbiased estimator):
   over the per-problem accuracies, divided by √problems): the noise of the problem set,
   not of the sampling.
 
+- **paired difference** of two evals of the same problems (:func:`paired_difference`) —
+  the mean over problems of ``after - before`` and its standard error (sample std of
+  the per-problem differences over √problems). Pairing removes the problem-difficulty
+  variance both evals share, so it is the honest "did training help" test
+  (``retool compare``).
+
 Everything here is a pure function of counts or of :class:`~retool.types.Trajectory`
-records. Not covered: bootstrap confidence intervals, per-difficulty breakdowns,
-significance tests between checkpoints.
+records. Not covered: bootstrap confidence intervals, per-difficulty breakdowns.
 """
 
 from __future__ import annotations
@@ -75,6 +80,26 @@ def average_at_k_stderr(counts: Sequence[tuple[int, int]]) -> float:
     mean = sum(accuracies) / len(accuracies)
     variance = sum((a - mean) ** 2 for a in accuracies) / (len(accuracies) - 1)
     return math.sqrt(variance / len(accuracies))
+
+
+def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
+    """Mean of ``after[i] - before[i]`` over problems and its standard error.
+
+    ``before`` and ``after`` hold one per-problem value each (e.g. the fraction of a
+    problem's samples that are correct), in the same problem order. The standard error
+    is ``std(differences, ddof=1) / sqrt(problems)`` (0.0 for one problem). Raises
+    ``ValueError`` for empty or unequal-length inputs.
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired_difference: {len(before)} values before, {len(after)} after")
+    if not before:
+        raise ValueError("paired_difference: no problems")
+    diffs = [b - a for a, b in zip(before, after)]
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return mean, 0.0
+    variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(variance / len(diffs))
 
 
 def summarize(problem_rows: Iterable[Mapping]) -> dict:

@@ -1,0 +1,155 @@
+"""``retool compare BEFORE AFTER``: did training help, beyond the noise?
+
+Reads two eval results files of the same problems (e.g. the SFT checkpoint and the RL
+checkpoint, written by ``retool eval``) and prints, per metric, both values, their
+difference and the *paired* standard error of the difference
+(:func:`retool.stats.paired_difference`: per-problem ``after - before``, so the
+difficulty of each problem, which both evals share, cancels). A difference larger than
+two standard errors is flagged as significant.
+
+Per-problem metrics (paired s.e.): accuracy (Average@k), format (boxed answers), used
+the tool (share of samples with at least one executed call), code calls per sample.
+Pooled metric (no s.e.): valid tool-call rate (calls that parsed and named the tool, over
+all call attempts), as the training metric ``rollout/valid_tool_call_rate`` defines it.
+
+Only problems present in both files are compared; how many were left out is printed.
+Interrupted evals (no summary line yet) are compared on the problems they finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from retool.report import ReportInputError, read_eval_results
+from retool.serialize import trajectory_from_jsonable
+from retool.stats import paired_difference
+
+PAIRED_METRICS = ("accuracy", "format", "used_tool", "code_calls")
+
+
+@dataclass(frozen=True)
+class MetricComparison:
+    """One metric of two evals: values, difference, paired s.e. (``None`` when pooled)."""
+
+    name: str
+    before: float
+    after: float
+    stderr: float | None
+
+    @property
+    def difference(self) -> float:
+        return self.after - self.before
+
+    @property
+    def z(self) -> float | None:
+        """Difference over its standard error (``None`` without one or when it is 0)."""
+        if not self.stderr:
+            return None
+        return self.difference / self.stderr
+
+    @property
+    def significant(self) -> bool:
+        """Whether the difference exceeds two standard errors."""
+        return self.z is not None and abs(self.z) > 2
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The comparison of two eval files on their common problems."""
+
+    before: Path
+    after: Path
+    problems: int
+    only_before: int
+    only_after: int
+    metrics: tuple[MetricComparison, ...]
+
+    def metric(self, name: str) -> MetricComparison:
+        return next(m for m in self.metrics if m.name == name)
+
+
+def _per_problem(row: dict) -> dict[str, float]:
+    samples = [trajectory_from_jsonable(dict(s)) for s in row["samples"]]
+    if not samples:
+        raise ReportInputError(f"problem {row.get('problem_id')!r} has no samples")
+    n = len(samples)
+    return {"accuracy": sum(t.grade.correct for t in samples) / n,
+            "format": sum(t.grade.formatted for t in samples) / n,
+            "used_tool": sum(t.num_code_calls > 0 for t in samples) / n,
+            "code_calls": sum(t.num_code_calls for t in samples) / n}
+
+
+def _valid_call_rate(rows: list[dict]) -> float:
+    from retool.rollout import rollout_metrics
+
+    samples = [trajectory_from_jsonable(dict(s)) for row in rows for s in row["samples"]]
+    return rollout_metrics(samples)["rollout/valid_tool_call_rate"]
+
+
+def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
+    """Compare two eval results files; raises :class:`ReportInputError` on bad input."""
+    before, after = read_eval_results(before_path), read_eval_results(after_path)
+    rows_before = {r["problem_id"]: r for r in before.problems}
+    rows_after = {r["problem_id"]: r for r in after.problems}
+    common = [pid for pid in rows_before if pid in rows_after]
+    if not common:
+        raise ReportInputError(f"{before_path} and {after_path} share no problem")
+    values_before = [_per_problem(rows_before[pid]) for pid in common]
+    values_after = [_per_problem(rows_after[pid]) for pid in common]
+    metrics = []
+    for name in PAIRED_METRICS:
+        a, b = [v[name] for v in values_before], [v[name] for v in values_after]
+        _, stderr = paired_difference(a, b)
+        metrics.append(MetricComparison(name, sum(a) / len(a), sum(b) / len(b), stderr))
+    metrics.append(MetricComparison("valid_tool_call_rate", _valid_call_rate([rows_before[p] for p in common]),
+                                    _valid_call_rate([rows_after[p] for p in common]), None))
+    return Comparison(Path(before_path), Path(after_path), len(common), len(rows_before) - len(common),
+                      len(rows_after) - len(common), tuple(metrics))
+
+
+def format_table(result: Comparison) -> str:
+    """A Markdown table of the comparison (pasteable into docs)."""
+    lines = ["| metric | before | after | difference | paired s.e. | z | > 2 s.e. |",
+             "|---|---|---|---|---|---|---|"]
+    for m in result.metrics:
+        pct = m.name != "code_calls"
+        fmt = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: f"{x:.2f}")
+        diff = f"{100 * m.difference:+.1f} pts" if pct else f"{m.difference:+.2f}"
+        se = "—" if m.stderr is None else (f"{100 * m.stderr:.1f} pts" if pct else f"{m.stderr:.2f}")
+        z = "—" if m.z is None else f"{m.z:+.2f}"
+        lines.append(f"| {m.name} | {fmt(m.before)} | {fmt(m.after)} | {diff} | {se} | {z} | "
+                     f"{'yes' if m.significant else 'no'} |")
+    return "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "compare", help="compare two evals of the same problems: difference and paired standard error",
+        description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("before", type=Path, help="eval results file of the earlier model (e.g. after SFT)")
+    p.add_argument("after", type=Path, help="eval results file of the later model (e.g. after RL)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON instead of a table")
+    p.set_defaults(func=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    try:
+        result = compare(args.before, args.after)
+    except ReportInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"before": str(result.before), "after": str(result.after), "problems": result.problems,
+                          "metrics": {m.name: {"before": m.before, "after": m.after, "difference": m.difference,
+                                               "stderr": m.stderr, "z": m.z, "significant": m.significant}
+                                      for m in result.metrics}}, indent=2))
+        return 0
+    print(f"{result.before} -> {result.after}: {result.problems} common problems"
+          + (f" ({result.only_before} only before, {result.only_after} only after)"
+             if result.only_before or result.only_after else ""))
+    print(format_table(result))
+    return 0

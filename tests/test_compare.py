@@ -1,0 +1,73 @@
+"""``retool compare``: paired difference of two evals, checked against hand computation."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from retool.cli import main
+from retool.report import read_eval_results
+from retool.report.compare import compare
+from retool.stats import paired_difference
+
+EVAL = Path(__file__).parent / "fixtures" / "report" / "eval"
+
+
+def test_paired_difference_by_hand():
+    diff, se = paired_difference([0.0, 0.5, 1.0, 0.25], [0.5, 0.5, 1.0, 1.0])
+    # differences 0.5, 0, 0, 0.75: mean 0.3125, sample std 0.375
+    assert diff == pytest.approx(0.3125)
+    d = [0.5, 0.0, 0.0, 0.75]
+    sd = math.sqrt(sum((x - 0.3125) ** 2 for x in d) / 3)
+    assert se == pytest.approx(sd / 2)
+    assert paired_difference([0.2], [0.7]) == (pytest.approx(0.5), 0.0)
+    with pytest.raises(ValueError, match="1 values before, 2 after"):
+        paired_difference([0.1], [0.1, 0.2])
+    with pytest.raises(ValueError, match="no problems"):
+        paired_difference([], [])
+
+
+def test_compare_matches_the_per_problem_counts():
+    result = compare(EVAL / "base.jsonl", EVAL / "step-100.jsonl")
+    before, after = read_eval_results(EVAL / "base.jsonl"), read_eval_results(EVAL / "step-100.jsonl")
+    acc_b = {r["problem_id"]: r["num_correct"] / len(r["samples"]) for r in before.problems}
+    acc_a = {r["problem_id"]: r["num_correct"] / len(r["samples"]) for r in after.problems}
+    ids = list(acc_b)
+    accuracy = result.metric("accuracy")
+    assert result.problems == len(ids) and result.only_before == result.only_after == 0
+    assert accuracy.before == pytest.approx(before.summary["average@k"])
+    assert accuracy.after == pytest.approx(after.summary["average@k"])
+    diff, se = paired_difference([acc_b[i] for i in ids], [acc_a[i] for i in ids])
+    assert accuracy.difference == pytest.approx(diff) and accuracy.stderr == pytest.approx(se)
+    assert accuracy.significant == (abs(diff) > 2 * se > 0)
+    assert result.metric("format").before == pytest.approx(before.summary["format"])
+    assert result.metric("used_tool").after == pytest.approx(after.summary["used_tool_rate"])
+    assert 0 <= result.metric("valid_tool_call_rate").before <= 1
+
+
+def test_cli_table_json_and_errors(tmp_path, capsys):
+    assert main(["compare", str(EVAL / "base.jsonl"), str(EVAL / "step-100.jsonl")]) == 0
+    table = capsys.readouterr().out
+    assert "| accuracy |" in table and "paired s.e." in table and "valid_tool_call_rate" in table
+    assert main(["compare", str(EVAL / "base.jsonl"), str(EVAL / "step-20.jsonl"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["metrics"]) == {"accuracy", "format", "used_tool", "code_calls", "valid_tool_call_rate"}
+    # a missing file and a file that is not an eval are clear errors, not tracebacks
+    assert main(["compare", str(tmp_path / "nope.jsonl"), str(EVAL / "base.jsonl")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"type": "problem"}\n')
+    assert main(["compare", str(bad), str(EVAL / "base.jsonl")]) == 1
+    assert "not an eval results file" in capsys.readouterr().err
+    # problems are matched by id: a file with one problem less compares the common ones
+    partial = tmp_path / "partial.jsonl"
+    shutil.copy(EVAL / "step-50.jsonl", partial)
+    lines = partial.read_text().splitlines()
+    kept = [line for line in lines if '"type": "summary"' not in line][:-1]
+    partial.write_text("\n".join(kept) + "\n")
+    result = compare(EVAL / "base.jsonl", partial)
+    assert result.problems == 3 and result.only_before == 1
