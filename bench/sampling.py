@@ -8,7 +8,13 @@ per-trajectory rollout tasks). Prints generated tokens per second for both and t
 ratio. Every request asks for exactly ``--max-tokens`` tokens (stop token ``0``, never
 emitted by the chat model in practice), so both runs do the same work.
 
+``--tool-prompts`` renders the prompts as the RL rollout does (system prompt and tool
+declaration, ≈400 tokens shared by every request, then an arithmetic question) and
+adds a third run: merged batches with the sampler's shared-prefix cache turned off,
+which isolates what computing the shared prefix once buys.
+
     python bench/sampling.py --requests 16 --max-tokens 32
+    python bench/sampling.py --requests 16 --max-tokens 64 --tool-prompts
 """
 
 from __future__ import annotations
@@ -32,6 +38,18 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
              for i in range(n)]
     return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"])
             for c in chats]
+
+
+async def tool_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The rollout's own prompts: system prompt + tool declaration + an arithmetic question."""
+    from retool.protocol import SYSTEM_PROMPT
+    from retool.render import Renderer
+    from retool.tasks import make_problems
+
+    renderer = Renderer(tokenizer, chat_template="hermes", tools=True)
+    return [renderer.prompt_tokens([{"role": "system", "content": SYSTEM_PROMPT},
+                                    {"role": "user", "content": p.question}])
+            for p in make_problems(n, seed=1, split="test")]
 
 
 async def one_at_a_time(sampler, prompts_P, params) -> int:
@@ -59,12 +77,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="concurrent sample requests")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--tool-prompts", action="store_true",
+                        help="the rollout's ~400-token tool prompts, and a run without the prefix cache")
     args = parser.parse_args()
 
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
                                                    max_sample_rows=args.requests))
     sampler = engine.save_weights_for_sampler()
-    prompts_P = prompts(engine.get_tokenizer(), args.requests)
+    make = tool_prompts if args.tool_prompts else prompts
+    prompts_P = make(engine.get_tokenizer(), args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)
     timed(all_at_once(sampler, prompts_P[:2], SamplingParams(max_tokens=2)))  # warm-up
 
@@ -73,13 +94,21 @@ def main() -> None:
     base_calls, calls = sampler.calls - calls, sampler.calls
     batch_tokens, batch_s = timed(all_at_once(sampler, prompts_P, params))
     batch_calls = sampler.calls - calls
+    if args.tool_prompts:
+        sampler.prefix_cache = False
+        plain_tokens, plain_s = timed(all_at_once(sampler, prompts_P, params))
 
-    print(f"model {args.model} on {engine.device}; {args.requests} requests x {args.max_tokens} tokens")
+    mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
+    print(f"model {args.model} on {engine.device}; {args.requests} requests x {args.max_tokens} tokens, "
+          f"prompts of {mean_prompt:.0f} tokens")
     print(f"one at a time : {base_tokens} tokens in {base_s:.1f} s = {base_tokens / base_s:.1f} tok/s "
           f"({base_calls} generate calls)")
     print(f"merged batches: {batch_tokens} tokens in {batch_s:.1f} s = {batch_tokens / batch_s:.1f} tok/s "
           f"({batch_calls} generate calls)")
     print(f"speed-up: {(batch_tokens / batch_s) / (base_tokens / base_s):.2f}x")
+    if args.tool_prompts:
+        print(f"merged, no prefix cache: {plain_tokens} tokens in {plain_s:.1f} s = "
+              f"{plain_tokens / plain_s:.1f} tok/s; prefix cache speed-up {plain_s / batch_s:.2f}x")
 
 
 if __name__ == "__main__":

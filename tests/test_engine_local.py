@@ -388,6 +388,33 @@ def test_seeded_requests_do_not_depend_on_their_batch(make_engine):
     assert len({s.tokens for s in alone.sequences}) > 1  # samples of one request differ
 
 
+def test_shared_prefix_cache_samples_what_plain_padding_samples(make_engine):
+    # rows of one generate call share a 20-token "system prompt"; two rows share more
+    system = [2] + [3 + (5 * i) % 40 for i in range(19)]
+    prompts = [system + [7, 8, 9], system + [7, 8, 9], system + [11], system + [12, 13, 14, 15, 16]]
+    params = base.SamplingParams(max_tokens=7, temperature=0.9, seed=3)
+
+    def together(engine):
+        async def run():
+            return await asyncio.gather(*(engine.sampler.sample(p, 2, params) for p in prompts))
+        return asyncio.run(run())
+
+    cached, plain = make_engine(), make_engine(sample_prefix_cache=False)
+    with_cache, without = together(cached), together(plain)
+    assert cached.sampler.prefix_cached_tokens == 20 * 7 and plain.sampler.prefix_cached_tokens == 0
+    for prompt, a, b in zip(prompts, with_cache, without):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        for seq in a.sequences:  # and the logprobs are still the policy's
+            expected = teacher_forced_logprobs(cached, prompt, seq.tokens, 0.9)
+            assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-4)
+    # a prompt that is exactly the shared prefix of the others keeps one own token
+    short = asyncio.run(cached.sampler.sample(system, 3, params)).sequences
+    reference = asyncio.run(plain.sampler.sample(system, 3, params)).sequences
+    assert [s.tokens for s in short] == [s.tokens for s in reference]
+    for a, b in zip(short, reference):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
 def test_top_k_one_is_greedy(make_engine):
     engine = make_engine()
     params = base.SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(0,))
@@ -563,6 +590,16 @@ def test_hybrid_model_lora_targets_batching_and_packing_guard(tiny_hybrid_model)
         assert batched.sequences[0].tokens == alone.tokens
         trainer = teacher_forced_logprobs(engine, prompt, alone.tokens, 1.0)
         assert torch.allclose(torch.tensor(batched.sequences[0].logprobs), trainer, atol=1e-4)
+    # a long shared prefix: the recurrent layers' cache cannot take the prefix cache's
+    # middle padding, so the sampler turns it off and pads at the left
+    shared = [[2] + list(range(3, 23)) + tail for tail in ([30], [31, 32, 33])]
+
+    async def prefixed():
+        return await asyncio.gather(*(engine.sampler.sample(p, 1, greedy) for p in shared))
+
+    for prompt, batched in zip(shared, asyncio.run(prefixed())):
+        assert batched.sequences[0].tokens == sample(engine, prompt, 1, greedy).sequences[0].tokens
+    assert engine.sampler.prefix_cache is False and engine.sampler.prefix_cached_tokens == 0
     with pytest.raises(ValueError, match="packing='packed' changes"):
         LocalTrainingClient(LocalEngineConfig(model=tiny_hybrid_model, lora_rank=4, packing="packed"))
 
