@@ -48,7 +48,7 @@ class DemoConfig:
     sft_dialogues: int = option(400, "synthetic SFT dialogues")
     sft_steps: int = option(16, "SFT steps")
     sft_batch_size: int = option(4, "dialogues per SFT step")
-    sft_lr: float = option(4e-4, "SFT learning rate")
+    sft_lr: float = option(1e-3, "SFT learning rate (calibrated in docs/sft.md)")
     rl_problems: int = option(400, "RL training problems")
     rl_steps: int = option(12, "RL steps")
     rl_batch_size: int = option(4, "problems per RL step")
