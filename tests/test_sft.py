@@ -285,3 +285,13 @@ def test_config_validation():
         sft.SFTConfig(batch_size=0).validate()
     with pytest.raises(ConfigError, match="epochs"):
         sft.SFTConfig(epochs=0).validate()
+
+
+def test_docs_list_every_flag():
+    from pathlib import Path
+
+    from retool.config import markdown_table
+    from retool.sft import SFTConfig
+
+    docs = Path(__file__).resolve().parent.parent / "docs" / "sft.md"
+    assert markdown_table(SFTConfig) in docs.read_text()
