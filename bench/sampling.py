@@ -40,7 +40,7 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
             for c in chats]
 
 
-async def tool_prompts(tokenizer, n: int) -> list[list[int]]:
+def tool_prompts(tokenizer, n: int) -> list[list[int]]:
     """The rollout's own prompts: system prompt + tool declaration + an arithmetic question."""
     from retool.protocol import SYSTEM_PROMPT
     from retool.render import Renderer
