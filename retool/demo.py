@@ -50,12 +50,12 @@ class DemoConfig:
     sft_batch_size: int = option(4, "dialogues per SFT step")
     sft_lr: float = option(1e-3, "SFT learning rate (calibrated in docs/sft.md)")
     rl_problems: int = option(400, "RL training problems")
-    rl_steps: int = option(12, "RL steps")
+    rl_steps: int = option(4, "RL steps (docs/cpu-experiment.md runs 20)")
     rl_batch_size: int = option(4, "problems per RL step")
     rl_group_size: int = option(4, "trajectories per problem")
-    rl_lr: float = option(1e-4, "RL learning rate")
-    eval_problems: int = option(24, "held-out test problems")
-    eval_samples: int = option(4, "samples per held-out problem (k of Average@k)")
+    rl_lr: float = option(3e-4, "RL learning rate")
+    eval_problems: int = option(16, "held-out test problems")
+    eval_samples: int = option(2, "samples per held-out problem (k of Average@k)")
     max_turn_tokens: int = option(128, "tokens per assistant turn")
     max_trajectory_tokens: int = option(1024, "tokens per trajectory")
     max_code_calls: int = option(2, "code executions per trajectory")
@@ -74,9 +74,9 @@ class DemoConfig:
         """The ``--quick`` sizes."""
         if not self.quick:
             return self
-        return dataclasses.replace(self, sft_dialogues=min(self.sft_dialogues, 96), sft_steps=min(self.sft_steps, 8),
-                                   rl_problems=min(self.rl_problems, 64), rl_steps=min(self.rl_steps, 3),
-                                   rl_batch_size=min(self.rl_batch_size, 2), eval_problems=min(self.eval_problems, 8),
+        return dataclasses.replace(self, sft_dialogues=min(self.sft_dialogues, 96), sft_steps=min(self.sft_steps, 6),
+                                   rl_problems=min(self.rl_problems, 64), rl_steps=min(self.rl_steps, 1),
+                                   rl_batch_size=min(self.rl_batch_size, 2), eval_problems=min(self.eval_problems, 4),
                                    eval_samples=min(self.eval_samples, 2))
 
 
