@@ -62,6 +62,8 @@ class DemoConfig:
     max_assistant_turns: int = option(3, "assistant turns per trajectory")
     packing: str = option("shared-prefix", "training micro-batch layout (see retool train --help)",
                           choices=("bucketed", "packed", "shared-prefix"))
+    micro_batch_tokens: int = option(1280, "tokens per training micro-batch (shared-prefix: one packed row)")
+    rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
 
     def validate(self) -> None:
         for name in ("sft_dialogues", "sft_steps", "sft_batch_size", "rl_problems", "rl_steps", "rl_batch_size",
@@ -134,7 +136,8 @@ def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
     _say(f"SFT: {cfg.sft_steps} steps x {cfg.sft_batch_size} dialogues")
     sft_cfg = make_config(SFTConfig, model=cfg.model, chat_template=cfg.chat_template, data=str(sft_path),
                           batch_size=cfg.sft_batch_size, max_steps=cfg.sft_steps, lr=cfg.sft_lr,
-                          max_seq_tokens=cfg.max_trajectory_tokens, packing=cfg.packing, run_dir=str(run_dir),
+                          max_seq_tokens=cfg.max_trajectory_tokens, packing=cfg.packing,
+                          micro_batch_tokens=cfg.micro_batch_tokens, run_dir=str(run_dir),
                           save_every=cfg.sft_steps, seed=cfg.seed)
     return sft(sft_cfg, resume=(run_dir / "config.json").exists())
 
@@ -154,7 +157,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         train_data=str(rl_path), batch_size=cfg.rl_batch_size, group_size=cfg.rl_group_size,
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
-        packing=cfg.packing, sandbox_workers=4, run_dir=str(run_dir), save_every=cfg.rl_steps, save_trajectories=True, seed=cfg.seed)
+        packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p, sandbox_workers=4, run_dir=str(run_dir), save_every=cfg.rl_steps, save_trajectories=True, seed=cfg.seed)
     return train(train_cfg, resume=(run_dir / "config.json").exists())
 
 

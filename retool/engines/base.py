@@ -61,7 +61,9 @@ class ModelConfig:
     micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
     packing: str = option("bucketed", "micro-batch layout: bucketed (padded rows, any model), packed (one "
                           "padding-free row) or shared-prefix (packed, shared prompt prefix computed once: "
-                          "2-3x faster for short turns under a long prompt; pure-attention models only)",
+                          "2-3x faster for short turns under a long prompt; pure-attention models only; "
+                          "a row's attention grows with its length squared, so keep micro_batch_tokens "
+                          "~1-2k on a CPU)",
                           choices=("bucketed", "packed", "shared-prefix"))
     init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
 
