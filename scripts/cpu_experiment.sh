@@ -14,6 +14,7 @@ OUT=${OUT:-runs/cpu}
 SFT_STEPS=${SFT_STEPS:-16}
 SFT_LR=${SFT_LR:-1e-3}
 RL_STEPS=${RL_STEPS:-20}
+RL_LR=${RL_LR:-1e-4}
 TEST_N=${TEST_N:-64}
 VAL_N=${VAL_N:-2}
 mkdir -p "$OUT" data/arith
@@ -39,7 +40,7 @@ timed eval-sft "$RETOOL" eval --checkpoint "$OUT/sft" --label "after SFT" "${EVA
 if [ -f "$OUT/rl/config.json" ]; then
   timed rl "$RETOOL" train --resume "$OUT/rl" --max-steps "$RL_STEPS"
 else
-  timed rl "$RETOOL" train --config configs/cpu-smollm2.toml --init-from "$OUT/sft" --max-steps "$RL_STEPS" \
+  timed rl "$RETOOL" train --config configs/cpu-smollm2.toml --init-from "$OUT/sft" --max-steps "$RL_STEPS" --lr "$RL_LR" \
     --run-dir "$OUT/rl"
 fi
 
