@@ -173,6 +173,22 @@ def config_from_dict(cls: type[C], data: dict[str, Any], source: str = "saved co
     return make_config(cls, **{k: _coerce(cls, k, v, source) for k, v in data.items()})
 
 
+def resumed_config(cls: type[C], args: argparse.Namespace) -> C:
+    """The saved config of the run folder ``args.resume`` (its ``config.json``), with
+    ``run_dir`` pointing there and ``--max-steps`` applied when it was given.
+
+    Raises :class:`ConfigError` when the folder has no ``config.json``.
+    """
+    saved = Path(args.resume) / "config.json"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {args.resume}: no config.json there (not a run folder)")
+    data = json.loads(saved.read_text())
+    data["run_dir"] = str(args.resume)
+    if hasattr(args, "max_steps"):
+        data["max_steps"] = args.max_steps
+    return config_from_dict(cls, data, str(saved))
+
+
 def save_config(cfg: Any, path: Path) -> None:
     Path(path).write_text(json.dumps(config_to_dict(cfg), indent=2, sort_keys=True) + "\n")
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from retool.algo import PACKINGS
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
 
 STAGES = ("before SFT", "after SFT", "after RL")
@@ -61,7 +62,7 @@ class DemoConfig:
     max_code_calls: int = option(2, "code executions per trajectory")
     max_assistant_turns: int = option(3, "assistant turns per trajectory")
     packing: str = option("shared-prefix", "training micro-batch layout (see retool train --help)",
-                          choices=("bucketed", "packed", "shared-prefix"))
+                          choices=PACKINGS)
     micro_batch_tokens: int = option(1280, "tokens per training micro-batch (shared-prefix: one packed row)")
     rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retool.config import ConfigError, add_config_args, config_from_args, config_from_dict, option, require, save_config
+from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config, save_config
 from retool.engines.base import ModelConfig
 from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
 from retool.types import Datum
@@ -544,21 +544,10 @@ def _run_sft_command(args: argparse.Namespace) -> int:
     from retool.protocol import TemplateError
 
     try:
-        cfg = _resumed_config(args) if args.resume else config_from_args(SFTConfig, args)
+        cfg = resumed_config(SFTConfig, args) if args.resume else config_from_args(SFTConfig, args)
         run_dir = sft(cfg, resume=bool(args.resume))
     except (ConfigError, ConversationError, TemplateError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"run folder: {run_dir}")
     return 0
-
-
-def _resumed_config(args: argparse.Namespace) -> SFTConfig:
-    saved = Path(args.resume) / "config.json"
-    if not saved.is_file():
-        raise ConfigError(f"--resume {args.resume}: no config.json there (not a run folder)")
-    data = json.loads(saved.read_text())
-    data["run_dir"] = str(args.resume)
-    if hasattr(args, "max_steps"):
-        data["max_steps"] = args.max_steps
-    return config_from_dict(SFTConfig, data, str(saved))

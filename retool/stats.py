@@ -74,12 +74,7 @@ def unbiased_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
 def average_at_k_stderr(counts: Sequence[tuple[int, int]]) -> float:
     """Standard error of :func:`average_at_k` across problems (0.0 for one problem)."""
     _check_counts(counts)
-    if len(counts) < 2:
-        return 0.0
-    accuracies = [c / n for n, c in counts]
-    mean = sum(accuracies) / len(accuracies)
-    variance = sum((a - mean) ** 2 for a in accuracies) / (len(accuracies) - 1)
-    return math.sqrt(variance / len(accuracies))
+    return _mean_and_stderr([c / n for n, c in counts])[1]
 
 
 def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
@@ -94,12 +89,16 @@ def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[
         raise ValueError(f"paired_difference: {len(before)} values before, {len(after)} after")
     if not before:
         raise ValueError("paired_difference: no problems")
-    diffs = [b - a for a, b in zip(before, after)]
-    mean = sum(diffs) / len(diffs)
-    if len(diffs) < 2:
+    return _mean_and_stderr([b - a for a, b in zip(before, after)])
+
+
+def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std, ddof=1, over √n; 0.0 for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
         return mean, 0.0
-    variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean, math.sqrt(variance / len(diffs))
+    variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(variance / len(values))
 
 
 def summarize(problem_rows: Iterable[Mapping]) -> dict:

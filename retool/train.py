@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retool.config import ConfigError, add_config_args, config_from_args, config_from_dict, option, require, save_config
+from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config, save_config
 from retool.engines.base import ModelConfig
 
 CHECKPOINT_PREFIX = "step_"
@@ -456,7 +456,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run_train_command(args: argparse.Namespace) -> int:
     try:
         if args.resume:
-            cfg = _resumed_config(args)
+            cfg = resumed_config(TrainConfig, args)
         else:
             cfg = config_from_args(TrainConfig, args)
         run_dir = train(cfg, resume=bool(args.resume))
@@ -465,14 +465,3 @@ def _run_train_command(args: argparse.Namespace) -> int:
         return 2
     print(f"run folder: {run_dir}")
     return 0
-
-
-def _resumed_config(args: argparse.Namespace) -> TrainConfig:
-    saved = Path(args.resume) / "config.json"
-    if not saved.is_file():
-        raise ConfigError(f"--resume {args.resume}: no config.json there (not a run folder)")
-    data = json.loads(saved.read_text())
-    data["run_dir"] = str(args.resume)
-    if hasattr(args, "max_steps"):
-        data["max_steps"] = args.max_steps
-    return config_from_dict(TrainConfig, data, str(saved))

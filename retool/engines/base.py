@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from retool.algo import PACKINGS
 from retool.config import option, require
 from retool.types import Datum, StopReason
 
@@ -64,7 +65,7 @@ class ModelConfig:
                           "2-3x faster for short turns under a long prompt; pure-attention models only; "
                           "a row's attention grows with its length squared, so keep micro_batch_tokens "
                           "~1-2k on a CPU)",
-                          choices=("bucketed", "packed", "shared-prefix"))
+                          choices=PACKINGS)
     init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
 
     def validate_model(self) -> None:

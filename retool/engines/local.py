@@ -574,13 +574,7 @@ def _validate_data(data: Sequence[Datum], loss_fn: str, vocab_size: int) -> None
 
 def _shared_prefix_length(data: Sequence[Datum]) -> int:
     """Length of the input-token prefix every datum of ``data`` shares (0 for one datum)."""
-    if len(data) < 2:
-        return 0
-    first, shortest = data[0].input_tokens_N, min(d.num_tokens for d in data)
-    n = 0
-    while n < shortest and all(d.input_tokens_N[n] == first[n] for d in data):
-        n += 1
-    return n
+    return _common_prefix([d.input_tokens_N for d in data]) if len(data) > 1 else 0
 
 
 def _gather_logprobs(logits: Any, targets: Any, temperature: float) -> Any:

@@ -72,10 +72,15 @@ class Comparison:
         return next(m for m in self.metrics if m.name == name)
 
 
-def _per_problem(row: dict) -> dict[str, float]:
+def _samples(row: dict) -> list:
+    """A problem row's samples as :class:`~retool.types.Trajectory` records."""
     samples = [trajectory_from_jsonable(dict(s)) for s in row["samples"]]
     if not samples:
         raise ReportInputError(f"problem {row.get('problem_id')!r} has no samples")
+    return samples
+
+
+def _per_problem(samples: list) -> dict[str, float]:
     n = len(samples)
     return {"accuracy": sum(t.grade.correct for t in samples) / n,
             "format": sum(t.grade.formatted for t in samples) / n,
@@ -83,30 +88,29 @@ def _per_problem(row: dict) -> dict[str, float]:
             "code_calls": sum(t.num_code_calls for t in samples) / n}
 
 
-def _valid_call_rate(rows: list[dict]) -> float:
-    from retool.rollout import rollout_metrics
-
-    samples = [trajectory_from_jsonable(dict(s)) for row in rows for s in row["samples"]]
-    return rollout_metrics(samples)["rollout/valid_tool_call_rate"]
-
-
 def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
     """Compare two eval results files; raises :class:`ReportInputError` on bad input."""
+    from retool.rollout import rollout_metrics
+
     before, after = read_eval_results(before_path), read_eval_results(after_path)
     rows_before = {r["problem_id"]: r for r in before.problems}
     rows_after = {r["problem_id"]: r for r in after.problems}
     common = [pid for pid in rows_before if pid in rows_after]
     if not common:
         raise ReportInputError(f"{before_path} and {after_path} share no problem")
-    values_before = [_per_problem(rows_before[pid]) for pid in common]
-    values_after = [_per_problem(rows_after[pid]) for pid in common]
+    samples_before = [_samples(rows_before[pid]) for pid in common]
+    samples_after = [_samples(rows_after[pid]) for pid in common]
+    values_before = [_per_problem(s) for s in samples_before]
+    values_after = [_per_problem(s) for s in samples_after]
     metrics = []
     for name in PAIRED_METRICS:
         a, b = [v[name] for v in values_before], [v[name] for v in values_after]
         _, stderr = paired_difference(a, b)
         metrics.append(MetricComparison(name, sum(a) / len(a), sum(b) / len(b), stderr))
-    metrics.append(MetricComparison("valid_tool_call_rate", _valid_call_rate([rows_before[p] for p in common]),
-                                    _valid_call_rate([rows_after[p] for p in common]), None))
+    # pooled over every sample, as the training metric of the same name
+    valid = [rollout_metrics([t for s in samples for t in s])["rollout/valid_tool_call_rate"]
+             for samples in (samples_before, samples_after)]
+    metrics.append(MetricComparison("valid_tool_call_rate", valid[0], valid[1], None))
     return Comparison(Path(before_path), Path(after_path), len(common), len(rows_before) - len(common),
                       len(rows_after) - len(common), tuple(metrics))
 
