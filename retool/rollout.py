@@ -20,6 +20,7 @@ A trajectory alternates assistant turns and tool messages:
    :class:`retool.render.Renderer` builds them — tokens in, tokens out;
 4. stop when the turn was cut by its token budget (``length``), when the assistant
    turn budget or the trajectory token budget is spent (``budget``), else continue.
+   A prompt that alone fills the trajectory budget is sampled not at all (``prompt``).
 
 Grading uses only the text of the final assistant turn (:mod:`retool.reward`). Every
 trajectory keeps its tokens, mask, sampler logprobs, turns, tool exchanges (code,
@@ -149,9 +150,8 @@ class Rollout:
         """Roll out ``group_size`` trajectories for ``problem`` (first turn forked)."""
         prompt = self.renderer.prompt_tokens(build_messages(problem.question, tools=self.tools))
         budget = self._turn_budget(len(prompt))
-        if budget < 1:
-            raise RolloutError(f"problem {problem.id}: the prompt alone has {len(prompt)} tokens, "
-                               f"over max_trajectory_tokens={self.config.max_trajectory_tokens}")
+        if budget < 1:  # e.g. a long problem under a short --max-trajectory-tokens
+            return [await self._unsampled(problem, prompt) for _ in range(group_size)]
         first = await self._sample(problem, prompt, group_size, budget, seed=self.config.seed)
         tasks = [asyncio.create_task(self._trajectory(problem, prompt, seq)) for seq in first]
         try:
@@ -166,6 +166,15 @@ class Rollout:
         return list(await asyncio.gather(*(self.group(p, group_size) for p in problems)))
 
     # ------------------------------------------------------------ one trajectory
+
+    async def _unsampled(self, problem: Problem, prompt: list[int]) -> Trajectory:
+        """The trajectory of a prompt that leaves no room to sample: no turns, graded as
+        an empty answer, stop reason ``prompt``."""
+        return Trajectory(
+            problem_id=problem.id, prompt_len=len(prompt), tokens_T=tuple(prompt), mask_T=(0,) * len(prompt),
+            logprobs_T=(0.0,) * len(prompt), turns=(), grade=await self.grader("", problem.answer),
+            stop_reason=StopReason.PROMPT,
+        )
 
     async def _trajectory(self, problem: Problem, prompt: list[int], first: SampledSequence) -> Trajectory:
         state = _State(tokens=list(prompt), mask=[0] * len(prompt), logprobs=[0.0] * len(prompt))

@@ -145,6 +145,9 @@ class StopReason(str, enum.Enum):
     """The per-turn token budget ran out."""
     BUDGET = "budget"
     """The trajectory token, turn or code-call budget ran out."""
+    PROMPT = "prompt"
+    """The prompt alone filled the trajectory budget: nothing was sampled (a recorded,
+    counted outcome — graded like an empty answer — not an error that stops the run)."""
 
 
 @dataclass(frozen=True)

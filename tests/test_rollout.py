@@ -158,6 +158,21 @@ def test_trajectory_token_budget_is_respected(sandbox):
     assert len(traj.tokens_T) <= 700
 
 
+def test_a_prompt_over_the_trajectory_budget_is_a_recorded_outcome(sandbox):
+    """A long problem under a short budget: no sampler call, every trajectory kept and
+    counted (stop reason ``prompt``, graded as an empty answer), not an exception."""
+    tok = qwen25_tokenizer()
+    rollout, sampler = make_rollout(tok, [["\\boxed{42}"]] * 3, sandbox, max_trajectory_tokens=40)
+    group = run_group(rollout, 3)
+    assert sampler.requests == []
+    assert [t.stop_reason for t in group] == [StopReason.PROMPT] * 3
+    for traj in group:
+        assert traj.turns == () and sum(traj.mask_T) == 0 and len(traj.tokens_T) == traj.prompt_len > 40
+        assert not traj.grade.correct and not traj.grade.formatted and traj.grade.reward == -1.0
+    metrics = rollout_metrics(group)
+    assert metrics["rollout/stop/prompt"] == 1.0 and metrics["rollout/turns"] == 0.0
+
+
 def test_tool_output_cannot_forge_structure(sandbox):
     tok = qwen25_tokenizer()
     # chr(60) is "<": the code itself holds no special token, only its output does.
