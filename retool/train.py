@@ -84,6 +84,8 @@ class TrainConfig(ModelConfig):
     dual_clip: float | None = option(None, "PPO dual-clip constant c (e.g. 10); none = off")
     normalize_std: bool = option(False, "divide group-centred advantages by the group std")
     drop_degenerate_groups: bool = option(False, "skip groups whose rewards are all equal (zero advantage)")
+    refill_rounds: int = option(0, "dynamic sampling (DAPO): up to N extra rollout rounds of fresh problems "
+                                   "while fewer than batch_size groups are informative; only those are trained")
     lr: float = option(4e-5, "Adam learning rate")
     beta1: float = option(0.9, "Adam beta1")
     beta2: float = option(0.95, "Adam beta2")
@@ -116,6 +118,7 @@ class TrainConfig(ModelConfig):
         require(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
         require(self.sandbox_timeout_s > 0, "sandbox_timeout_s must be > 0")
         require(self.max_retries >= 0, "max_retries must be >= 0")
+        require(self.refill_rounds >= 0, f"refill_rounds must be >= 0, got {self.refill_rounds}")
         from retool.log import check_sinks
 
         try:
@@ -148,6 +151,18 @@ def batch_indices(step: int, batch_size: int, num_problems: int, seed: int) -> l
     return out
 
 
+def refill_indices(step: int, round_: int, count: int, num_problems: int, seed: int) -> list[int]:
+    """Problems for refill round ``round_`` (1-based) of ``step``: ``count`` distinct ones at random.
+
+    Dynamic sampling draws them from the whole set (they may repeat problems of the main
+    order); a pure function like :func:`batch_indices`, so a resumed run refills alike.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([seed, step, round_])
+    return [int(i) for i in rng.choice(num_problems, size=min(count, num_problems), replace=False)]
+
+
 # ---------------------------------------------------------------- one step
 
 
@@ -174,12 +189,18 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     problems = [trainer.problems[i] for i in batch_indices(step, cfg.batch_size, len(trainer.problems), cfg.seed)]
     trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
     groups = _rollout_with_retries(trainer, problems, step)
+    rounds = 0
+    while rounds < cfg.refill_rounds and _informative(groups) < cfg.batch_size:
+        rounds += 1
+        extra = refill_indices(step, rounds, cfg.batch_size - _informative(groups), len(trainer.problems), cfg.seed)
+        groups += _rollout_with_retries(trainer, [trainer.problems[i] for i in extra], step)
     t_rollout = time.monotonic() - t0
     _failpoint("after_rollout", step)
 
+    drop = cfg.drop_degenerate_groups or cfg.refill_rounds > 0
     advantages_BG = [algo.group_advantages([t.grade.reward for t in g], cfg.normalize_std) for g in groups]
     kept = [(g, a) for g, a in zip(groups, advantages_BG)
-            if not (cfg.drop_degenerate_groups and algo.is_degenerate([t.grade.reward for t in g]))]
+            if not (drop and algo.is_degenerate([t.grade.reward for t in g]))]
     datums = [algo.trajectory_datum(t, a) for g, adv in kept for t, a in zip(g, adv)]
     datums = [d for d in datums if d.num_trained > 0]
     metrics: dict[str, float] = {}
@@ -208,11 +229,20 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
         "rollout/degenerate_group_rate": algo.count_degenerate_groups(
             [[t.grade.reward for t in g] for g in groups]) / len(groups),
         "train/datums": float(len(datums)),
+        "train/groups": float(len(kept)),
+        "rollout/groups": float(len(groups)), "rollout/refill_rounds": float(rounds),
         "tokens/prefill": float(usage["prefill"]), "tokens/sampled": float(usage["sampled"]),
         "tokens/trained": trained, **trainer.totals,
         "time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0,
     })
     return metrics, list(zip(groups, advantages_BG))
+
+
+def _informative(groups: list) -> int:
+    """How many groups have unequal rewards (a non-zero advantage somewhere)."""
+    from retool import algo
+
+    return sum(1 for g in groups if not algo.is_degenerate([t.grade.reward for t in g]))
 
 
 def _loss_config(cfg: TrainConfig) -> dict[str, float]:

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from retool.cli import main as cli_main
 from retool.config import ConfigError, make_config
 from retool.log import read_metrics
-from retool.train import FAILPOINTS_ENV, TrainConfig, batch_indices, latest_checkpoint, read_manifest, train
+from retool.train import (FAILPOINTS_ENV, TrainConfig, batch_indices, latest_checkpoint, read_manifest,
+                          refill_indices, train)
 from tests.tiny import DIGIT_QUESTION, boxed_digit_model_dir, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +77,14 @@ def test_batches_cover_each_epoch_once_and_are_reproducible():
     assert batches != [batch_indices(step, b, n, seed=7) for step in range(1, 6)]
 
 
+def test_refill_problems_are_distinct_and_reproducible():
+    picks = refill_indices(step=3, round_=1, count=4, num_problems=10, seed=42)
+    assert len(set(picks)) == 4 and all(0 <= i < 10 for i in picks)
+    assert picks == refill_indices(step=3, round_=1, count=4, num_problems=10, seed=42)
+    assert picks != refill_indices(step=3, round_=2, count=4, num_problems=10, seed=42)
+    assert sorted(refill_indices(step=1, round_=1, count=50, num_problems=5, seed=0)) == list(range(5))
+
+
 # ---------------------------------------------------------------- a real run
 
 
@@ -119,6 +128,30 @@ def test_the_loop_learns_to_answer_the_rewarded_digit(tmp_path):
     assert rows[-1]["reward/format"] > 0.8  # it learnt the answer, not to break the format
 
 
+def test_dynamic_sampling_refills_until_the_groups_are_informative(tmp_path):
+    """Groups of 2 at a ~0.2 success rate are mostly degenerate, so steps need refills;
+    only the informative groups are trained, and every sampled group is saved."""
+    cfg = tiny_config(tmp_path, max_steps=3, group_size=2, refill_rounds=3, save_trajectories=True,
+                      save_every=100)
+    run = train(cfg)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert sum(r["rollout/refill_rounds"] for r in rows) >= 1, rows
+    for row in rows:
+        with gzip.open(run / "trajectories" / f"step_{row['step']:06d}.jsonl.gz", "rt") as f:
+            lines = [json.loads(line) for line in f]
+        groups: dict[int, list[float]] = {}
+        for line in lines:
+            groups.setdefault(line["group"], []).append(line["trajectory"]["grade"]["reward"])
+        informative = sum(1 for rewards in groups.values() if len(set(rewards)) > 1)
+        assert row["rollout/groups"] == len(groups) >= cfg.batch_size
+        assert (row["rollout/groups"] > cfg.batch_size) == (row["rollout/refill_rounds"] > 0)
+        assert row["train/groups"] == informative <= cfg.batch_size
+        assert row["train/datums"] == informative * cfg.group_size
+        if row["rollout/refill_rounds"] < cfg.refill_rounds:
+            assert informative == cfg.batch_size  # it stopped refilling because the batch was full
+        assert ("train/loss" in row) == (informative > 0)  # no signal, no update
+
+
 # ---------------------------------------------------------------- crash and resume
 
 
@@ -134,7 +167,7 @@ def cli_args(cfg_dir: Path, run_dir: Path) -> list[str]:
             "--group-size", "4", "--max-steps", "4", "--max-turn-tokens", "12", "--max-trajectory-tokens", "600",
             "--mode", "text",
             "--sandbox-workers", "2", "--run-dir", str(run_dir), "--save-every", "1", "--lora-rank", "4",
-            "--lora-alpha", "8", "--lr", "5e-3", "--save-trajectories"]
+            "--lora-alpha", "8", "--lr", "5e-3", "--save-trajectories", "--refill-rounds", "1"]
 
 
 def final_state(run: Path) -> tuple[dict, dict]:
