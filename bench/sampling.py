@@ -84,6 +84,7 @@ def main() -> None:
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
                                                    max_sample_rows=args.requests))
     sampler = engine.save_weights_for_sampler()
+    sampler.kv_cache_bytes = 0  # the store of earlier turns is bench/multiturn.py's subject
     make = tool_prompts if args.tool_prompts else prompts
     prompts_P = make(engine.get_tokenizer(), args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)

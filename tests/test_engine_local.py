@@ -415,6 +415,53 @@ def test_shared_prefix_cache_samples_what_plain_padding_samples(make_engine):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_next_turns_reuse_the_stored_kv_and_sample_what_a_full_prefill_samples(make_engine):
+    """A trajectory's turn 2 (its turn-1 context + a "tool message") prefills only the new
+    tokens: same tokens as an engine without the store, policy logprobs, counted reuse."""
+    system = [2] + [3 + (5 * i) % 40 for i in range(19)]
+    params = base.SamplingParams(max_tokens=6, temperature=0.9, seed=11)
+    stored, plain = make_engine(), make_engine(sample_kv_cache_mb=0)
+
+    def turn_two(engine):
+        first = sample(engine, system + [7, 8, 9], 3, params).sequences
+        contexts = [system + [7, 8, 9] + list(s.tokens) + [40 + i, 41, 42] for i, s in enumerate(first)]
+
+        async def together():
+            return await asyncio.gather(*(engine.sampler.sample(c, 1, params) for c in contexts))
+        return first, contexts, asyncio.run(together())
+
+    first_a, contexts, second_a = turn_two(stored)
+    first_b, _, second_b = turn_two(plain)
+    assert [s.tokens for s in first_a] == [s.tokens for s in first_b]
+    # every row continued its own stored turn: all of it but its last sampled token reused
+    assert stored.sampler.kv_reused_tokens == sum(len(system) + 3 + len(s.tokens) - 1 for s in first_a)
+    assert plain.sampler.kv_reused_tokens == 0
+    for context, a, b in zip(contexts, second_a, second_b):
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        expected = teacher_forced_logprobs(stored, context, a.sequences[0].tokens, 0.9)
+        assert torch.allclose(torch.tensor(a.sequences[0].logprobs), expected, atol=1e-4)
+
+    # new weights make the stored KV stale: the update empties the store
+    datum = algo.make_datum(system + [7, 8], [0] * len(system) + [1, 1])
+    stored.forward_backward([datum], "cross_entropy")
+    stored.optim_step(base.AdamParams(learning_rate=1e-2))
+    reused = stored.sampler.kv_reused_tokens
+    again = sample(stored, contexts[0], 1, params).sequences[0]
+    assert stored.sampler.kv_reused_tokens == reused
+    expected = teacher_forced_logprobs(stored, contexts[0], again.tokens, 0.9)
+    assert torch.allclose(torch.tensor(again.logprobs), expected, atol=1e-4)
+
+
+def test_the_kv_store_stays_within_its_memory_budget(make_engine):
+    engine = make_engine(sample_kv_cache_mb=1)
+    params = base.SamplingParams(max_tokens=8, temperature=1.0, seed=1)
+    for i in range(40):
+        sample(engine, [2] + [3 + (i * 7 + j) % 50 for j in range(60)], 2, params)
+    sampler = engine.sampler
+    assert 0 < sampler._kv_size <= 2**20
+    assert sampler._kv_size == sum(k.nbytes + v.nbytes for kv in sampler._kv.values() for k, v in kv)
+
+
 def test_top_k_one_is_greedy(make_engine):
     engine = make_engine()
     params = base.SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(0,))

@@ -31,8 +31,13 @@ otherwise (the same run of requests, batched the same way, repeats exactly;
 Model defaults such as a shipped ``generation_config`` with ``top_k=20`` are ignored on
 purpose: the caller's ``SamplingParams`` are the whole truth about how tokens are drawn.
 
-Not covered: multiple GPUs, quantised (QLoRA) training, stop strings, KV-cache reuse
-across turns (each turn re-encodes its whole prompt), speculative decoding.
+KV reuse across turns: the sampler keeps the KV cache of every sequence it generated
+(prompt + sampled tokens) in a bounded LRU store, so the next turn of a trajectory —
+its previous context, the tool message, a new assistant header — prefills only the new
+tokens instead of the whole context; any change of weights (``optim_step``,
+``load_state``) empties the store.
+
+Not covered: multiple GPUs, quantised (QLoRA) training, stop strings, speculative decoding.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import random
 import shutil
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -103,6 +109,9 @@ class LocalEngineConfig:
     sample_prefix_cache: bool = True
     """Compute a prompt prefix the rows of a ``generate`` call share once (see
     ``LocalSamplingClient``); off for models whose cache is not pure attention."""
+    sample_kv_cache_mb: int = 1024
+    """Memory for the KV caches of earlier sequences that later turns continue (see
+    ``LocalSamplingClient``); 0 turns the reuse off. Pure-attention models only."""
     seed: int = 42
     """Seeds the adapter initialisation and the sampling stream."""
     init_from: str | None = None
@@ -262,7 +271,8 @@ class LocalTrainingClient:
         self.sampler = LocalSamplingClient(self.model, self.tokenizer, self._lock,
                                            seed=config.seed, window_s=config.sample_window_s,
                                            max_rows=config.max_sample_rows,
-                                           prefix_cache=config.sample_prefix_cache)
+                                           prefix_cache=config.sample_prefix_cache,
+                                           kv_cache_mb=config.sample_kv_cache_mb)
         if config.packing != "bucketed":
             self._check_packing_is_exact()
 
@@ -447,6 +457,7 @@ class LocalTrainingClient:
                 raise FloatingPointError(f"gradient norm is {grad_norm}; step skipped, gradient discarded")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.sampler.clear_kv_cache()
         self._pending_gradient = False
         self.optim_steps += 1
         return OptimStepOutput({"train/grad_norm": grad_norm, "train/lr": adam_params.learning_rate,
@@ -508,6 +519,7 @@ class LocalTrainingClient:
             _load_weights(self.model, path, self.config.full_finetune)
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
             self._set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+            self.sampler.clear_kv_cache()
         self._discard_gradient()
         self.optim_steps = int(meta["optim_steps"])
 
@@ -701,16 +713,31 @@ class LocalSamplingClient:
     row. The prefill — 80 % of sampling time for short turns under a long prompt — then
     costs one prefix plus the rows' own tokens. Models whose cache is not pure attention
     (sliding-window or linear-attention layers) fall back to plain left padding.
+
+    KV store (``kv_cache_mb`` > 0): after each ``generate`` the KV cache of every row
+    (its prompt and sampled tokens but the last) and of a shared prefix is kept, keyed
+    by those tokens, in an LRU store of at most ``kv_cache_mb``. When every row of a
+    call continues a stored sequence (a trajectory's next turn; a new question after the
+    stored system prompt), rows are laid out ``[padding, stored tokens, padding, new
+    tokens]`` with the stored KV in place and only the new tokens are prefilled — if
+    that costs less than the shared-prefix layout. ``kv_reused_tokens`` counts the
+    prompt tokens it saved. :meth:`clear_kv_cache` empties it (the training client calls
+    it whenever the weights change).
     """
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
-                 window_s: float = 0.01, max_rows: int = 64, prefix_cache: bool = True) -> None:
-        if max_rows < 1 or window_s < 0:
-            raise ValueError("max_rows must be >= 1 and window_s >= 0")
+                 window_s: float = 0.01, max_rows: int = 64, prefix_cache: bool = True,
+                 kv_cache_mb: int = 1024) -> None:
+        if max_rows < 1 or window_s < 0 or kv_cache_mb < 0:
+            raise ValueError("max_rows must be >= 1, window_s >= 0 and kv_cache_mb >= 0")
         self.model, self.tokenizer, self._lock = model, tokenizer, lock
         self.seed, self.window_s, self.max_rows = seed, window_s, max_rows
         self.prefix_cache = prefix_cache
         self.prefix_cached_tokens = 0
+        self.kv_cache_bytes = kv_cache_mb * 2**20
+        self.kv_reused_tokens = 0
+        self._kv: OrderedDict[tuple[int, ...], tuple[tuple[Any, Any], ...]] = OrderedDict()
+        self._kv_size = 0
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.default_stop_ids = tuple(sorted(default_stop_token_ids(model, tokenizer)))
         self.calls = 0
@@ -784,10 +811,18 @@ class LocalSamplingClient:
         config = _generation_config(max(max_tokens_R), stop_ids, self.tokenizer.pad_token_id)
         with self._lock, torch.no_grad(), _mode(self.model, train=False):
             shared = min(_common_prefix(prompts), min(len(p) for p in prompts) - 1) if len(prompts) > 1 else 0
-            cache = self._prefix_cache(prompts[0][:shared], len(prompts)) if shared >= MIN_SHARED_PREFIX else None
-            if cache is None:
+            if shared < MIN_SHARED_PREFIX or not self.prefix_cache:
                 shared = 0
-            input_ids, attention_mask = _left_pad(prompts, self.tokenizer.pad_token_id, device, keep=shared)
+            stored = self._stored_layout(prompts, shared)
+            if stored is not None:
+                cache, input_ids, attention_mask, reused = stored
+                shared = 0
+            else:
+                cache = self._prefix_cache(prompts[0][:shared], len(prompts)) if shared else None
+                if cache is None:
+                    shared = 0
+                input_ids, attention_mask = _left_pad(prompts, self.tokenizer.pad_token_id, device, keep=shared)
+                reused = 0
             width = input_ids.shape[1]
             extra = {"cache": cache} if cache is not None else {}
             out = self.model.generate(
@@ -796,10 +831,12 @@ class LocalSamplingClient:
                 stopping_criteria=StoppingCriteriaList([_RowBudget(width, max_tokens_R, device)]), **extra)
             self.calls += 1
             self.prefix_cached_tokens += shared * (len(prompts) - 1)
-        new_tokens = out[:, width:]
-        logprobs = sampler.taken_logprobs(new_tokens)
-        sequences = [_finish_row(new_tokens[k].tolist(), logprobs[k].tolist(), max_tokens_R[k], set(stop_ids))
-                     for k in range(len(rows))]
+            self.kv_reused_tokens += reused
+            new_tokens = out.sequences[:, width:]
+            logprobs = sampler.taken_logprobs(new_tokens)
+            sequences = [_finish_row(new_tokens[k].tolist(), logprobs[k].tolist(), max_tokens_R[k], set(stop_ids))
+                         for k in range(len(rows))]
+            self._store_rows(out.cache, attention_mask, prompts, sequences)
         self.rows += len(rows)
         self.prompt_tokens += sum(len(p) for p in prompts)
         self.sampled_tokens += sum(len(s.tokens) for s in sequences)
@@ -814,13 +851,96 @@ class LocalSamplingClient:
             return None
         out = self.model(input_ids=torch.tensor([prefix], device=self.model.device), use_cache=True)
         cache = out["cache"] if "cache" in out else out["past_key_values"]
-        layers = getattr(cache, "layers", None)
-        if not layers or any(getattr(layer, "is_sliding", False) or type(layer).__name__ != "DynamicLayer"
-                             for layer in layers):
+        if not _pure_attention(cache):
             self.prefix_cache = False
+            self.kv_cache_bytes = 0
             return None
+        self._remember(prefix, tuple((layer.keys[0], layer.values[0]) for layer in cache.layers))
         cache.batch_repeat_interleave(rows)
         return cache
+
+    # ------------------------------------------------------------ the KV store
+
+    def clear_kv_cache(self) -> None:
+        """Forget every stored KV cache (they belong to the weights that made them)."""
+        self._kv.clear()
+        self._kv_size = 0
+
+    def _lookup(self, prompt: tuple[int, ...]) -> tuple[int, tuple[tuple[Any, Any], ...]] | None:
+        """The longest stored sequence that ``prompt`` continues, as (tokens to reuse, KV);
+        at least one prompt token is always left to prefill."""
+        best: tuple[int, ...] | None = None
+        for key in self._kv:
+            if len(key) <= len(prompt) and (best is None or len(key) > len(best)) and prompt[:len(key)] == key:
+                best = key
+        if best is None:
+            return None
+        self._kv.move_to_end(best)
+        return min(len(best), len(prompt) - 1), self._kv[best]
+
+    def _stored_layout(self, prompts: list[tuple[int, ...]], shared: int) -> tuple[Any, Any, Any, int] | None:
+        """Cache, ids and mask that reuse stored KV for every row, or ``None`` when a row
+        continues nothing stored or the shared-prefix layout would prefill fewer tokens."""
+        import torch
+        import torch.nn.functional as F
+        from transformers import DynamicCache
+
+        if not self.kv_cache_bytes or not self._kv:
+            return None
+        hits = [self._lookup(p) for p in prompts]
+        if any(h is None or h[0] < MIN_SHARED_PREFIX for h in hits):
+            return None
+        rows, longest = len(prompts), max(len(p) for p in prompts)
+        reuse_len = max(h[0] for h in hits)
+        new_len = max(len(p) - h[0] for p, h in zip(prompts, hits))
+        if rows * new_len >= shared + rows * (longest - shared):  # prefill work of each layout
+            return None
+        pad, device = self.tokenizer.pad_token_id, self.model.device
+        ids, mask = [], []
+        for p, (n, _) in zip(prompts, hits):
+            a, b = reuse_len - n, new_len - (len(p) - n)
+            ids.append([pad] * a + list(p[:n]) + [pad] * b + list(p[n:]))
+            mask.append([0] * a + [1] * n + [0] * b + [1] * (len(p) - n))
+        layers = []
+        for layer in range(len(hits[0][1])):
+            keys = [F.pad(kv[layer][0][:, :n], (0, 0, reuse_len - n, 0)) for n, kv in hits]
+            values = [F.pad(kv[layer][1][:, :n], (0, 0, reuse_len - n, 0)) for n, kv in hits]
+            layers.append((torch.stack(keys), torch.stack(values)))
+        return (DynamicCache(ddp_cache_data=layers), torch.tensor(ids, device=device),
+                torch.tensor(mask, device=device), sum(n for n, _ in hits))
+
+    def _store_rows(self, cache: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
+                    sequences: list[SampledSequence]) -> None:
+        """Keep each row's KV (prompt + sampled tokens but the last, whose KV was never computed)."""
+        import torch
+
+        if not self.kv_cache_bytes or cache is None:
+            return
+        if not _pure_attention(cache):
+            self.kv_cache_bytes = 0
+            return
+        width = attention_mask.shape[1]
+        for k, (prompt, seq) in enumerate(zip(prompts, sequences)):
+            kept = len(seq.tokens) - 1
+            positions = torch.cat([attention_mask[k].nonzero().squeeze(1),
+                                   torch.arange(width, width + kept, device=attention_mask.device)])
+            kv = tuple((layer.keys[k][:, positions], layer.values[k][:, positions]) for layer in cache.layers)
+            self._remember(prompt + seq.tokens[:kept], kv)
+
+    def _remember(self, tokens: tuple[int, ...], kv: tuple[tuple[Any, Any], ...]) -> None:
+        if not self.kv_cache_bytes or len(tokens) < MIN_SHARED_PREFIX:
+            return
+        size = sum(k.nbytes + v.nbytes for k, v in kv)
+        if size > self.kv_cache_bytes:
+            return
+        old = self._kv.pop(tokens, None)
+        if old is not None:
+            self._kv_size -= sum(k.nbytes + v.nbytes for k, v in old)
+        self._kv[tokens] = kv
+        self._kv_size += size
+        while self._kv_size > self.kv_cache_bytes:
+            _, dropped = self._kv.popitem(last=False)
+            self._kv_size -= sum(k.nbytes + v.nbytes for k, v in dropped)
 
     def _row_generators(self, rows: list[tuple[_Request, int]], device: Any) -> list[Any]:
         """One RNG per row: from (request seed, sample index) when the request is seeded,
@@ -833,13 +953,21 @@ class LocalSamplingClient:
         return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
 
+def _pure_attention(cache: Any) -> bool:
+    """Whether every layer of a cache is a plain (non-sliding) attention KV layer, the
+    only kind whose positions the prefix cache and the KV store may pad and splice."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(not getattr(layer, "is_sliding", False) and type(layer).__name__ == "DynamicLayer"
+                                for layer in layers)
+
+
 def _generation_config(max_new_tokens: int, stop_ids: Sequence[int], pad_id: int) -> Any:
     """HF settings for one batch: greedy over the scores ``_RowSampler`` returns, which
     leave only the token it drew, so HF's own sampling never runs."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
-                            eos_token_id=list(stop_ids), pad_token_id=pad_id)
+    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
+                            pad_token_id=pad_id, return_dict_in_generate=True)
 
 
 def _fail(requests: list[_Request], exc: BaseException) -> None:
