@@ -19,7 +19,7 @@ from retool.config import ConfigError, make_config
 from retool.log import read_metrics
 from retool.train import (FAILPOINTS_ENV, TrainConfig, batch_indices, latest_checkpoint, read_manifest,
                           refill_indices, train)
-from tests.tiny import DIGIT_QUESTION, boxed_digit_model_dir, tiny_model_dir
+from tests.tiny import DIGIT_QUESTION, boxed_digit_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
