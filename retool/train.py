@@ -190,17 +190,21 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
     groups = _rollout_with_retries(trainer, problems, step)
     rounds = 0
-    while rounds < cfg.refill_rounds and _informative(groups) < cfg.batch_size:
+    while rounds < cfg.refill_rounds:
+        missing = cfg.batch_size - len(groups) + algo.count_degenerate_groups(_rewards(groups))
+        if missing <= 0:
+            break
         rounds += 1
-        extra = refill_indices(step, rounds, cfg.batch_size - _informative(groups), len(trainer.problems), cfg.seed)
+        extra = refill_indices(step, rounds, missing, len(trainer.problems), cfg.seed)
         groups += _rollout_with_retries(trainer, [trainer.problems[i] for i in extra], step)
     t_rollout = time.monotonic() - t0
     _failpoint("after_rollout", step)
 
+    rewards_BG = _rewards(groups)
+    degenerate_B = [algo.is_degenerate(rewards_G) for rewards_G in rewards_BG]
     drop = cfg.drop_degenerate_groups or cfg.refill_rounds > 0
-    advantages_BG = [algo.group_advantages([t.grade.reward for t in g], cfg.normalize_std) for g in groups]
-    kept = [(g, a) for g, a in zip(groups, advantages_BG)
-            if not (drop and algo.is_degenerate([t.grade.reward for t in g]))]
+    advantages_BG = [algo.group_advantages(rewards_G, cfg.normalize_std) for rewards_G in rewards_BG]
+    kept = [(g, a) for g, a, degenerate in zip(groups, advantages_BG, degenerate_B) if not (drop and degenerate)]
     datums = [algo.trajectory_datum(t, a) for g, adv in kept for t, a in zip(g, adv)]
     datums = [d for d in datums if d.num_trained > 0]
     metrics: dict[str, float] = {}
@@ -226,8 +230,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     metrics.update(rollout_metrics(flat))
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
     metrics.update({
-        "rollout/degenerate_group_rate": algo.count_degenerate_groups(
-            [[t.grade.reward for t in g] for g in groups]) / len(groups),
+        "rollout/degenerate_group_rate": sum(degenerate_B) / len(groups),
         "train/datums": float(len(datums)),
         "train/groups": float(len(kept)),
         "rollout/groups": float(len(groups)), "rollout/refill_rounds": float(rounds),
@@ -238,11 +241,9 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     return metrics, list(zip(groups, advantages_BG))
 
 
-def _informative(groups: list) -> int:
-    """How many groups have unequal rewards (a non-zero advantage somewhere)."""
-    from retool import algo
-
-    return sum(1 for g in groups if not algo.is_degenerate([t.grade.reward for t in g]))
+def _rewards(groups: list) -> list[list[float]]:
+    """The rewards of every trajectory, group by group."""
+    return [[t.grade.reward for t in g] for g in groups]
 
 
 def _loss_config(cfg: TrainConfig) -> dict[str, float]:

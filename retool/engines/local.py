@@ -930,17 +930,17 @@ class LocalSamplingClient:
     def _remember(self, tokens: tuple[int, ...], kv: tuple[tuple[Any, Any], ...]) -> None:
         if not self.kv_cache_bytes or len(tokens) < MIN_SHARED_PREFIX:
             return
-        size = sum(k.nbytes + v.nbytes for k, v in kv)
+        size = _nbytes(kv)
         if size > self.kv_cache_bytes:
             return
         old = self._kv.pop(tokens, None)
         if old is not None:
-            self._kv_size -= sum(k.nbytes + v.nbytes for k, v in old)
+            self._kv_size -= _nbytes(old)
         self._kv[tokens] = kv
         self._kv_size += size
         while self._kv_size > self.kv_cache_bytes:
             _, dropped = self._kv.popitem(last=False)
-            self._kv_size -= sum(k.nbytes + v.nbytes for k, v in dropped)
+            self._kv_size -= _nbytes(dropped)
 
     def _row_generators(self, rows: list[tuple[_Request, int]], device: Any) -> list[Any]:
         """One RNG per row: from (request seed, sample index) when the request is seeded,
@@ -951,6 +951,11 @@ class LocalSamplingClient:
         seeds = [_mix(r.params.seed, i) if r.params.seed is not None else _mix(call_seed, k)
                  for k, (r, i) in enumerate(rows)]
         return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+
+def _nbytes(kv: tuple[tuple[Any, Any], ...]) -> int:
+    """Memory of one stored KV cache (keys and values of every layer)."""
+    return sum(k.nbytes + v.nbytes for k, v in kv)
 
 
 def _pure_attention(cache: Any) -> bool:
