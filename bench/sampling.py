@@ -13,8 +13,14 @@ declaration, ≈400 tokens shared by every request, then an arithmetic question)
 adds a third run: merged batches with the sampler's shared-prefix cache turned off,
 which isolates what computing the shared prefix once buys.
 
+``--decode`` measures the decode step alone: merged batches at the rollout's top-p 0.7
+with HF's plain path (the KV cache re-concatenated at every step, top-p by sorting the
+vocabulary) against the sampler's default (reserved KV room, top-p over the 256 most
+likely tokens), alternating ``--repeats`` times; both must sample the same tokens.
+
     python bench/sampling.py --requests 16 --max-tokens 32
     python bench/sampling.py --requests 16 --max-tokens 64 --tool-prompts
+    python bench/sampling.py --requests 8 --max-tokens 128 --tool-prompts --decode
 """
 
 from __future__ import annotations
@@ -79,6 +85,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tool-prompts", action="store_true",
                         help="the rollout's ~400-token tool prompts, and a run without the prefix cache")
+    parser.add_argument("--decode", action="store_true",
+                        help="only compare the decode-step optimisations with HF's plain path")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per variant (--decode)")
     args = parser.parse_args()
 
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
@@ -89,6 +98,8 @@ def main() -> None:
     prompts_P = make(engine.get_tokenizer(), args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)
     timed(all_at_once(sampler, prompts_P[:2], SamplingParams(max_tokens=2)))  # warm-up
+    if args.decode:
+        return decode_ab(sampler, prompts_P, args)
 
     calls = sampler.calls
     base_tokens, base_s = timed(one_at_a_time(sampler, prompts_P, params))
@@ -110,6 +121,35 @@ def main() -> None:
     if args.tool_prompts:
         print(f"merged, no prefix cache: {plain_tokens} tokens in {plain_s:.1f} s = "
               f"{plain_tokens / plain_s:.1f} tok/s; prefix cache speed-up {plain_s / batch_s:.2f}x")
+
+
+async def samples(sampler, prompts_P, params) -> list[tuple[int, ...]]:
+    results = await asyncio.gather(*(sampler.sample(p, 1, params) for p in prompts_P))
+    return [r.sequences[0].tokens for r in results]
+
+
+def decode_ab(sampler, prompts_P, args) -> None:
+    """HF's plain decode path vs the sampler's defaults, same seeded requests."""
+    params = SamplingParams(max_tokens=args.max_tokens, top_p=0.7, stop_token_ids=(0,), seed=0)
+    variants = {"HF plain (concatenated KV, sorted top-p)": (False, 0),
+                "reserved KV + top-p over 256 candidates": (True, 256)}
+    seconds = {name: [] for name in variants}
+    tokens = {}
+    for _ in range(args.repeats):
+        for name, (reserve, candidates) in variants.items():
+            sampler.reserve_kv, sampler.nucleus_candidates = reserve, candidates
+            start = time.perf_counter()
+            tokens[name] = asyncio.run(samples(sampler, prompts_P, params))
+            seconds[name].append(time.perf_counter() - start)
+    mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
+    print(f"{len(prompts_P)} merged requests x {args.max_tokens} tokens, prompts of {mean_prompt:.0f} tokens, "
+          f"best of {args.repeats}")
+    (base, base_s), (new, new_s) = ((name, min(s)) for name, s in seconds.items())
+    count = sum(map(len, tokens[base]))
+    for name, best in ((base, base_s), (new, new_s)):
+        print(f"{name}: {count} tokens in {best:.1f} s = {count / best:.1f} tok/s "
+              f"(runs: {', '.join(f'{s:.1f}' for s in seconds[name])} s)")
+    print(f"speed-up: {base_s / new_s:.2f}x; same tokens: {tokens[base] == tokens[new]}")
 
 
 if __name__ == "__main__":

@@ -306,6 +306,22 @@ def test_sampled_tokens_follow_the_filtered_distribution(make_engine):
         assert abs(counts[token] / 3000 - p) < 0.03, (token, counts[token] / 3000, p)
 
 
+
+@pytest.mark.parametrize("top_p", [0.05, 0.7, 0.95])
+def test_nucleus_filter_keeps_what_the_hf_warper_keeps(top_p):
+    """The top-k shortcut must keep exactly HF's nucleus, also where the nucleus is wider
+    than its candidates (flat logits: the full-sort fallback)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    hf = TopPLogitsWarper(top_p)
+    nucleus = local._NucleusFilter(top_p, hf, candidates=64)
+    generator = torch.Generator().manual_seed(0)
+    for scale in (0.1, 1.0, 8.0):  # flat (fallback) to peaked (a handful of tokens)
+        scores = torch.randn(6, 5000, generator=generator) * scale
+        ours, theirs = nucleus(None, scores), hf(None, scores)
+        assert torch.equal(ours.isinf(), theirs.isinf())
+        assert torch.equal(ours[~ours.isinf()], theirs[~theirs.isinf()])
+
 def test_stop_tokens_are_kept_and_budgets_respected(make_engine):
     engine = make_engine()
     stops = tuple(range(1, 8))  # ~1 in 9 tokens ends a sequence
@@ -450,6 +466,62 @@ def test_next_turns_reuse_the_stored_kv_and_sample_what_a_full_prefill_samples(m
     assert stored.sampler.kv_reused_tokens == reused
     expected = teacher_forced_logprobs(stored, contexts[0], again.tokens, 0.9)
     assert torch.allclose(torch.tensor(again.logprobs), expected, atol=1e-4)
+
+
+def test_reserved_kv_layers_sample_what_growing_by_concatenation_samples(make_engine, monkeypatch):
+    """Decode steps write keys/values into reserved room instead of re-concatenating the
+    cache: same tokens and logprobs as HF's plain layers, on plain, shared-prefix and
+    stored-turn layouts, with buffers outgrowing their room."""
+    system = [2] + [3 + (5 * i) % 40 for i in range(19)]
+    params = base.SamplingParams(max_tokens=9, temperature=0.9, seed=5)
+
+    def run(engine):
+        out = [sample(engine, [2, 3, 4], 2, params).sequences]  # no shared prefix
+        first = sample(engine, system + [7, 8], 3, params).sequences  # shared prefix
+        contexts = [system + [7, 8] + list(s.tokens) + [40 + i, 41] for i, s in enumerate(first)]
+
+        async def together():  # continues the stored first turns
+            return await asyncio.gather(*(engine.sampler.sample(c, 1, params) for c in contexts))
+        return out + [first] + [r.sequences for r in asyncio.run(together())]
+
+    reserved, plain = make_engine(), make_engine()
+    plain.sampler.reserve_kv = False
+    reserved_layer = local._reserved_layer_class()
+    updates, original = collections.Counter(), reserved_layer.update
+
+    def counted(self, *args, **kwargs):
+        updates["calls"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(reserved_layer, "update", counted)
+    with_reserve = run(reserved)
+    assert updates["calls"] > 0  # the reserved layers were the ones in use
+    used = updates["calls"]
+    without = run(plain)
+    assert updates["calls"] == used
+    for a_seqs, b_seqs in zip(with_reserve, without):
+        assert [s.tokens for s in a_seqs] == [s.tokens for s in b_seqs]
+        for a, b in zip(a_seqs, b_seqs):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert reserved.sampler.kv_reused_tokens == plain.sampler.kv_reused_tokens > 0
+
+    # room for 2 tokens: the 3rd step reallocates; cropping and batch repeats replace
+    # the keys from outside, and the next update must start from those
+    layer, generator = reserved_layer(reserve=2), torch.Generator().manual_seed(0)
+    expected = torch.randn(1, 2, 3, 4, generator=generator)
+    layer.update(expected, expected * 2)
+    for step in range(7):
+        if step == 4:
+            layer.crop(-2)
+            expected = expected[..., :-2, :]
+        if step == 5:
+            layer.batch_repeat_interleave(2)
+            expected = expected.repeat_interleave(2, dim=0)
+        new = torch.randn(expected.shape[0], 2, 1, 4, generator=generator)
+        expected = torch.cat([expected, new], dim=-2)
+        keys, values = layer.update(new, new * 2)
+        assert torch.equal(keys, expected) and torch.equal(values, expected * 2)
+        assert layer.get_seq_length() == expected.shape[-2]
 
 
 def test_the_kv_store_stays_within_its_memory_budget(make_engine):

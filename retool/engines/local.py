@@ -723,6 +723,13 @@ class LocalSamplingClient:
     that costs less than the shared-prefix layout. ``kv_reused_tokens`` counts the
     prompt tokens it saved. :meth:`clear_kv_cache` empties it (the training client calls
     it whenever the weights change).
+
+    Decode steps: ``reserve_kv`` (on) lets each attention layer's cache grow into
+    reserved room rather than being re-concatenated at every step (HF's default), and
+    top-p looks at the ``nucleus_candidates`` (256) most likely tokens instead of sorting
+    the vocabulary (HF's warper when the nucleus is wider; 0 always uses it). Both give
+    the same samples as the plain HF path; ``bench/sampling.py --tool-prompts`` measures
+    them.
     """
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
@@ -735,6 +742,8 @@ class LocalSamplingClient:
         self.prefix_cache = prefix_cache
         self.prefix_cached_tokens = 0
         self.kv_cache_bytes = kv_cache_mb * 2**20
+        self.reserve_kv = True
+        self.nucleus_candidates = 256
         self.kv_reused_tokens = 0
         self._kv: OrderedDict[tuple[int, ...], tuple[tuple[Any, Any], ...]] = OrderedDict()
         self._kv_size = 0
@@ -807,7 +816,7 @@ class LocalSamplingClient:
         device = self.model.device
         prompts = [r.prompt for r, _ in rows]
         max_tokens_R = [r.params.max_tokens for r, _ in rows]
-        sampler = _RowSampler(params, self._row_generators(rows, device))
+        sampler = _RowSampler(params, self._row_generators(rows, device), self.nucleus_candidates)
         config = _generation_config(max(max_tokens_R), stop_ids, self.tokenizer.pad_token_id)
         with self._lock, torch.no_grad(), _mode(self.model, train=False):
             shared = min(_common_prefix(prompts), min(len(p) for p in prompts) - 1) if len(prompts) > 1 else 0
@@ -824,6 +833,7 @@ class LocalSamplingClient:
                 input_ids, attention_mask = _left_pad(prompts, self.tokenizer.pad_token_id, device, keep=shared)
                 reused = 0
             width = input_ids.shape[1]
+            cache = self._reserving(cache, max(max_tokens_R))
             extra = {"cache": cache} if cache is not None else {}
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
@@ -857,6 +867,30 @@ class LocalSamplingClient:
             return None
         self._remember(prefix, tuple((layer.keys[0], layer.values[0]) for layer in cache.layers))
         cache.batch_repeat_interleave(rows)
+        return cache
+
+    def _reserving(self, cache: Any, reserve: int) -> Any:
+        """``cache`` (or a new empty cache when ``None``) with every attention layer
+        keeping room for ``reserve`` more tokens, so that a decode step writes its keys
+        and values in place instead of concatenating the whole cache again (HF's
+        ``DynamicLayer`` copies every layer's cache at every step: ~30 % of a batched
+        CPU decode step). Caches that are not pure attention are returned unchanged."""
+        from transformers import DynamicCache
+
+        if not self.reserve_kv:
+            return cache
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+            if not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+                return None  # sliding-window or linear-attention layers: generate's own cache
+        elif not _pure_attention(cache):
+            return cache
+        layer_class = _reserved_layer_class()
+        for index, layer in enumerate(cache.layers):
+            reserved = layer_class(reserve)
+            if layer.is_initialized and layer.keys.numel():
+                reserved.update(layer.keys, layer.values)
+            cache.layers[index] = reserved
         return cache
 
     # ------------------------------------------------------------ the KV store
@@ -953,6 +987,49 @@ class LocalSamplingClient:
         return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
 
+_RESERVED_LAYER: Any = None
+
+
+def _reserved_layer_class() -> Any:
+    """``_ReservedLayer``: an HF ``DynamicLayer`` that grows into spare capacity (built
+    on first use, as transformers is imported lazily)."""
+    global _RESERVED_LAYER
+    if _RESERVED_LAYER is not None:
+        return _RESERVED_LAYER
+    from transformers.cache_utils import DynamicLayer
+
+    class _ReservedLayer(DynamicLayer):
+        """Keys/values are views of buffers with room for ``reserve`` more tokens; a
+        buffer is reallocated (with new room) only when full or when something outside
+        replaced ``keys`` (cropping, batch reordering)."""
+
+        def __init__(self, reserve: int) -> None:
+            super().__init__()
+            self.reserve = max(1, reserve)
+            self._buffers: tuple[Any, Any] | None = None
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            have = self.keys.shape[-2] if self.keys.numel() else 0
+            end = have + key_states.shape[-2]
+            buffers = self._buffers
+            if buffers is None or buffers[0].data_ptr() != self.keys.data_ptr() or end > buffers[0].shape[-2]:
+                shape = (*key_states.shape[:-2], end + self.reserve, key_states.shape[-1])
+                buffers = (key_states.new_empty(shape), value_states.new_empty(shape))
+                if have:
+                    buffers[0][..., :have, :] = self.keys
+                    buffers[1][..., :have, :] = self.values
+                self._buffers = buffers
+            buffers[0][..., have:end, :] = key_states
+            buffers[1][..., have:end, :] = value_states
+            self.keys, self.values = buffers[0][..., :end, :], buffers[1][..., :end, :]
+            return self.keys, self.values
+
+    _RESERVED_LAYER = _ReservedLayer
+    return _RESERVED_LAYER
+
+
 def _nbytes(kv: tuple[tuple[Any, Any], ...]) -> int:
     """Memory of one stored KV cache (keys and values of every layer)."""
     return sum(k.nbytes + v.nbytes for k, v in kv)
@@ -962,8 +1039,8 @@ def _pure_attention(cache: Any) -> bool:
     """Whether every layer of a cache is a plain (non-sliding) attention KV layer, the
     only kind whose positions the prefix cache and the KV store may pad and splice."""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(not getattr(layer, "is_sliding", False) and type(layer).__name__ == "DynamicLayer"
-                                for layer in layers)
+    return bool(layers) and all(not getattr(layer, "is_sliding", False)
+                                and type(layer).__name__ in ("DynamicLayer", "_ReservedLayer") for layer in layers)
 
 
 def _generation_config(max_new_tokens: int, stop_ids: Sequence[int], pad_id: int) -> Any:
@@ -1039,12 +1116,16 @@ class _RowSampler:
     logprob. Temperature 0 takes the argmax.
     """
 
-    def __init__(self, params: SamplingParams, generators_R: list[Any]) -> None:
+    def __init__(self, params: SamplingParams, generators_R: list[Any], nucleus_candidates: int = 256) -> None:
         from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
         self.temperature = params.temperature
-        self.filters = ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []) + \
-                       ([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else [])
+        top_p: list[Any] = []
+        if params.top_p < 1.0:
+            top_p = [TopPLogitsWarper(params.top_p)]
+            if nucleus_candidates > 0:
+                top_p = [_NucleusFilter(params.top_p, top_p[0], nucleus_candidates)]
+        self.filters = ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []) + top_p
         self.generators_R = generators_R
         self._previous: Any = None
         self._taken: list[Any] = []
@@ -1080,6 +1161,29 @@ class _RowSampler:
 
         taken = self._taken + [self._previous.gather(1, new_tokens[:, -1:]).squeeze(1)]
         return torch.stack(taken, dim=1)
+
+
+class _NucleusFilter:
+    """Top-p filtering with HF's rule (keep a token while the probability mass ranked
+    above it is below ``top_p``; the most likely token always stays) that looks only
+    at each row's ``candidates`` most likely tokens instead of sorting the whole
+    vocabulary — ~20x cheaper on a 50k vocabulary, ~10 % of a CPU decode step. Rows
+    whose nucleus is wider than the candidates go through ``fallback`` (HF's warper).
+    """
+
+    def __init__(self, top_p: float, fallback: Any, candidates: int = 256) -> None:
+        self.top_p, self.fallback, self.candidates = top_p, fallback, candidates
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        k = min(self.candidates, scores.shape[-1])
+        probs_K, index_K = scores.softmax(-1).topk(k, dim=-1)
+        mass_K = probs_K.cumsum(-1)
+        if bool((mass_K[:, -1] < self.top_p).any()):
+            return self.fallback(input_ids, scores)
+        keep_K = (mass_K - probs_K) < self.top_p
+        keep_K[:, 0] = True
+        kept = scores.new_full(scores.shape, float("-inf"))
+        return kept.scatter(1, index_K, scores.gather(1, index_K).masked_fill(~keep_K, float("-inf")))
 
 
 class _RowBudget:
