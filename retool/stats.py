@@ -92,6 +92,35 @@ def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[
     return _mean_and_stderr([b - a for a, b in zip(before, after)])
 
 
+def paired_ratio_difference(before: Sequence[tuple[float, float]],
+                            after: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Difference of two pooled ratios on the same problems, and its standard error.
+
+    Each side holds one ``(numerator, denominator)`` per problem (e.g. a problem's valid
+    tool calls and its call attempts, over all its samples), in the same problem order;
+    the ratio is ``sum(numerators) / sum(denominators)``, as the training metric pools
+    it. The standard error treats each problem as a cluster and pairs the two evals by
+    problem, through the delta method: problem ``i`` contributes
+    ``u_i = (num_i - ratio * den_i) / mean(den)`` on each side, and the s.e. is that of
+    the paired differences of ``u``, like :func:`paired_difference`. Raises
+    ``ValueError`` for unequal lengths, no problems, or a side whose denominators sum to 0.
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired_ratio_difference: {len(before)} problems before, {len(after)} after")
+    if not before:
+        raise ValueError("paired_ratio_difference: no problems")
+    sides = []
+    for name, pairs in (("before", before), ("after", after)):
+        total_num, total_den = sum(n for n, _ in pairs), sum(d for _, d in pairs)
+        if total_den <= 0:
+            raise ValueError(f"paired_ratio_difference: the denominators {name} sum to {total_den}")
+        ratio, mean_den = total_num / total_den, total_den / len(pairs)
+        sides.append((ratio, [(n - ratio * d) / mean_den for n, d in pairs]))
+    (ratio_before, u_before), (ratio_after, u_after) = sides
+    _, stderr = _mean_and_stderr([b - a for a, b in zip(u_before, u_after)])
+    return ratio_after - ratio_before, stderr
+
+
 def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
     """Mean and standard error (sample std, ddof=1, over √n; 0.0 for one value)."""
     mean = sum(values) / len(values)

@@ -12,7 +12,7 @@ import pytest
 from retool.cli import main
 from retool.report import read_eval_results
 from retool.report.compare import compare
-from retool.stats import paired_difference
+from retool.stats import paired_difference, paired_ratio_difference
 
 EVAL = Path(__file__).parent / "fixtures" / "report" / "eval"
 
@@ -31,6 +31,21 @@ def test_paired_difference_by_hand():
         paired_difference([], [])
 
 
+def test_paired_ratio_difference_by_hand():
+    # before: 2 valid of 4 attempts (ratio 0.5); after: 4 of 4 (ratio 1.0); 3 problems
+    diff, se = paired_ratio_difference([(1, 1), (1, 2), (0, 1)], [(2, 2), (1, 1), (1, 1)])
+    assert diff == pytest.approx(0.5)
+    # u before = (n - 0.5 d) / (4/3) = 0.375, 0, -0.375; u after = 0, 0, 0
+    d = [-0.375, 0.0, 0.375]
+    assert se == pytest.approx(math.sqrt(sum(x * x for x in d) / 2) / math.sqrt(3))
+    # the same ratio on both sides with the same per-problem pattern: no difference, no noise
+    assert paired_ratio_difference([(1, 2), (3, 4)], [(1, 2), (3, 4)]) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="denominators before sum to 0"):
+        paired_ratio_difference([(0, 0)], [(1, 1)])
+    with pytest.raises(ValueError, match="1 problems before, 2 after"):
+        paired_ratio_difference([(1, 1)], [(1, 1), (1, 1)])
+
+
 def test_compare_matches_the_per_problem_counts():
     result = compare(EVAL / "base.jsonl", EVAL / "step-100.jsonl")
     before, after = read_eval_results(EVAL / "base.jsonl"), read_eval_results(EVAL / "step-100.jsonl")
@@ -46,7 +61,8 @@ def test_compare_matches_the_per_problem_counts():
     assert accuracy.significant == (abs(diff) > 2 * se > 0)
     assert result.metric("format").before == pytest.approx(before.summary["format"])
     assert result.metric("used_tool").after == pytest.approx(after.summary["used_tool_rate"])
-    assert 0 <= result.metric("valid_tool_call_rate").before <= 1
+    valid = result.metric("valid_tool_call_rate")
+    assert 0 <= valid.before <= 1 and valid.stderr is not None and valid.stderr >= 0
 
 
 def test_cli_table_json_and_errors(tmp_path, capsys):

@@ -9,8 +9,10 @@ two standard errors is flagged as significant.
 
 Per-problem metrics (paired s.e.): accuracy (Average@k), format (boxed answers), used
 the tool (share of samples with at least one executed call), code calls per sample.
-Pooled metric (no s.e.): valid tool-call rate (calls that parsed and named the tool, over
-all call attempts), as the training metric ``rollout/valid_tool_call_rate`` defines it.
+Pooled metric: valid tool-call rate (calls that parsed and named the tool, over all call
+attempts), as the training metric ``rollout/valid_tool_call_rate`` defines it, with a
+paired, problem-clustered s.e. (:func:`retool.stats.paired_ratio_difference`; none when
+a side made no call attempt).
 
 Only problems present in both files are compared; how many were left out is printed.
 Interrupted evals (no summary line yet) are compared on the problems they finished.
@@ -26,14 +28,14 @@ from pathlib import Path
 
 from retool.report import ReportInputError, read_eval_results
 from retool.serialize import trajectory_from_jsonable
-from retool.stats import paired_difference
+from retool.stats import paired_difference, paired_ratio_difference
 
 PAIRED_METRICS = ("accuracy", "format", "used_tool", "code_calls")
 
 
 @dataclass(frozen=True)
 class MetricComparison:
-    """One metric of two evals: values, difference, paired s.e. (``None`` when pooled)."""
+    """One metric of two evals: values, difference, paired s.e. (``None`` when there is none)."""
 
     name: str
     before: float
@@ -88,6 +90,14 @@ def _per_problem(samples: list) -> dict[str, float]:
             "code_calls": sum(t.num_code_calls for t in samples) / n}
 
 
+def _valid_calls(samples: list) -> tuple[int, int]:
+    """A problem's (valid tool calls, call attempts) over its samples."""
+    from retool.types import ToolCall
+
+    exchanges = [turn.exchange for t in samples for turn in t.turns if turn.exchange is not None]
+    return sum(isinstance(e.call, ToolCall) for e in exchanges), len(exchanges)
+
+
 def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
     """Compare two eval results files; raises :class:`ReportInputError` on bad input."""
     from retool.rollout import rollout_metrics
@@ -110,7 +120,12 @@ def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
     # pooled over every sample, as the training metric of the same name
     valid = [rollout_metrics([t for s in samples for t in s])["rollout/valid_tool_call_rate"]
              for samples in (samples_before, samples_after)]
-    metrics.append(MetricComparison("valid_tool_call_rate", valid[0], valid[1], None))
+    try:
+        _, valid_stderr = paired_ratio_difference([_valid_calls(s) for s in samples_before],
+                                                  [_valid_calls(s) for s in samples_after])
+    except ValueError:  # a side made no call attempt: its rate is 1.0 by definition
+        valid_stderr = None
+    metrics.append(MetricComparison("valid_tool_call_rate", valid[0], valid[1], valid_stderr))
     return Comparison(Path(before_path), Path(after_path), len(common), len(rows_before) - len(common),
                       len(rows_after) - len(common), tuple(metrics))
 
