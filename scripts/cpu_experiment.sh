@@ -4,7 +4,7 @@
 # -> eval after RL -> paired comparison -> training curves.
 #
 #   bash scripts/cpu_experiment.sh            # defaults below; every stage resumes if re-run
-#   SFT_STEPS=24 RL_STEPS=30 bash scripts/cpu_experiment.sh
+#   SFT_STEPS=24 RL_STEPS=30 RL_REFILL=0 bash scripts/cpu_experiment.sh
 #
 # Needs the project installed (bash scripts/setup.sh). Writes under $OUT (default runs/cpu).
 set -euo pipefail
@@ -15,6 +15,7 @@ SFT_STEPS=${SFT_STEPS:-16}
 SFT_LR=${SFT_LR:-1e-3}
 RL_STEPS=${RL_STEPS:-20}
 RL_LR=${RL_LR:-1e-4}
+RL_REFILL=${RL_REFILL:-2}   # dynamic-sampling rounds a step (0: plain GRPO batches)
 TEST_N=${TEST_N:-64}
 VAL_N=${VAL_N:-2}
 mkdir -p "$OUT" data/arith
@@ -41,7 +42,7 @@ if [ -f "$OUT/rl/config.json" ]; then
   timed rl "$RETOOL" train --resume "$OUT/rl" --max-steps "$RL_STEPS"
 else
   timed rl "$RETOOL" train --config configs/cpu-smollm2.toml --init-from "$OUT/sft" --max-steps "$RL_STEPS" --lr "$RL_LR" \
-    --run-dir "$OUT/rl"
+    --refill-rounds "$RL_REFILL" --run-dir "$OUT/rl"
 fi
 
 timed eval-rl "$RETOOL" eval --checkpoint "$OUT/rl" --label "after RL" "${EVAL[@]}" --output "$OUT/eval/rl.jsonl"
