@@ -295,3 +295,4 @@ def test_docs_list_every_flag():
 
     docs = Path(__file__).resolve().parent.parent / "docs" / "sft.md"
     assert markdown_table(SFTConfig) in docs.read_text()
+    assert markdown_table(SFTConfig) in (docs.parent.parent / "README.md").read_text()
