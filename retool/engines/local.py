@@ -728,8 +728,8 @@ class LocalSamplingClient:
     reserved room rather than being re-concatenated at every step (HF's default), and
     top-p looks at the ``nucleus_candidates`` (256) most likely tokens instead of sorting
     the vocabulary (HF's warper when the nucleus is wider; 0 always uses it). Both give
-    the same samples as the plain HF path; ``bench/sampling.py --tool-prompts`` measures
-    them.
+    the same samples as the plain HF path; ``bench/sampling.py --tool-prompts --decode``
+    measures them.
     """
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
@@ -879,19 +879,17 @@ class LocalSamplingClient:
 
         if not self.reserve_kv:
             return cache
-        if cache is None:
-            cache = DynamicCache(config=self.model.config)
-            if not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
-                return None  # sliding-window or linear-attention layers: generate's own cache
-        elif not _pure_attention(cache):
+        # sliding-window or linear-attention layers: the given cache, or generate's own
+        candidate = DynamicCache(config=self.model.config) if cache is None else cache
+        if not _pure_attention(candidate):
             return cache
         layer_class = _reserved_layer_class()
-        for index, layer in enumerate(cache.layers):
+        for index, layer in enumerate(candidate.layers):
             reserved = layer_class(reserve)
             if layer.is_initialized and layer.keys.numel():
                 reserved.update(layer.keys, layer.values)
-            cache.layers[index] = reserved
-        return cache
+            candidate.layers[index] = reserved
+        return candidate
 
     # ------------------------------------------------------------ the KV store
 
@@ -1120,12 +1118,11 @@ class _RowSampler:
         from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
         self.temperature = params.temperature
-        top_p: list[Any] = []
+        self.filters: list[Any] = [TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []
         if params.top_p < 1.0:
-            top_p = [TopPLogitsWarper(params.top_p)]
-            if nucleus_candidates > 0:
-                top_p = [_NucleusFilter(params.top_p, top_p[0], nucleus_candidates)]
-        self.filters = ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []) + top_p
+            warper = TopPLogitsWarper(params.top_p)
+            self.filters.append(_NucleusFilter(params.top_p, warper, nucleus_candidates)
+                                if nucleus_candidates > 0 else warper)
         self.generators_R = generators_R
         self._previous: Any = None
         self._taken: list[Any] = []
@@ -1167,8 +1164,9 @@ class _NucleusFilter:
     """Top-p filtering with HF's rule (keep a token while the probability mass ranked
     above it is below ``top_p``; the most likely token always stays) that looks only
     at each row's ``candidates`` most likely tokens instead of sorting the whole
-    vocabulary — ~20x cheaper on a 50k vocabulary, ~10 % of a CPU decode step. Rows
-    whose nucleus is wider than the candidates go through ``fallback`` (HF's warper).
+    vocabulary — ~20x cheaper on a 50k vocabulary, ~10 % of a CPU decode step. When
+    any row's nucleus is wider than the candidates, the whole batch goes through
+    ``fallback`` (HF's warper).
     """
 
     def __init__(self, top_p: float, fallback: Any, candidates: int = 256) -> None:
