@@ -10,7 +10,14 @@ A config is a plain (non-frozen) dataclass whose fields are declared with
   class defines it, so bad values are rejected before any model loads.
 
 Unknown keys in a preset and values of the wrong type are errors that name the file
-and the key. Not covered: nested configs (deliberately — one flat config per command).
+and the key.
+
+**Sections.** A field whose type is itself a (frozen) dataclass of :func:`option` fields
+is a *section*: the settings of one engine, say. Its fields become flags prefixed with
+the section's name (``--local-kv-cache-mb``), shown in ``--help`` under their own
+heading, a TOML table in a preset (``[local]`` / ``kv_cache_mb = 512``) and a nested
+object in a saved ``config.json``. Sections are one level deep; nothing else nests
+(deliberately — one flat config per command).
 """
 
 from __future__ import annotations
@@ -52,6 +59,20 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _section_class(tp: Any) -> type | None:
+    """The dataclass of a section field's type (see the module docstring), else ``None``."""
+    base = _base_type(tp)
+    return base if isinstance(base, type) and dataclasses.is_dataclass(base) else None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _section_dest(section: str, name: str) -> str:
+    return f"{section}.{name}"
+
+
 def _base_type(tp: Any) -> Any:
     """``int | None`` → ``int``; ``tuple[str, ...]`` → ``tuple``."""
     origin = typing.get_origin(tp)
@@ -83,25 +104,39 @@ def _strip_optional(tp: Any) -> Any:
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add ``--config`` and one flag per field of the config dataclass ``cls``."""
+    """Add ``--config`` and one flag per field of the config dataclass ``cls``
+    (a section's fields under their own heading, prefixed with the section's name)."""
     parser.add_argument("--config", type=Path, default=None, metavar="FILE.toml",
                         help="a TOML preset; flags given on the command line override it")
     hints = _field_types(cls)
     for f in dataclasses.fields(cls):
-        tp, meta = hints[f.name], f.metadata
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{meta.get('help', '')} (default: {default!r})"
-        if _base_type(tp) is bool:
-            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
+        section = _section_class(hints[f.name])
+        if section is None:
+            _add_flag(parser, f, hints[f.name], f.name, f.name)
             continue
-        parser.add_argument(_flag(f.name), dest=f.name, default=argparse.SUPPRESS,
-                            type=lambda s, tp=tp: _parse_value(s, tp),
-                            choices=meta.get("choices"), metavar=f.name.upper(), help=help_text)
+        group = parser.add_argument_group(f"{f.name} settings", f.metadata.get("help"))
+        section_hints = _field_types(section)
+        for sub in dataclasses.fields(section):
+            _add_flag(group, sub, section_hints[sub.name], f"{f.name}_{sub.name}", _section_dest(f.name, sub.name))
+
+
+def _add_flag(parser: Any, f: dataclasses.Field, tp: Any, name: str, dest: str) -> None:
+    meta = f.metadata
+    help_text = f"{meta.get('help', '')} (default: {_default(f)!r})"
+    if _base_type(tp) is bool:
+        parser.add_argument(_flag(name), dest=dest, action=argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=help_text)
+        return
+    parser.add_argument(_flag(name), dest=dest, default=argparse.SUPPRESS,
+                        type=lambda s, tp=tp: _parse_value(s, tp),
+                        choices=meta.get("choices"), metavar=name.upper(), help=help_text)
 
 
 def _coerce(cls: type, key: str, value: Any, source: str) -> Any:
     tp = _field_types(cls)[key]
+    section = _section_class(tp)
+    if section is not None:
+        return _coerce_section(section, key, value, source)
     base = _base_type(tp)
     if value is None or base is Any:
         return value
@@ -114,6 +149,19 @@ def _coerce(cls: type, key: str, value: Any, source: str) -> Any:
     if base is int and isinstance(value, bool):
         raise ConfigError(f"{source}: {key} must be int, got {value!r}")
     return value
+
+
+def _coerce_section(section: type, key: str, value: Any, source: str) -> Any:
+    """A section's value (a TOML table, a saved dict or an instance) as an instance of ``section``."""
+    if isinstance(value, section):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {key} must be a table of settings, got {value!r}")
+    names = {f.name for f in dataclasses.fields(section)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(f'{key}.{u}' for u in unknown)}")
+    return section(**{k: _coerce(section, k, v, f"{source}: {key}") for k, v in value.items()})
 
 
 def load_toml(cls: type, path: Path) -> dict[str, Any]:
@@ -137,9 +185,17 @@ def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_toml(cls, args.config))
+    hints = _field_types(cls)
     for f in dataclasses.fields(cls):
-        if hasattr(args, f.name):
-            values[f.name] = getattr(args, f.name)
+        section = _section_class(hints[f.name])
+        if section is None:
+            if hasattr(args, f.name):
+                values[f.name] = getattr(args, f.name)
+            continue
+        flags = {sub.name: getattr(args, _section_dest(f.name, sub.name)) for sub in dataclasses.fields(section)
+                 if hasattr(args, _section_dest(f.name, sub.name))}
+        if flags:
+            values[f.name] = dataclasses.replace(values.get(f.name, _default(f)), **flags)
     return make_config(cls, **values)
 
 
@@ -155,12 +211,23 @@ def make_config(cls: type[C], **values: Any) -> C:
     return cfg
 
 
+def validate_sections(cfg: Any) -> None:
+    """Call ``validate()`` of every section of ``cfg`` that defines one."""
+    for f in dataclasses.fields(cfg):
+        validate = getattr(getattr(cfg, f.name), "validate", None)
+        if _section_class(_field_types(type(cfg))[f.name]) is not None and validate is not None:
+            validate()
+
+
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     """A JSON-ready dict of a config (tuples become lists, paths strings)."""
     out = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        out[f.name] = list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
+        if dataclasses.is_dataclass(v):
+            out[f.name] = config_to_dict(v)
+        else:
+            out[f.name] = list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
     return out
 
 
@@ -199,15 +266,25 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def markdown_table(cls: type) -> str:
-    """A Markdown table of a config's flags, defaults and help (for the docs)."""
+def markdown_table(cls: type, prefix: str = "") -> str:
+    """A Markdown table of a config's flags, defaults and help (for the docs); ``prefix``
+    names a section's flags as its parent config does (``markdown_table(LocalSettings, "local_")``)."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
+    hints = _field_types(cls)
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, tuple):
-            default = ",".join(map(str, default))
-        help_text = f.metadata.get("help", "")
-        if f.metadata.get("choices"):
-            help_text += f" ({' / '.join(f.metadata['choices'])})"
-        rows.append(f"| `{_flag(f.name)}` | `{default}` | {help_text} |")
+        section = _section_class(hints[f.name])
+        if section is None:
+            rows.append(_table_row(prefix + f.name, f))
+        else:
+            rows.extend(_table_row(f"{f.name}_{sub.name}", sub) for sub in dataclasses.fields(section))
     return "\n".join(rows) + "\n"
+
+
+def _table_row(name: str, f: dataclasses.Field) -> str:
+    default = _default(f)
+    if isinstance(default, tuple):
+        default = ",".join(map(str, default))
+    help_text = f.metadata.get("help", "")
+    if f.metadata.get("choices"):
+        help_text += f" ({' / '.join(f.metadata['choices'])})"
+    return f"| `{_flag(name)}` | `{default}` | {help_text} |"

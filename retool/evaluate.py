@@ -30,8 +30,9 @@ its own seeded generator, so seeded requests of different problems still share o
 batched ``generate`` call. ``--no-seeded`` leaves seeding to the engine's stream; the
 samples then depend on how requests happened to meet.
 
-Not covered: engines other than the local one (``retool.engines.local``), sharding one
-eval over several machines, comparing checkpoints (``retool plot checkpoints``), and
+The sampler comes from ``--engine`` (``retool.engines``), built as a sampler only.
+
+Not covered: sharding one eval over several machines, comparing checkpoints (``retool plot checkpoints``), and
 re-grading a finished file with another grader.
 """
 
@@ -53,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.engines import EngineCheckpoint, EngineChoice, EngineSampler, Requirements, SamplerRequest, check_supported
+from retool.rollout import RolloutBudgets
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
 MODES = ("retool", "text")
@@ -62,8 +65,14 @@ MATCHED_HEADER_KEYS = ("model", "checkpoint", "step", "dataset_fingerprint", "mo
 
 
 @dataclass
-class EvalConfig:
-    """Every knob of ``retool eval``; defaults are the seed's evaluation (SPEC §3)."""
+class EvalConfig(RolloutBudgets, EngineChoice):
+    """Every knob of ``retool eval``; defaults are the seed's evaluation (AIME 2025, 12
+    samples a problem, temperature 1.0, top_p 0.7, 8,192-token trajectories, tool on).
+
+    The engine fields come from :class:`retool.engines.EngineChoice` (an eval builds a
+    sampler only), the rollout and sandbox budgets from
+    :class:`retool.rollout.RolloutBudgets` (shared with ``retool train``).
+    """
 
     # ---- what to evaluate
     dataset: str = option("aime25", "aime25, aime24, math500, or a question/answer JSONL (or parquet) file")
@@ -90,19 +99,9 @@ class EvalConfig:
     temperature: float = option(1.0, "sampling temperature (0 = greedy)")
     top_p: float = option(0.7, "nucleus sampling")
     top_k: int = option(0, "top-k sampling; 0 = off")
-    max_code_calls: int = option(4, "code executions per trajectory")
-    max_assistant_turns: int = option(6, "assistant turns per trajectory")
-    max_trajectory_tokens: int = option(8192, "tokens per trajectory, prompt included")
-    max_turn_tokens: int = option(1024, "tokens per assistant turn")
-    max_tool_response_tokens: int = option(512, "tokens per tool response (head+tail kept)")
     seed: int = option(42, "seed of every problem's sampling")
     seeded: bool = option(True, "seed every request from (seed, problem, context): results independent of "
                                 "batching and resume; --no-seeded uses the engine's stream (not reproducible)")
-
-    # ---- sandbox (retool mode)
-    sandbox_workers: int = option(8, "concurrent sandbox executions")
-    sandbox_timeout_s: float = option(30.0, "wall-clock limit of one code execution")
-    sandbox_memory_mb: int = option(2048, "address-space limit of one code execution")
 
     # ---- running and output
     concurrency: int = option(4, "problems rolled out at the same time")
@@ -111,14 +110,14 @@ class EvalConfig:
     overwrite: bool = option(False, "discard an existing results file instead of resuming it")
 
     def validate(self) -> None:
-        for name in ("val_n", "max_assistant_turns", "max_trajectory_tokens", "max_turn_tokens",
-                     "max_tool_response_tokens", "sandbox_workers", "sandbox_memory_mb", "concurrency"):
+        for name in ("val_n", "concurrency"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        require(self.max_code_calls >= 0, f"max_code_calls must be >= 0, got {self.max_code_calls}")
+        self.validate_engine()
+        self.validate_budgets()
         require(self.limit is None or self.limit >= 1, f"limit must be >= 1, got {self.limit}")
         require(self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0,
                 "need temperature >= 0, top_p in (0, 1] and top_k >= 0")
-        require(self.sandbox_timeout_s > 0, "sandbox_timeout_s must be > 0")
+        check_supported(self.engine, Requirements(training=False))
         require(self.output is None or self.output.endswith(".jsonl"),
                 f"output must be a .jsonl file (appended line by line), got {self.output}")
 
@@ -143,8 +142,8 @@ class ModelChoice:
     label: str = "base"
     chat_template: str | None = None
     run_name: str | None = None
-    engine_settings: dict = dataclasses.field(default_factory=dict)
-    """The checkpoint engine's saved settings (adapter shape) from its ``engine.json``."""
+    engine_checkpoint: EngineCheckpoint | None = None
+    """What the checkpoint's ``engine.json`` records (engine, model, adapter shape)."""
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, int | None]:
@@ -199,11 +198,10 @@ def choose_model(cfg: EvalConfig) -> ModelChoice:
         return ModelChoice(model=cfg.model or DEFAULT_MODEL, label=cfg.label or "base",
                            chat_template=cfg.chat_template)
     checkpoint, engine_dir, step = resolve_checkpoint(cfg.checkpoint)
-    meta = json.loads((engine_dir / "engine.json").read_text())
-    settings = meta.get("config") or {}
+    record = EngineCheckpoint.read(engine_dir)
     run = _run_folder(checkpoint)
     run_config = json.loads((run / "config.json").read_text()) if run and (run / "config.json").is_file() else {}
-    saved_model = settings.get("model") or meta.get("model") or run_config.get("model")
+    saved_model = record.model or run_config.get("model")
     if cfg.model and saved_model and cfg.model != saved_model:
         print(f"warning: checkpoint {checkpoint} was trained from {saved_model!r}; loading it onto "
               f"{cfg.model!r} as asked", file=sys.stderr)
@@ -213,7 +211,7 @@ def choose_model(cfg: EvalConfig) -> ModelChoice:
     label = cfg.label or (f"step {step}" if step is not None else checkpoint.name)
     return ModelChoice(model=model, checkpoint=str(checkpoint), engine_dir=str(engine_dir), step=step, label=label,
                        chat_template=cfg.chat_template or run_config.get("chat_template"),
-                       run_name=run.name if run else None, engine_settings=settings)
+                       run_name=run.name if run else None, engine_checkpoint=record)
 
 
 @dataclass
@@ -225,27 +223,20 @@ class EvalModel:
     choice: ModelChoice
 
 
-_ADAPTER_KEYS = ("full_finetune", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "trust_remote_code")
-
-
 def load_eval_model(cfg: EvalConfig, choice: ModelChoice) -> EvalModel:
-    """Load the chosen weights into the local engine and return its sampler.
+    """Load a sampler (no training state) for the chosen weights on ``cfg``'s engine.
 
-    The base model is loaded without an adapter (``full_finetune=True`` only means "no
-    LoRA wrapper" here: nothing is trained); a checkpoint is loaded with the adapter
-    shape it was saved with.
+    The base model is loaded as it is; a checkpoint in the adapter shape it was saved with.
     """
-    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    from retool.engines import load_sampler
 
-    if choice.engine_dir is None:
-        adapter: dict[str, Any] = {"full_finetune": True}
-    else:
-        adapter = {k: choice.engine_settings[k] for k in _ADAPTER_KEYS if k in choice.engine_settings}
-        if isinstance(adapter.get("lora_targets"), list):
-            adapter["lora_targets"] = tuple(adapter["lora_targets"])
-    engine = LocalTrainingClient(LocalEngineConfig(model=choice.model, device=cfg.device, dtype=cfg.dtype,
-                                                   seed=cfg.seed, init_from=choice.engine_dir, **adapter))
-    return EvalModel(engine.get_tokenizer(), engine.save_weights_for_sampler(), choice)
+    if choice.engine_checkpoint is not None and choice.engine_checkpoint.engine != cfg.engine:
+        raise ConfigError(f"checkpoint {choice.checkpoint} was written by the {choice.engine_checkpoint.engine} "
+                          f"engine; evaluate it with --engine {choice.engine_checkpoint.engine}")
+    loaded: EngineSampler = load_sampler(cfg.engine, SamplerRequest(
+        model=choice.model, checkpoint=choice.engine_checkpoint, checkpoint_dir=choice.engine_dir,
+        device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, settings=cfg.engine_settings()))
+    return EvalModel(loaded.tokenizer, loaded.sampler, choice)
 
 
 # ---------------------------------------------------------------- seeding
@@ -636,22 +627,16 @@ async def _sample_pending(cfg: EvalConfig, model: EvalModel, pending: list, resu
 def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any, Any]:
     """The renderer, rollout budgets and (retool mode) sandbox every problem shares."""
     from retool.render import Renderer
-    from retool.rollout import RolloutConfig
 
     tools = cfg.mode == "retool"
     renderer = Renderer(model.tokenizer, chat_template=model.choice.chat_template, tools=tools,
                         model_name=model.choice.model)
-    rollout_config = RolloutConfig(
-        max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns,
-        max_trajectory_tokens=cfg.max_trajectory_tokens, max_turn_tokens=cfg.max_turn_tokens,
-        max_tool_response_tokens=cfg.max_tool_response_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k, sandbox_timeout_s=cfg.sandbox_timeout_s)
+    rollout_config = cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     sandbox = None
     if tools:
-        from retool.sandbox import Sandbox, SandboxConfig
+        from retool.sandbox import Sandbox
 
-        sandbox = Sandbox(SandboxConfig(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
-                                        workers=cfg.sandbox_workers))
+        sandbox = Sandbox(cfg.sandbox_config())
     return renderer, rollout_config, sandbox
 
 

@@ -41,9 +41,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from retool.engines.base import SampledSequence, SamplingClient, SamplingParams
+from retool.config import option, require
+from retool.engines.base import SampledSequence, SamplingClient, SamplingParams, TransientEngineError
 from retool.protocol import budget_exhausted_message, build_messages, tool_message_text, truncate_tool_output
 from retool.render import Renderer, Segment
+from retool.sandbox import SandboxConfig
 from retool.types import (
     ExecutionResult,
     Grade,
@@ -61,12 +63,26 @@ Grader = Callable[[str, str], Awaitable[Grade]]
 
 
 class RolloutError(RuntimeError):
-    """A rollout failed for a reason that is not the model's (sampler, template, sandbox)."""
+    """A rollout failed for a reason that is not the model's (sampler, template, sandbox).
+
+    ``transient`` is true when the cause may pass on a retry (a
+    :class:`~retool.engines.base.TransientEngineError`, a connection error or a
+    timeout): only such rollouts are retried; anything else is a real error.
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+TRANSIENT_ERRORS = (TransientEngineError, ConnectionError, TimeoutError)
+"""Sampler failures a rollout may retry: everything else stops it for good."""
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Budgets and sampling of rollouts (defaults: SPEC §3)."""
+    """Budgets and sampling of rollouts (defaults: the seed's budgets — 4 code calls,
+    6 assistant turns, 8,192 tokens a trajectory, 1,024 a turn, 512 a tool response)."""
 
     max_code_calls: int = 4
     max_assistant_turns: int = 6
@@ -87,6 +103,41 @@ class RolloutConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_code_calls < 0:
             raise ValueError(f"max_code_calls must be >= 0, got {self.max_code_calls}")
+
+
+@dataclass
+class RolloutBudgets:
+    """The rollout and sandbox budgets, declared once for every command that rolls out
+    (``retool train`` and ``retool eval`` configs subclass it)."""
+
+    max_code_calls: int = option(4, "code executions per trajectory")
+    max_assistant_turns: int = option(6, "assistant turns per trajectory")
+    max_trajectory_tokens: int = option(8192, "tokens per trajectory, prompt included")
+    max_turn_tokens: int = option(1024, "tokens per assistant turn")
+    max_tool_response_tokens: int = option(512, "tokens per tool response (head+tail kept)")
+    sandbox_workers: int = option(8, "concurrent sandbox executions")
+    sandbox_timeout_s: float = option(30.0, "wall-clock limit of one code execution")
+    sandbox_memory_mb: int = option(2048, "address-space limit of one code execution")
+
+    def validate_budgets(self) -> None:
+        for name in ("max_assistant_turns", "max_trajectory_tokens", "max_turn_tokens", "max_tool_response_tokens",
+                     "sandbox_workers", "sandbox_memory_mb"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.max_code_calls >= 0, f"max_code_calls must be >= 0, got {self.max_code_calls}")
+        require(self.sandbox_timeout_s > 0, "sandbox_timeout_s must be > 0")
+
+    def rollout_config(self, *, temperature: float, top_p: float, top_k: int = 0) -> RolloutConfig:
+        """The rollout's budgets and sampling settings."""
+        return RolloutConfig(
+            max_code_calls=self.max_code_calls, max_assistant_turns=self.max_assistant_turns,
+            max_trajectory_tokens=self.max_trajectory_tokens, max_turn_tokens=self.max_turn_tokens,
+            max_tool_response_tokens=self.max_tool_response_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, sandbox_timeout_s=self.sandbox_timeout_s)
+
+    def sandbox_config(self) -> SandboxConfig:
+        """The sandbox's limits and pool size."""
+        return SandboxConfig(timeout_s=self.sandbox_timeout_s, memory_mb=self.sandbox_memory_mb,
+                             workers=self.sandbox_workers)
 
 
 class CodeRunner:
@@ -258,7 +309,8 @@ class Rollout:
             result = await self.sampler.sample(tokens, n, params)
         except Exception as err:
             raise RolloutError(f"problem {problem.id}: sampling failed at context length "
-                               f"{len(tokens)}: {type(err).__name__}: {err}") from err
+                               f"{len(tokens)}: {type(err).__name__}: {err}",
+                               transient=isinstance(err, TRANSIENT_ERRORS)) from err
         if len(result.sequences) != n:
             raise RolloutError(f"problem {problem.id}: asked the sampler for {n} sequences, "
                                f"got {len(result.sequences)}")
@@ -271,7 +323,8 @@ class Rollout:
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Per-step rollout and reward metrics (SPEC §4.8 names) over a batch of trajectories."""
+    """Per-step rollout and reward metrics over a batch of trajectories (the seed's metric
+    names: ``reward/*``, ``rollout/*``)."""
     if not trajectories:
         return {}
     turns = [t.turns for t in trajectories]

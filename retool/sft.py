@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config, save_config
-from retool.engines.base import ModelConfig
+from retool.engines import ModelConfig, Requirements, check_supported
 from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
 from retool.types import Datum
 
@@ -57,7 +57,7 @@ ROLES = ("system", "user", "assistant", "tool")
 class SFTConfig(ModelConfig):
     """Every knob of ``retool sft``.
 
-    The model and adapter fields come from :class:`retool.engines.base.ModelConfig`,
+    The engine, model and adapter fields come from :class:`retool.engines.ModelConfig`,
     shared with ``retool train``: keep them equal in both runs, since the RL run's
     ``--init-from`` loads this run's adapter.
     """
@@ -101,6 +101,8 @@ class SFTConfig(ModelConfig):
             check_sinks(self.sinks)
         except (ValueError, RuntimeError) as err:
             raise ConfigError(str(err)) from None
+        check_supported(self.engine, Requirements(full_finetune=self.full_finetune, loss="cross_entropy",
+                                                  packing=self.packing, resume=True))
 
 
 # ---------------------------------------------------------------- dialogues
@@ -427,9 +429,11 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
     cfg, t0 = run.config, time.monotonic()
     batch = [run.datums[i] for i in batch_indices(step, cfg.batch_size, len(run.datums), cfg.seed)]
     lr = learning_rate(step, run.total_steps, cfg)
-    fb = run.engine.forward_backward(batch, "cross_entropy")
-    opt = run.engine.optim_step(AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                                           weight_decay=cfg.weight_decay, grad_clip_norm=cfg.grad_clip_norm))
+    fb_future = run.engine.submit_forward_backward(batch, "cross_entropy")
+    opt_future = run.engine.submit_optim_step(AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                                                         weight_decay=cfg.weight_decay,
+                                                         grad_clip_norm=cfg.grad_clip_norm))
+    fb, opt = fb_future.result(), opt_future.result()
     trained = float(sum(d.num_trained for d in batch))
     run.totals["tokens/trained_total"] += trained
     return {

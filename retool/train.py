@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config, save_config
-from retool.engines.base import ModelConfig
+from retool.engines import ModelConfig, Requirements, check_supported
+from retool.rollout import RolloutBudgets
 
 CHECKPOINT_PREFIX = "step_"
 LOSSES = ("ppo", "importance_sampling")
@@ -47,14 +48,15 @@ MODES = ("retool", "text")
 
 
 @dataclass
-class TrainConfig(ModelConfig):
-    """Every knob of ``retool train``; defaults are the seed's configuration (SPEC §3).
+class TrainConfig(RolloutBudgets, ModelConfig):
+    """Every knob of ``retool train``; defaults are the seed's configuration (Qwen3.5-4B,
+    LoRA 32, 8 problems x 8 trajectories, Adam lr 4e-5 betas (0.9, 0.95), PPO clip
+    [0.8, 1.28], seed 42).
 
-    The model and adapter fields come from :class:`retool.engines.base.ModelConfig`
-    (shared with ``retool sft``).
+    The engine, model and adapter fields come from :class:`retool.engines.ModelConfig`
+    (shared with ``retool sft``), the rollout and sandbox budgets from
+    :class:`retool.rollout.RolloutBudgets` (shared with ``retool eval``).
     """
-
-    engine: str = option("local", "training backend", choices=("local",))
 
     # ---- data and batch
     train_data: str = option("data/train.jsonl", "training problems (JSONL from retool prepare-data, or a bundled set)")
@@ -63,19 +65,9 @@ class TrainConfig(ModelConfig):
     max_steps: int = option(200, "number of RL steps")
     mode: str = option("retool", "retool = tool on, text = tool off", choices=MODES)
 
-    # ---- rollout budgets and sampling
-    max_code_calls: int = option(4, "code executions per trajectory")
-    max_assistant_turns: int = option(6, "assistant turns per trajectory")
-    max_trajectory_tokens: int = option(8192, "tokens per trajectory, prompt included")
-    max_turn_tokens: int = option(1024, "tokens per assistant turn")
-    max_tool_response_tokens: int = option(512, "tokens per tool response (head+tail kept)")
+    # ---- rollout sampling
     temperature: float = option(1.0, "rollout sampling temperature")
     top_p: float = option(1.0, "rollout nucleus sampling")
-
-    # ---- sandbox
-    sandbox_workers: int = option(8, "concurrent sandbox executions")
-    sandbox_timeout_s: float = option(30.0, "wall-clock limit of one code execution")
-    sandbox_memory_mb: int = option(2048, "address-space limit of one code execution")
 
     # ---- optimisation
     loss: str = option("ppo", "policy loss", choices=LOSSES)
@@ -102,13 +94,11 @@ class TrainConfig(ModelConfig):
     max_retries: int = option(2, "retries of a failed rollout before the run stops")
 
     def validate(self) -> None:
-        for name in ("batch_size", "group_size", "max_steps", "max_assistant_turns", "max_trajectory_tokens",
-                     "max_turn_tokens", "max_tool_response_tokens", "sandbox_workers", "save_every",
-                     "sandbox_memory_mb"):
+        for name in ("batch_size", "group_size", "max_steps", "save_every"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         self.validate_model()
+        self.validate_budgets()
         require(self.group_size >= 2, f"group_size must be >= 2 for group-centred advantages, got {self.group_size}")
-        require(self.max_code_calls >= 0, f"max_code_calls must be >= 0, got {self.max_code_calls}")
         require(self.max_turn_tokens < self.max_trajectory_tokens,
                 "max_turn_tokens must be smaller than max_trajectory_tokens")
         require(0 < self.clip_low <= 1 <= self.clip_high, f"need 0 < clip_low <= 1 <= clip_high, got "
@@ -116,7 +106,6 @@ class TrainConfig(ModelConfig):
         require(self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 (or none)")
         require(self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "invalid Adam settings")
         require(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
-        require(self.sandbox_timeout_s > 0, "sandbox_timeout_s must be > 0")
         require(self.max_retries >= 0, "max_retries must be >= 0")
         require(self.refill_rounds >= 0, f"refill_rounds must be >= 0, got {self.refill_rounds}")
         from retool.log import check_sinks
@@ -125,6 +114,13 @@ class TrainConfig(ModelConfig):
             check_sinks(self.sinks)
         except (ValueError, RuntimeError) as err:
             raise ConfigError(str(err)) from None
+        check_supported(self.engine, self.requirements())
+
+    def requirements(self) -> Requirements:
+        """What this run asks of its engine (checked against the engine's capabilities)."""
+        return Requirements(full_finetune=self.full_finetune, loss=self.loss, dual_clip=self.dual_clip is not None,
+                            packing=self.packing, train_top_p=self.top_p, train_temperature=self.temperature,
+                            resume=True)
 
 
 class StepError(RuntimeError):
@@ -212,9 +208,10 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     if datums:
         adam = AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
                           grad_clip_norm=cfg.grad_clip_norm)
+        fb_future = trainer.engine.submit_forward_backward(datums, cfg.loss, _loss_config(cfg))
+        opt_future = trainer.engine.submit_optim_step(adam)  # taken before the first is done, as services allow
         try:
-            fb = trainer.engine.forward_backward(datums, cfg.loss, _loss_config(cfg))
-            opt = trainer.engine.optim_step(adam)
+            fb, opt = fb_future.result(), opt_future.result()
         except (FloatingPointError, RuntimeError, ValueError) as err:  # non-finite loss/inputs, OOM
             raise StepError(f"step {step}: the update failed and was not applied "
                             f"({type(err).__name__}: {err}); resume from the last checkpoint "
@@ -268,6 +265,8 @@ def _rollout_with_retries(trainer: Trainer, problems: list, step: int) -> list:
         try:
             return asyncio.run(trainer.rollout.groups(problems, trainer.config.group_size))
         except RolloutError as err:
+            if not err.transient:
+                raise StepError(f"step {step}: rollout failed: {err}") from err
             if attempt == trainer.config.max_retries:
                 raise StepError(f"step {step}: rollout failed after {attempt + 1} attempt(s): {err}") from err
             print(f"step {step}: rollout failed ({err}); retrying ({attempt + 1}/{trainer.config.max_retries})",
@@ -384,35 +383,24 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from retool.data import load_problems
     from retool.render import Renderer
     from retool.reward import agrade
-    from retool.rollout import Rollout, RolloutConfig
-    from retool.sandbox import Sandbox, SandboxConfig
+    from retool.rollout import Rollout
+    from retool.sandbox import Sandbox
 
     problems = load_problems(cfg.train_data)
     engine = load_engine(cfg, cfg.seed)
     tools = cfg.mode == "retool"
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model)
-    sandbox = Sandbox(SandboxConfig(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
-                                    workers=cfg.sandbox_workers)) if tools else None
-    rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade, RolloutConfig(
-        max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns,
-        max_trajectory_tokens=cfg.max_trajectory_tokens, max_turn_tokens=cfg.max_turn_tokens,
-        max_tool_response_tokens=cfg.max_tool_response_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        sandbox_timeout_s=cfg.sandbox_timeout_s))
+    sandbox = Sandbox(cfg.sandbox_config()) if tools else None
+    rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
+                      cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     return Trainer(cfg, engine, rollout, problems, sandbox)
 
 
 def load_engine(cfg: ModelConfig, seed: int) -> Any:
-    """The local training engine for the model/adapter settings that ``TrainConfig`` and
-    ``retool.sft.SFTConfig`` share (:class:`~retool.engines.base.ModelConfig`)."""
-    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    """The training client of ``cfg``'s engine, from ``--init-from`` weights when given."""
+    from retool.engines import load_training_client
 
-    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
-    return LocalTrainingClient(LocalEngineConfig(
-        model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-        lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
-        gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
-        packing=cfg.packing,
-        seed=seed, init_from=resolve_init_from(cfg.init_from)))
+    return load_training_client(cfg, seed, resolve_init_from(cfg.init_from))
 
 
 def resolve_init_from(path: str | None) -> str | None:

@@ -1,20 +1,43 @@
-"""Training backends behind one Tinker-shaped interface (see ``retool.engines.base``).
+"""Training and sampling engines behind one Tinker-shaped interface (``retool.engines.base``).
 
-``ENGINES`` maps an engine name to the factory that builds its training client from
-keyword options; the trainer picks one by name, once. Engine modules are imported only
-when chosen, so importing this package stays cheap.
+The registry :data:`ENGINES` maps an engine name to an :class:`EngineSpec`: the module
+that implements it (imported only when the engine is chosen, so importing this package
+stays cheap), its settings section, and what it supports (:class:`Capabilities`). A
+command chooses its engine once, by name, from its config's ``engine`` field:
 
-- ``local``: PyTorch + transformers + PEFT on the CPU or one GPU
-  (``retool.engines.local``; options are the fields of ``LocalEngineConfig``).
+- :func:`check_supported` refuses, with one line and before any model or service is
+  touched, a setting the engine cannot honour (a loss, dual-clip, a packing, top-p or
+  a temperature other than 1 in training, full fine-tuning, …);
+- :func:`load_training_client` builds a training client for ``retool train``/``sft``;
+- :func:`load_sampler` builds a *sampler only* (a tokenizer and a sampling client) for
+  ``retool eval``: no optimiser, no training state.
+
+An engine module provides ``create_training_client(**options)`` (its own options),
+``training_client(cfg, seed, init_from)`` (from a :class:`ModelConfig`) and
+``sampler(request)`` (from a :class:`SamplerRequest`, returning an
+:class:`EngineSampler`).
+
+Engines: ``local`` — PyTorch + transformers + PEFT on the CPU or one GPU
+(``retool.engines.local``).
+
+Each engine's settings are one small section of the command's config (a frozen
+dataclass, e.g. :class:`LocalSettings`): ``--local-*`` flags shown under their own
+heading in ``--help``, a ``[local]`` table in a TOML preset, validated with the rest.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from retool.algo import PACKINGS
+from retool.config import ConfigError, option, require, validate_sections
 from retool.engines.base import (
     AdamParams,
+    Capabilities,
+    EngineCheckpoint,
     ForwardBackwardOutput,
     OptimStepOutput,
     SampledSequence,
@@ -22,24 +45,240 @@ from retool.engines.base import (
     SamplingClient,
     SamplingParams,
     TrainingClient,
+    TransientEngineError,
+    run_now,
 )
 
-ENGINES: dict[str, str] = {
-    "local": "retool.engines.local:create_training_client",
+# ---------------------------------------------------------------- settings sections
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """Settings of the local engine's sampler (``--local-*``; ``[local]`` in a preset)."""
+
+    sample_window_s: float = option(0.01, "how long the sampler gathers concurrent requests into one "
+                                          "generate call")
+    max_sample_rows: int = option(64, "most sequences generated together in one generate call")
+    prefix_cache: bool = option(True, "compute a prompt prefix the rows of a generate call share once")
+    kv_cache_mb: int = option(1024, "memory for earlier sequences' KV, so a trajectory's next turn prefills "
+                                    "only its new tokens; 0 = off")
+
+    def validate(self) -> None:
+        require(self.sample_window_s >= 0, f"local_sample_window_s must be >= 0, got {self.sample_window_s}")
+        require(self.max_sample_rows >= 1, f"local_max_sample_rows must be >= 1, got {self.max_sample_rows}")
+        require(self.kv_cache_mb >= 0, f"local_kv_cache_mb must be >= 0, got {self.kv_cache_mb}")
+
+
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine: where it lives, what it supports, how to install it."""
+
+    module: str
+    """Imported only when the engine is chosen."""
+    summary: str
+    capabilities: Capabilities
+    install: str | None = None
+    """What to run when the module's own dependencies are missing."""
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "local": EngineSpec(
+        module="retool.engines.local",
+        summary="PyTorch + transformers + PEFT on the CPU or one GPU",
+        capabilities=Capabilities(packings=PACKINGS),
+    ),
 }
-"""Engine name -> ``module:function`` building its training client from keyword options."""
+"""Engine name → :class:`EngineSpec`."""
+
+ENGINE_NAMES = tuple(ENGINES)
+
+
+def engine_spec(engine: str) -> EngineSpec:
+    """The registry entry of ``engine``; an unknown name is a ``ConfigError``."""
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown engine {engine!r}; available: {', '.join(ENGINES)}")
+    return ENGINES[engine]
+
+
+def _engine_module(engine: str) -> Any:
+    spec = engine_spec(engine)
+    try:
+        return importlib.import_module(spec.module)
+    except ImportError as err:
+        hint = f"; install it with: {spec.install}" if spec.install else ""
+        raise ConfigError(f"engine {engine}: cannot import {spec.module} ({err}){hint}") from None
+
+
+# ---------------------------------------------------------------- config
+
+
+@dataclass
+class EngineChoice:
+    """Which engine a command runs on, and each engine's settings section."""
+
+    engine: str = option("local", "training/sampling engine (see docs/engines.md)", choices=ENGINE_NAMES)
+    local: LocalSettings = option(LocalSettings(), "settings of the local engine (--engine local)")
+
+    def engine_settings(self) -> Any:
+        """The settings section of the chosen engine."""
+        return getattr(self, self.engine)
+
+    def validate_engine(self) -> None:
+        engine_spec(self.engine)
+        validate_sections(self)
+
+
+@dataclass
+class ModelConfig(EngineChoice):
+    """Which model a training engine holds and how it is adapted.
+
+    The fields ``retool train`` and ``retool sft`` share (both configs subclass this), so
+    an SFT run and the RL run that continues from it (``--init-from``) are described by
+    the same settings; :func:`load_training_client` builds the engine from them.
+    """
+
+    model: str = option("Qwen/Qwen3.5-4B", "HF model id, local folder, or bundled:smollm2")
+    chat_template: str | None = option(None, "chat-template override: 'hermes', a .jinja file, or Jinja source")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
+    full_finetune: bool = option(False, "train all weights instead of a LoRA adapter")
+    lora_rank: int = option(32, "LoRA rank")
+    lora_alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank)")
+    lora_targets: str = option("all-linear", "LoRA target modules: all-linear or comma-separated names")
+    gradient_checkpointing: bool = option(False, "recompute activations to save memory")
+    micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
+    packing: str = option("bucketed", "micro-batch layout: bucketed (padded rows, any model), packed (one "
+                          "padding-free row) or shared-prefix (packed, shared prompt prefix computed once: "
+                          "2-3x faster for short turns under a long prompt; pure-attention models only; "
+                          "a row's attention grows with its length squared, so keep micro_batch_tokens "
+                          "~1-2k on a CPU)",
+                          choices=PACKINGS)
+    init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
+
+    def validate_model(self) -> None:
+        """Reject bad model/adapter/engine values (raises ``retool.config.ConfigError``)."""
+        self.validate_engine()
+        for name in ("lora_rank", "micro_batch_tokens"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
+        require(self.dtype in ("auto", "float32", "bfloat16"),
+                f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        require(bool(self.lora_targets.strip()), "lora_targets must name at least one module (or all-linear)")
+
+
+# ---------------------------------------------------------------- what an engine supports
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a run asks of its engine, checked against its :class:`Capabilities`."""
+
+    training: bool = True
+    full_finetune: bool = False
+    loss: str | None = None
+    dual_clip: bool = False
+    packing: str = "bucketed"
+    train_top_p: float = 1.0
+    train_temperature: float = 1.0
+    resume: bool = False
+
+
+def check_supported(engine: str, needs: Requirements) -> None:
+    """Refuse, with one ``ConfigError`` line, what ``engine`` cannot do for this run."""
+    caps = engine_spec(engine).capabilities
+    problems = [what for ok, what in (
+        (caps.training or not needs.training, "training (it only samples: use it with retool eval)"),
+        (caps.full_finetune or not needs.full_finetune, "full fine-tuning (use a LoRA adapter)"),
+        (caps.lora or needs.full_finetune or not needs.training, "LoRA adapters (use --full-finetune)"),
+        (needs.loss is None or needs.loss in caps.losses, f"the {needs.loss} loss"),
+        (caps.dual_clip or not needs.dual_clip, "PPO dual-clip (leave --dual-clip unset)"),
+        (needs.packing in caps.packings, f"--packing {needs.packing} (use {' or '.join(caps.packings)})"),
+        (caps.train_top_p or needs.train_top_p == 1.0, "top_p < 1 in training rollouts (use --top-p 1)"),
+        (caps.train_temperature or needs.train_temperature == 1.0, "a training temperature other than 1"),
+        (caps.resume or not needs.resume, "--resume (its checkpoints hold no optimiser state)"),
+    ) if not ok]
+    if problems:
+        raise ConfigError(f"engine {engine} does not support {problems[0]}")
+
+
+CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
+    ("LoRA", lambda c: _yes(c.lora)),
+    ("full fine-tuning", lambda c: _yes(c.full_finetune)),
+    ("losses", lambda c: ", ".join(c.losses)),
+    ("dual-clip", lambda c: _yes(c.dual_clip)),
+    ("packing", lambda c: ", ".join(c.packings)),
+    ("top-p < 1 in training", lambda c: _yes(c.train_top_p)),
+    ("temperature ≠ 1 in training", lambda c: _yes(c.train_temperature)),
+    ("exact resume", lambda c: _yes(c.resume)),
+)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def capabilities_table() -> str:
+    """A Markdown table of every engine's capabilities (``docs/engines.md`` holds it)."""
+    rows = ["| engine | " + " | ".join(name for name, _ in CAPABILITY_COLUMNS) + " |",
+            "|---" * (len(CAPABILITY_COLUMNS) + 1) + "|"]
+    for name, spec in ENGINES.items():
+        cells = [show(spec.capabilities) for _, show in CAPABILITY_COLUMNS]
+        rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------- building engines
+
+
+@dataclass(frozen=True)
+class SamplerRequest:
+    """What a sampler-only engine loads: a model and, optionally, trained weights."""
+
+    model: str
+    checkpoint: EngineCheckpoint | None = None
+    """The checkpoint's record; ``None`` samples the base model."""
+    checkpoint_dir: str | None = None
+    """The folder ``save_state`` wrote (with ``checkpoint``)."""
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 42
+    settings: Any = None
+    """The engine's settings section (``None``: its defaults)."""
+
+
+@dataclass(frozen=True)
+class EngineSampler:
+    """A loaded sampler: its tokenizer, the client, and what releases it."""
+
+    tokenizer: Any
+    sampler: SamplingClient
+    close: Callable[[], None] = lambda: None
 
 
 def create_training_client(engine: str, **options: Any) -> TrainingClient:
-    """Build the training client of ``engine`` (a key of ``ENGINES``) from its options."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; available: {sorted(ENGINES)}")
-    module_name, function_name = ENGINES[engine].split(":")
-    return getattr(importlib.import_module(module_name), function_name)(**options)
+    """Build the training client of ``engine`` from that engine's own options."""
+    return _engine_module(engine).create_training_client(**options)
+
+
+def load_training_client(cfg: ModelConfig, seed: int, init_from: str | None = None) -> TrainingClient:
+    """The training client ``cfg`` describes (its engine, model, adapter and settings),
+    starting from the weights of the checkpoint folder ``init_from`` when given (the run
+    layer resolves ``cfg.init_from`` to that folder)."""
+    return _engine_module(cfg.engine).training_client(cfg, seed, init_from)
+
+
+def load_sampler(engine: str, request: SamplerRequest) -> EngineSampler:
+    """A sampler only (no optimiser, no training state) for ``retool eval``."""
+    return _engine_module(engine).sampler(request)
 
 
 __all__ = [
-    "ENGINES", "AdamParams", "ForwardBackwardOutput", "OptimStepOutput", "SampleResult",
-    "SampledSequence", "SamplingClient", "SamplingParams", "TrainingClient",
-    "create_training_client",
+    "ENGINES", "ENGINE_NAMES", "AdamParams", "Capabilities", "EngineCheckpoint", "EngineChoice", "EngineSampler",
+    "EngineSpec", "ForwardBackwardOutput", "LocalSettings", "ModelConfig", "OptimStepOutput", "Requirements",
+    "SampleResult", "SampledSequence", "SamplerRequest", "SamplingClient", "SamplingParams", "TrainingClient",
+    "TransientEngineError", "capabilities_table", "check_supported", "create_training_client", "engine_spec",
+    "load_sampler", "load_training_client", "run_now",
 ]

@@ -24,58 +24,118 @@ Contract shared by every engine:
   gradients.
 - A non-finite loss or gradient raises ``FloatingPointError``; the pending gradient is
   discarded and the weights stay untouched.
+- ``submit_forward_backward`` and ``submit_optim_step`` return futures, so an engine
+  behind a network can take both calls before the first has finished (as Tinker's
+  futures allow); a local engine may finish each at once (:func:`run_now`). The
+  blocking ``forward_backward``/``optim_step`` are the same calls, awaited.
+- Failures that may pass on a retry raise :class:`TransientEngineError`; nothing else
+  does.
+- ``save_state`` writes a folder with an ``engine.json`` (:class:`EngineCheckpoint`):
+  local files, or a pointer to a service's checkpoint.
+
+What each engine supports is declared as :class:`Capabilities` in the registry
+(``retool.engines.ENGINES``), with its settings section and how to build it.
 
 This module only declares records and protocols; it imports nothing heavy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from retool.algo import PACKINGS
-from retool.config import option, require
 from retool.types import Datum, StopReason
 
+T = TypeVar("T")
 
 
-@dataclass
-class ModelConfig:
-    """Which model a training engine holds and how it is adapted.
+class TransientEngineError(RuntimeError):
+    """A failure that may pass if the same call is made again: a network error, a rate
+    limit, a server that is restarting.
 
-    The fields ``retool train`` and ``retool sft`` share (both configs subclass this), so
-    an SFT run and the RL run that continues from it (``--init-from``) are described by
-    the same settings; ``retool.train.load_engine`` builds the engine from them.
+    Engines raise it (or a subclass) for exactly these, after any retrying their own SDK
+    does; the rollout retries a rollout that failed with it, and every other exception
+    is a real error that stops the step at once.
     """
 
-    model: str = option("Qwen/Qwen3.5-4B", "HF model id, local folder, or bundled:smollm2")
-    chat_template: str | None = option(None, "chat-template override: 'hermes', a .jinja file, or Jinja source")
-    device: str = option("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
-    full_finetune: bool = option(False, "train all weights instead of a LoRA adapter")
-    lora_rank: int = option(32, "LoRA rank")
-    lora_alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank)")
-    lora_targets: str = option("all-linear", "LoRA target modules: all-linear or comma-separated names")
-    gradient_checkpointing: bool = option(False, "recompute activations to save memory")
-    micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
-    packing: str = option("bucketed", "micro-batch layout: bucketed (padded rows, any model), packed (one "
-                          "padding-free row) or shared-prefix (packed, shared prompt prefix computed once: "
-                          "2-3x faster for short turns under a long prompt; pure-attention models only; "
-                          "a row's attention grows with its length squared, so keep micro_batch_tokens "
-                          "~1-2k on a CPU)",
-                          choices=PACKINGS)
-    init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
 
-    def validate_model(self) -> None:
-        """Reject bad model/adapter values (raises ``retool.config.ConfigError``)."""
-        for name in ("lora_rank", "micro_batch_tokens"):
-            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        require(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
-        require(self.dtype in ("auto", "float32", "bfloat16"),
-                f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        require(bool(self.lora_targets.strip()), "lora_targets must name at least one module (or all-linear)")
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine supports, declared as data and checked once before anything loads
+    (``retool.engines.check_supported``); ``docs/engines.md`` has the generated table."""
+
+    lora: bool = True
+    """Trains a LoRA adapter."""
+    full_finetune: bool = True
+    """Trains every weight."""
+    losses: tuple[str, ...] = ("ppo", "importance_sampling", "cross_entropy")
+    """Loss names of ``retool.algo.LOSSES`` it computes."""
+    dual_clip: bool = True
+    """PPO's dual-clip constant."""
+    packings: tuple[str, ...] = ("bucketed",)
+    """Micro-batch layouts (``retool.algo.PACKINGS``) it honours."""
+    train_top_p: bool = True
+    """Samples training rollouts with top_p < 1 and still returns unfiltered logprobs."""
+    train_temperature: bool = True
+    """Trains at a temperature other than 1 (the trainer's logprobs at that temperature)."""
+    resume: bool = True
+    """``save_state``/``load_state`` restore the optimiser too (exact ``--resume``)."""
+    training: bool = True
+    """Has a training client at all (a sampler-only engine evaluates only)."""
+
+
+ENGINE_STATE_FILE = "engine.json"
+"""The file every ``save_state`` folder holds: an :class:`EngineCheckpoint` plus the
+engine's own fields."""
+
+
+@dataclass(frozen=True)
+class EngineCheckpoint:
+    """What an engine's checkpoint folder holds, as its ``engine.json`` records it.
+
+    A local engine keeps everything in the folder (``weights`` and ``optimizer`` are file
+    names in it); a service engine keeps a small folder that points at the service's own
+    checkpoint (``weights`` and ``optimizer`` are service paths). Folders written before
+    the ``engine`` key existed are the local engine's.
+    """
+
+    engine: str
+    model: str
+    weights: str
+    """``adapter`` (a PEFT folder), ``model.safetensors`` or a service path."""
+    optimizer: str | None
+    """What restores the Adam moments (a file or a service path); ``None``: weights only."""
+    full_finetune: bool = False
+    lora: Mapping[str, Any] | None = None
+    """The adapter's shape: ``rank``, ``alpha``, ``dropout``, ``targets``."""
+
+    @classmethod
+    def read(cls, folder: str | Path) -> EngineCheckpoint:
+        """Read ``folder/engine.json``; ``FileNotFoundError`` when it is not a checkpoint."""
+        path = Path(folder) / ENGINE_STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} is not a checkpoint folder (no {ENGINE_STATE_FILE})")
+        meta = json.loads(path.read_text())
+        full = bool(meta.get("full_finetune", False))
+        return cls(engine=meta.get("engine", "local"), model=meta.get("model") or meta["config"]["model"],
+                   weights=meta.get("weights", "model.safetensors" if full else "adapter"),
+                   optimizer=meta.get("optimizer", "optimizer.pt"), full_finetune=full, lora=meta.get("lora"))
+
+
+def run_now(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    """Call ``fn`` now and return a finished future holding its result or its exception
+    (how an engine whose calls complete at once meets the ``submit_*`` contract)."""
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except Exception as err:  # handed to whoever awaits the future, as an SDK future would
+        future.set_exception(err)
+    return future
+
 
 
 @dataclass(frozen=True)
@@ -210,6 +270,15 @@ class TrainingClient(Protocol):
 
     def optim_step(self, adam_params: AdamParams) -> OptimStepOutput:
         """Apply one Adam update with the accumulated gradient, then clear it."""
+        ...
+
+    def submit_forward_backward(self, data: Sequence[Datum], loss_fn: str,
+                                loss_fn_config: Mapping[str, float] | None = None) -> Future[ForwardBackwardOutput]:
+        """``forward_backward`` as a future: returns once the call is taken, not done."""
+        ...
+
+    def submit_optim_step(self, adam_params: AdamParams) -> Future[OptimStepOutput]:
+        """``optim_step`` as a future; applies after every earlier submitted call."""
         ...
 
     def save_state(self, path: str | Path) -> Path:

@@ -51,12 +51,14 @@ import shutil
 import threading
 import warnings
 from collections import OrderedDict
+from concurrent.futures import Future
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from retool import algo
+from retool.engines import EngineSampler, LocalSettings, ModelConfig, SamplerRequest
 from retool.engines.base import (
     AdamParams,
     ForwardBackwardOutput,
@@ -64,6 +66,7 @@ from retool.engines.base import (
     SampledSequence,
     SampleResult,
     SamplingParams,
+    run_now,
 )
 from retool.types import Datum, StopReason
 
@@ -528,8 +531,10 @@ class LocalTrainingClient:
         lora = None if c.full_finetune else {
             "rank": c.lora_rank, "alpha": c.lora_alpha, "dropout": c.lora_dropout,
             "targets": c.lora_targets if isinstance(c.lora_targets, str) else list(c.lora_targets)}
-        return {"format": STATE_FORMAT, "model": c.model, "full_finetune": c.full_finetune,
-                "lora": lora, "optim_steps": self.optim_steps, "config": asdict(c)}
+        return {"format": STATE_FORMAT, "engine": "local", "model": c.model,
+                "weights": "model.safetensors" if c.full_finetune else "adapter", "optimizer": "optimizer.pt",
+                "full_finetune": c.full_finetune, "lora": lora, "optim_steps": self.optim_steps,
+                "config": asdict(c)}
 
     def _rng_state(self) -> dict[str, Any]:
         import numpy as np
@@ -551,6 +556,15 @@ class LocalTrainingClient:
         np.random.set_state(state["numpy"])
         self.sampler.seed, self.sampler.calls = state["sampler_seed"], state["sampler_calls"]
 
+    def submit_forward_backward(self, data: Sequence[Datum], loss_fn: str,
+                                loss_fn_config: Mapping[str, float] | None = None) -> Future[ForwardBackwardOutput]:
+        """``forward_backward``, done at once (a finished future)."""
+        return run_now(self.forward_backward, data, loss_fn, loss_fn_config)
+
+    def submit_optim_step(self, adam_params: AdamParams = AdamParams()) -> Future[OptimStepOutput]:
+        """``optim_step``, done at once (a finished future)."""
+        return run_now(self.optim_step, adam_params)
+
     def save_weights_for_sampler(self, name: str | None = None) -> LocalSamplingClient:
         """The sampler that shares this model: it samples with the current weights.
 
@@ -563,6 +577,43 @@ class LocalTrainingClient:
 def create_training_client(**options: Any) -> LocalTrainingClient:
     """The ``local`` entry of ``retool.engines.ENGINES``: options are ``LocalEngineConfig`` fields."""
     return LocalTrainingClient(LocalEngineConfig(**options))
+
+
+def _settings_options(settings: LocalSettings | None) -> dict[str, Any]:
+    settings = settings or LocalSettings()
+    return {"sample_window_s": settings.sample_window_s, "max_sample_rows": settings.max_sample_rows,
+            "sample_prefix_cache": settings.prefix_cache, "sample_kv_cache_mb": settings.kv_cache_mb}
+
+
+def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> LocalTrainingClient:
+    """The training client a ``retool train``/``retool sft`` config describes, starting
+    from the weights in the engine folder ``init_from`` when given."""
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
+    return LocalTrainingClient(LocalEngineConfig(
+        model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
+        gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
+        packing=cfg.packing, seed=seed, init_from=init_from,
+        **_settings_options(cfg.local)))
+
+
+def sampler(request: SamplerRequest) -> EngineSampler:
+    """A sampler for ``retool eval``: the base model, or a checkpoint's weights in the
+    adapter shape it was saved with (full fine-tuning or LoRA)."""
+    checkpoint = request.checkpoint
+    if checkpoint is None or checkpoint.full_finetune:
+        adapter: dict[str, Any] = {"full_finetune": True}
+    else:
+        lora = checkpoint.lora or {}
+        targets = lora.get("targets", "all-linear")
+        adapter = {"lora_rank": lora.get("rank", 32), "lora_alpha": lora.get("alpha", 32.0),
+                   "lora_dropout": lora.get("dropout", 0.0),
+                   "lora_targets": tuple(targets) if isinstance(targets, list) else targets}
+    engine = LocalTrainingClient(LocalEngineConfig(
+        model=request.model, device=request.device, dtype=request.dtype, seed=request.seed,
+        init_from=request.checkpoint_dir if checkpoint is not None else None,
+        **adapter, **_settings_options(request.settings)))
+    return EngineSampler(engine.get_tokenizer(), engine.save_weights_for_sampler())
 
 
 # ---------------------------------------------------------------- training helpers
