@@ -1,4 +1,4 @@
-"""Cold-start SFT: ``retool sft`` (ReTool's first stage; SPEC §4.10).
+"""Cold-start SFT: ``retool sft`` (ReTool's first stage, which the seed skipped).
 
 Supervised fine-tuning on code-interleaved dialogues in OpenAI chat format, on the
 same engine and in the same checkpoint layout as RL, so ``retool train --init-from
