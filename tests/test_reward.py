@@ -1,11 +1,12 @@
-"""Tests of the outcome reward (retool/reward.py, SPEC §4.3).
+"""Tests of the outcome reward (retool/reward.py), its grader pool (retool/grader_pool.py)
+and ``retool grade`` (retool/grade_command.py).
 
-The table's verdicts were written by hand from mathematical truth and the SPEC's rules
+The table's verdicts were written by hand from mathematical truth and the reward's rules
 (last 300 characters, last ``\\boxed{``, no box → unformatted), not produced by the code
 under test. Where ``math_verify`` 0.9.0 disagrees with mathematical truth the row says
-so (``DIVERGES``) and expects ``math_verify``'s verdict: SPEC makes ``math_verify`` the
-judge, and a reward that silently patched it would no longer be the reward the seed's
-numbers were measured with.
+so (``DIVERGES``) and expects ``math_verify``'s verdict: the reward is defined as
+``math_verify``'s verdict, and a reward that silently patched it would no longer be the
+reward the seed's numbers were measured with.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ TABLE: list[tuple[str, str, str, bool, bool]] = [
     ("tuples", B("(1,2,3)"), "(1, 2, 3)", True, True),
     ("tuples", B("(1,3,2)"), "(1,2,3)", False, True),
     ("tuples", B(r"(\frac12, -1)"), "(0.5,-1)", True, True),
-    # percent: SPEC §6 — math_verify is lenient, "10\%" and 10 are one answer (the
+    # percent: math_verify is lenient, "10\%" and 10 are one answer (the
     # question asks "what percent"); 0.1 = 10% is also plain truth.
     ("percent", B(r"10\%"), "10", True, True),
     ("percent", B("10"), r"10\%", True, True),
@@ -98,7 +99,7 @@ TABLE: list[tuple[str, str, str, bool, bool]] = [
     ("units", B(r"12 \text{ inches}"), "12", True, True),
     ("units", B(r"7\text{ cm}"), "5", False, True),
     ("units", B(r"5 \mbox{ dollars}"), "5", True, True),
-    # x= (SPEC §6: "x=4" equals 4)
+    # x= (math_verify is lenient: "x=4" equals 4)
     ("x=", B("x=4"), "4", True, True),
     ("x=", B("x = 4"), "4", True, True),
     ("x=", B("4"), "x=4", True, True),
