@@ -18,8 +18,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
-from retool.grader_pool import GraderPool
-from retool.reward import ANSWER_WINDOW_CHARS, DEFAULT_TIMEOUT_S, GoldAnswerError, try_grade_many
+from retool.grader_pool import DEFAULT_TIMEOUT_S, GraderPool
+from retool.reward import ANSWER_WINDOW_CHARS, GoldAnswerError, try_grade_many
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
