@@ -4,8 +4,8 @@ Baseline (measured in the same run): ``verify(parse(f"${gold}$"), parse(f"${answ
 called serially on the main thread with math_verify's defaults — what a simple reward
 function does. Measured against it:
 
-- ``pool, fast path``   — ``GraderPool.grade_many`` (extraction + worker processes +
-  the plain-integer shortcut);
+- ``pool, fast path``   — ``reward.grade_many`` on a ``GraderPool`` (extraction +
+  worker processes + the plain-integer shortcut);
 - ``pool, no fast path`` — the same with every pair sent to math_verify in a worker.
 
 Two answer sets: integers (AIME/DAPO-style; half correct) and MATH-500 (each problem's
@@ -20,6 +20,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -28,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from retool.reward import GraderPool, boxed, extract_boxed  # noqa: E402
+from retool.grader_pool import GraderPool  # noqa: E402
+from retool.reward import boxed, extract_boxed, grade_many  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = next(
@@ -76,7 +78,7 @@ def bench_set(name: str, responses: list[str], golds: list[str], pools: dict[str
     print(f"  {'grader':<28}{'seconds':>9}{'answers/s':>12}{'vs serial':>11}{'disagree':>10}")
     print(f"  {'math_verify, serial':<28}{base_s:>9.2f}{n / base_s:>12.1f}{1.0:>10.2f}x{0:>10}")
     for label, pool in pools.items():
-        grades, seconds = timed(pool.grade_many, responses, golds)
+        grades, seconds = timed(functools.partial(grade_many, pool=pool), responses, golds)
         disagree = sum(g.correct != b for g, b in zip(grades, baseline))
         print(f"  {label:<28}{seconds:>9.2f}{n / seconds:>12.1f}{base_s / seconds:>10.2f}x{disagree:>10}")
 

@@ -18,7 +18,7 @@ from retool import __version__
 
 COMMAND_MODULES: tuple[str, ...] = (
     "retool.data",
-    "retool.reward",
+    "retool.grade_command",
     "retool.sandbox.cli",
     "retool.tasks",
     "retool.sft",

@@ -76,7 +76,7 @@ You can run Python with the code_interpreter tool, to compute, to check cases or
 - Make at most one tool call per turn, then stop and wait for its result.
 
 Never call the tool and give the final answer in the same turn. When you are done, end your reply with one line of the form \\boxed{<answer>}."""
-"""System prompt of tool mode (SPEC §4.1): the task, the tool, the resource rules."""
+"""System prompt of tool mode: the task, the tool, the resource rules."""
 
 TEXT_SYSTEM_PROMPT = """\
 You are an expert mathematician. Solve the user's problem by reasoning step by step.

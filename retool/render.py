@@ -1,6 +1,6 @@
 """Token-exact rendering of tool conversations from a model's own chat template.
 
-Tokens are the source of truth (SPEC §4.1): a trajectory is the prompt tokens, then for
+Tokens are the source of truth: a trajectory is the prompt tokens, then for
 every assistant turn the *sampled* tokens followed by tokens this module appends — the
 template's assistant-closing text, the rendered tool message and the next generation
 prompt. History is never decoded and re-encoded.

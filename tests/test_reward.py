@@ -1,17 +1,19 @@
-"""Tests of the outcome reward (retool/reward.py, SPEC §4.3).
+"""Tests of the outcome reward (retool/reward.py), its grader pool (retool/grader_pool.py)
+and ``retool grade`` (retool/grade_command.py).
 
-The table's verdicts were written by hand from mathematical truth and the SPEC's rules
+The table's verdicts were written by hand from mathematical truth and the reward's rules
 (last 300 characters, last ``\\boxed{``, no box → unformatted), not produced by the code
 under test. Where ``math_verify`` 0.9.0 disagrees with mathematical truth the row says
-so (``DIVERGES``) and expects ``math_verify``'s verdict: SPEC makes ``math_verify`` the
-judge, and a reward that silently patched it would no longer be the reward the seed's
-numbers were measured with.
+so (``DIVERGES``) and expects ``math_verify``'s verdict: the reward is defined as
+``math_verify``'s verdict, and a reward that silently patched it would no longer be the
+reward the seed's numbers were measured with.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import json
 import multiprocessing
@@ -24,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from retool import reward
-from retool.reward import GoldAnswerError, GraderPool, extract_boxed
+from retool import grade_command, grader_pool, reward
+from retool.grader_pool import GraderPool
+from retool.reward import GoldAnswerError, extract_boxed
 
 B = reward.boxed
 FILLER = "x" * 300  # pushes anything before it out of the 300-character window
@@ -73,7 +76,7 @@ TABLE: list[tuple[str, str, str, bool, bool]] = [
     ("tuples", B("(1,2,3)"), "(1, 2, 3)", True, True),
     ("tuples", B("(1,3,2)"), "(1,2,3)", False, True),
     ("tuples", B(r"(\frac12, -1)"), "(0.5,-1)", True, True),
-    # percent: SPEC §6 — math_verify is lenient, "10\%" and 10 are one answer (the
+    # percent: math_verify is lenient, "10\%" and 10 are one answer (the
     # question asks "what percent"); 0.1 = 10% is also plain truth.
     ("percent", B(r"10\%"), "10", True, True),
     ("percent", B("10"), r"10\%", True, True),
@@ -96,7 +99,7 @@ TABLE: list[tuple[str, str, str, bool, bool]] = [
     ("units", B(r"12 \text{ inches}"), "12", True, True),
     ("units", B(r"7\text{ cm}"), "5", False, True),
     ("units", B(r"5 \mbox{ dollars}"), "5", True, True),
-    # x= (SPEC §6: "x=4" equals 4)
+    # x= (math_verify is lenient: "x=4" equals 4)
     ("x=", B("x=4"), "4", True, True),
     ("x=", B("x = 4"), "4", True, True),
     ("x=", B("4"), "x=4", True, True),
@@ -168,15 +171,15 @@ IDS = [f"{i:03d}-{row[0]}" for i, row in enumerate(TABLE)]
 
 @pytest.fixture(scope="module")
 def pool():
-    with GraderPool(2) as grader_pool:
-        grader_pool.start()
-        yield grader_pool
+    with GraderPool(2) as grader:
+        grader.start()
+        yield grader
 
 
 @pytest.fixture(scope="module")
 def slow_pool():
-    with GraderPool(2, fast_path=False) as grader_pool:
-        yield grader_pool
+    with GraderPool(2, fast_path=False) as grader:
+        yield grader
 
 
 def test_table_is_big_enough():
@@ -187,7 +190,7 @@ def test_table_is_big_enough():
 
 
 def test_table_verdicts(pool):
-    grades = pool.grade_many([r[1] for r in TABLE], [r[2] for r in TABLE])
+    grades = reward.grade_many([r[1] for r in TABLE], [r[2] for r in TABLE], pool=pool)
     wrong = [
         f"{case_id}: {row[1][-60:]!r} vs {row[2]!r}: got {g}"
         for case_id, row, g in zip(IDS, TABLE, grades)
@@ -202,15 +205,15 @@ def test_verdicts_identical_to_plain_math_verify(pool, slow_pool):
     from math_verify import parse, verify
 
     rows = [(r[1], r[2]) for r in TABLE if extract_boxed(r[1]) is not None]
-    fast = pool.grade_many([r[0] for r in rows], [r[1] for r in rows])
-    slow = slow_pool.grade_many([r[0] for r in rows], [r[1] for r in rows])
+    fast = reward.grade_many([r[0] for r in rows], [r[1] for r in rows], pool=pool)
+    slow = reward.grade_many([r[0] for r in rows], [r[1] for r in rows], pool=slow_pool)
     for (response, gold), f, s in zip(rows, fast, slow):
         answer = extract_boxed(response)
         plain = verify(parse(f"${gold}$"), parse(f"${answer}$"))
         assert f.correct == s.correct == plain, (answer, gold)
-        shortcut = reward.plain_integer_verdict(answer, gold)
+        shortcut = grader_pool.plain_integer_verdict(answer, gold)
         assert shortcut is None or shortcut == plain, (answer, gold)
-    assert sum(reward.plain_integer_verdict(extract_boxed(r), g) is not None for r, g in rows) >= 10
+    assert sum(grader_pool.plain_integer_verdict(extract_boxed(r), g) is not None for r, g in rows) >= 10
 
 
 @pytest.mark.parametrize(
@@ -240,7 +243,7 @@ def test_pathological_answer_is_bounded_and_does_not_lose_other_tasks(pool):
     responses = [B("9^{9^{9^{9}}}")] + [B(f"\\frac{{{n}}}{{1}}") for n in range(10)]
     golds = ["1"] + [str(n) for n in range(10)]
     started = time.monotonic()
-    grades = pool.grade_many(responses, golds, timeout_s=1.5)
+    grades = reward.grade_many(responses, golds, timeout_s=1.5, pool=pool)
     elapsed = time.monotonic() - started
     assert grades[0].reward == -1.0 and grades[0].formatted and not grades[0].correct
     assert grades[0].grader_error == "timeout after 1.5 s"
@@ -249,7 +252,7 @@ def test_pathological_answer_is_bounded_and_does_not_lose_other_tasks(pool):
     killed = before - {w.proc.pid for w in pool._workers}
     assert len(killed) == 1
     assert not any(os.path.exists(f"/proc/{pid}") for pid in killed)  # reaped: no zombie
-    assert pool.grade(B("2"), "2").correct  # the pool recovered
+    assert reward.grade(B("2"), "2", pool=pool).correct  # the pool recovered
 
 
 def test_worker_killed_from_outside_is_a_grader_error(pool):
@@ -263,10 +266,10 @@ def test_worker_killed_from_outside_is_a_grader_error(pool):
                 os.kill(worker.proc.pid, signal.SIGKILL)
 
     threading.Thread(target=kill_soon).start()
-    grade = pool.grade(B("9^{9^{9^{9}}}"), "1", timeout_s=30)
+    grade = reward.grade(B("9^{9^{9^{9}}}"), "1", timeout_s=30, pool=pool)
     assert not grade.correct and grade.formatted
     assert grade.grader_error == "grader process died (exit code -9)"
-    assert pool.grade(B(r"\frac{6}{2}"), "3").correct
+    assert reward.grade(B(r"\frac{6}{2}"), "3", pool=pool).correct
 
 
 def test_1000_integer_answers_from_threads(pool, slow_pool):
@@ -275,7 +278,7 @@ def test_1000_integer_answers_from_threads(pool, slow_pool):
     expected = [n % 3 != 0 for n in range(1000)]
     for grader in (pool, slow_pool):
         with ThreadPoolExecutor(8) as threads:
-            grades = list(threads.map(grader.grade, responses, golds))
+            grades = list(threads.map(functools.partial(reward.grade, pool=grader), responses, golds))
         assert [g.correct for g in grades] == expected
         assert all(g.grader_error is None for g in grades)
 
@@ -300,13 +303,13 @@ def _grade_in_child(args):
 
 def test_grading_inside_daemonic_and_forked_processes():
     reward.grade(B("1"), "1")  # the parent's default pool is warm before forking
-    parent_workers = {w.proc.pid for w in reward.default_pool()._workers}
+    parent_workers = {w.proc.pid for w in grader_pool.default_pool()._workers}
     tasks = [(B(r"\sqrt{4}"), "2"), (B("3"), "4")]
     for method in ("spawn", "fork"):
         with multiprocessing.get_context(method).Pool(1) as children:  # daemonic workers
             grades = children.map(_grade_in_child, tasks)
         assert [g.correct for g in grades] == [True, False], method
-    assert {w.proc.pid for w in reward.default_pool()._workers} == parent_workers
+    assert {w.proc.pid for w in grader_pool.default_pool()._workers} == parent_workers
     assert reward.grade(B(r"\sqrt{9}"), "3").correct
 
 
@@ -338,12 +341,12 @@ def test_bad_arguments():
 
 def test_closed_pool_refuses_work_and_reaps_workers():
     grader = GraderPool(1, fast_path=False)
-    assert grader.grade(B("2"), "2").correct
+    assert reward.grade(B("2"), "2", pool=grader).correct
     pids = [w.proc.pid for w in grader._workers]
     grader.close()
     assert pids and not any(os.path.exists(f"/proc/{pid}") for pid in pids)
     with pytest.raises(RuntimeError, match="closed"):
-        grader.grade(B("2"), "2")
+        reward.grade(B("2"), "2", pool=grader)
 
 
 # ---------------------------------------------------------------- retool grade
@@ -351,7 +354,7 @@ def test_closed_pool_refuses_work_and_reaps_workers():
 
 def _run_cli(argv, stdin_text=None, monkeypatch=None):
     parser = argparse.ArgumentParser()
-    reward.register(parser.add_subparsers())
+    grade_command.register(parser.add_subparsers())
     args = parser.parse_args(["grade", *argv])
     if stdin_text is not None:
         monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))

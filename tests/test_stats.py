@@ -63,7 +63,8 @@ def test_aggregates_by_hand():
 
 
 def test_seed_base_row_is_reproduced_from_counts():
-    """SPEC §2 base checkpoint: 85 of 360 generations correct, 15 of 30 problems solved."""
+    """The seed's base checkpoint on AIME 2025 (30 problems × 12 samples): 85 of 360
+    generations correct, 15 of 30 problems solved; Average@12 23.61 %, Pass@12 50.00 %."""
     correct = [12, 11, 10, 9, 8, 7, 6, 5, 4, 4, 3, 2, 2, 1, 1] + [0] * 15
     counts = [(12, c) for c in correct]
     assert sum(correct) == 85
