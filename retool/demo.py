@@ -33,6 +33,7 @@ from pathlib import Path
 
 from retool.algo import PACKINGS
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.results import EvalSummary
 
 STAGES = ("before SFT", "after SFT", "after RL")
 
@@ -108,7 +109,7 @@ def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     return paths
 
 
-def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint: Path | None) -> dict:
+def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint: Path | None) -> EvalSummary:
     """Evaluate one stage on the held-out problems; return its summary."""
     from retool.config import make_config
     from retool.evaluate import EvalConfig, evaluate
@@ -162,7 +163,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
     return train(train_cfg, resume=(run_dir / "config.json").exists())
 
 
-def report(cfg: DemoConfig, out: Path, summaries: dict[str, dict], rl_dir: Path) -> list[Path]:
+def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], rl_dir: Path) -> list[Path]:
     """Plots, the HTML viewer and the summary files."""
     from retool.bundled import resolve_model_name
     from retool.report.plots import plot_checkpoints, plot_training
@@ -172,22 +173,22 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, dict], rl_dir: Path)
     written += plot_training(rl_dir, out / "plots")
     written.append(write_view([out / "eval" / "after-rl.jsonl"], out / "view.html",
                               tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
-    (out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps({k: s.to_json() for k, s in summaries.items()}, indent=2) + "\n")
     (out / "summary.md").write_text(summary_markdown(summaries))
     return written
 
 
-def summary_markdown(summaries: dict[str, dict]) -> str:
+def summary_markdown(summaries: dict[str, EvalSummary]) -> str:
     """The demo's table as Markdown (the same numbers the console table shows)."""
     rows = ["| stage | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
             "|---|---|---|---|---|---|---|"]
     for stage, s in summaries.items():
-        rows.append(f"| {stage} | {s['average@k']:.1%} | {s['average@k_stderr']:.1%} | {s['pass@k']:.1%} | "
-                    f"{s['format']:.1%} | {s['used_tool_rate']:.1%} | {s['code_calls']:.2f} |")
+        rows.append(f"| {stage} | {s.average_at_k:.1%} | {s.average_at_k_stderr:.1%} | {s.pass_at_k:.1%} | "
+                    f"{s.format:.1%} | {s.used_tool_rate:.1%} | {s.code_calls:.2f} |")
     return "\n".join(rows) + "\n"
 
 
-def print_table(summaries: dict[str, dict], out: Path, seconds: float) -> None:
+def print_table(summaries: dict[str, EvalSummary], out: Path, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -195,14 +196,14 @@ def print_table(summaries: dict[str, dict], out: Path, seconds: float) -> None:
     for column in ("stage", "accuracy", "± s.e.", "Pass@k", "format", "used the tool", "code calls"):
         table.add_column(column, justify="right" if column != "stage" else "left")
     for stage, s in summaries.items():
-        table.add_row(stage, f"{s['average@k']:.1%}", f"{s['average@k_stderr']:.1%}", f"{s['pass@k']:.1%}",
-                      f"{s['format']:.1%}", f"{s['used_tool_rate']:.1%}", f"{s['code_calls']:.2f}")
+        table.add_row(stage, f"{s.average_at_k:.1%}", f"{s.average_at_k_stderr:.1%}", f"{s.pass_at_k:.1%}",
+                      f"{s.format:.1%}", f"{s.used_tool_rate:.1%}", f"{s.code_calls:.2f}")
     console = Console()
     console.print(table)
     console.print(f"output folder: {out}  (summary.md, plots/, view.html, sft/, rl/, eval/)")
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, dict]:
+def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     """Run every stage; return the summaries by stage."""
     from retool.bundled import resolve_model_name
 

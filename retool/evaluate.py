@@ -13,7 +13,8 @@ Modes: ``retool`` declares the ``code_interpreter`` tool and runs calls in the s
 
 The results file (``docs/formats.md``) is a header line, one line per finished problem
 (every sample's full trajectory: text, code calls, tool outputs, statuses, grade) and a
-summary line. Lines are appended, flushed and fsynced as each problem finishes.
+summary line. Lines are appended, flushed and fsynced as each problem finishes
+(records, reader and appender: :mod:`retool.results`).
 
 Resume: re-running the same command reads the file back, refuses it if its header was
 written with other settings (model, checkpoint, dataset contents, mode, ``val_n``,
@@ -43,7 +44,6 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import sys
 import time
@@ -55,13 +55,19 @@ from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
 from retool.engines import EngineCheckpoint, EngineChoice, EngineSampler, Requirements, SamplerRequest, check_supported
+from retool.results import (
+    EvalSummary,
+    ProblemResult,
+    ResultsFile,
+    ResultsFileError,
+    ResultsHeader,
+    SamplingSettings,
+    SandboxSettings,
+)
 from retool.rollout import RolloutBudgets
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
 MODES = ("retool", "text")
-MATCHED_HEADER_KEYS = ("model", "checkpoint", "step", "dataset_fingerprint", "mode", "val_n", "seed", "seeded",
-                       "chat_template", "dtype", "sampling", "sandbox")
-"""Header fields that must be equal for a run to resume (append to) an existing file."""
 
 
 @dataclass
@@ -315,25 +321,22 @@ def load_dataset(cfg: EvalConfig) -> Dataset:
     return Dataset(name, str(result.path), h.hexdigest(), tuple(problems), len(result.problems))
 
 
-def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> dict:
+def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> ResultsHeader:
     """The first line of a results file (docs/formats.md): what was evaluated, and how."""
     from retool import __version__
 
     tools = cfg.mode == "retool"
-    return {
-        "type": "header", "model": choice.model, "checkpoint": choice.checkpoint, "step": choice.step,
-        "label": choice.label, "dataset": dataset.name, "dataset_path": dataset.path,
-        "dataset_fingerprint": dataset.fingerprint, "dataset_problems": dataset.total,
-        "mode": cfg.mode, "val_n": cfg.val_n, "seed": cfg.seed, "seeded": cfg.seeded,
-        "chat_template": choice.chat_template, "dtype": cfg.dtype,
-        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-                     "max_trajectory_tokens": cfg.max_trajectory_tokens, "max_turn_tokens": cfg.max_turn_tokens,
-                     "max_assistant_turns": cfg.max_assistant_turns,
-                     "max_code_calls": cfg.max_code_calls if tools else 0,
-                     "max_tool_response_tokens": cfg.max_tool_response_tokens},
-        "sandbox": {"timeout_s": cfg.sandbox_timeout_s, "memory_mb": cfg.sandbox_memory_mb} if tools else None,
-        "retool_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    sampling = SamplingSettings(
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_trajectory_tokens=cfg.max_trajectory_tokens,
+        max_turn_tokens=cfg.max_turn_tokens, max_assistant_turns=cfg.max_assistant_turns,
+        max_code_calls=cfg.max_code_calls if tools else 0, max_tool_response_tokens=cfg.max_tool_response_tokens)
+    return ResultsHeader(
+        model=choice.model, checkpoint=choice.checkpoint, step=choice.step, label=choice.label,
+        dataset=dataset.name, dataset_path=dataset.path, dataset_fingerprint=dataset.fingerprint,
+        dataset_problems=dataset.total, mode=cfg.mode, val_n=cfg.val_n, seed=cfg.seed, seeded=cfg.seeded,
+        chat_template=choice.chat_template, dtype=cfg.dtype, sampling=sampling,
+        sandbox=SandboxSettings(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb) if tools else None,
+        retool_version=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
 def default_output(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> Path:
@@ -352,186 +355,6 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "model"
 
 
-# ---------------------------------------------------------------- the results file
-
-
-@dataclass
-class _Done:
-    """What the summary and the progress bar need from one finished problem."""
-
-    index: int
-    problem_id: str
-    samples: list
-    """Trajectories with their per-token arrays reduced to their lengths (see :func:`_summary_view`)."""
-    num_correct: int
-
-
-def _summary_view(sample: dict) -> Any:
-    """A trajectory as :func:`retool.stats.summarize` reads it, without the big arrays.
-
-    Summaries read only the lengths of ``tokens_T`` and the sum of ``mask_T``; holding
-    every token of a large eval in memory would take gigabytes, so the view keeps
-    constant tuples of the same length and sum, and no logprobs.
-    """
-    from retool.serialize import trajectory_from_jsonable
-
-    n, sampled = len(sample["tokens_T"]), sum(sample["mask_T"])
-    bare = trajectory_from_jsonable({**sample, "tokens_T": [], "mask_T": [], "logprobs_T": []})
-    return dataclasses.replace(bare, tokens_T=(0,) * n, mask_T=(1,) * sampled + (0,) * (n - sampled))
-
-
-class ResultsFile:
-    """An eval results file opened for appending, with the problems it already holds.
-
-    :meth:`open` checks an existing file's header against this run's, drops a torn last
-    line (a writer killed mid-line) and an old summary line, and remembers the finished
-    problems; :meth:`append` adds one problem line durably; :meth:`finish` appends the
-    summary of every problem in the file.
-    """
-
-    def __init__(self, path: Path, header: dict, done: dict[str, _Done], *, fresh: bool, keep: int) -> None:
-        self.path, self.header, self.done = path, header, done
-        self._fresh, self._keep = fresh, keep
-        self._prepared = False
-
-    @classmethod
-    def open(cls, path: Path, header: dict, dataset: Dataset, *, overwrite: bool) -> "ResultsFile":
-        """Read and check an existing file (nothing is written until :meth:`prepare`)."""
-        path = Path(path)
-        existing = path.read_bytes() if path.exists() and not overwrite else b""
-        old_header, rows, keep = _parse_results(path, existing)
-        if old_header is None:
-            return cls(path, header, {}, fresh=True, keep=0)
-        _check_header(path, old_header, header)
-        return cls(path, old_header, _done_problems(path, rows, dataset, header["val_n"]), fresh=False, keep=keep)
-
-    def prepare(self) -> None:
-        """Start a new file with its header, or cut an old one after its last problem line."""
-        if self._prepared:
-            return
-        if self._fresh:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            _write_line(self.path, self.header, mode="wb")
-        elif self.path.stat().st_size != self._keep:
-            os.truncate(self.path, self._keep)
-        self._prepared = True
-
-    def append(self, index: int, row: dict) -> None:
-        """Write one problem line (flushed and fsynced) and remember the problem."""
-        _write_line(self.path, row)
-        self.done[row["problem_id"]] = _Done(index, row["problem_id"], [_summary_view(s) for s in row["samples"]],
-                                             row["num_correct"])
-
-    def summary(self) -> dict:
-        """The summary of every problem in the file, in dataset order."""
-        from retool.stats import summarize
-
-        done = sorted(self.done.values(), key=lambda d: d.index)
-        return {"type": "summary", **summarize({"samples": d.samples} for d in done)}
-
-    def finish(self) -> dict:
-        """Append the summary line and return it."""
-        self.prepare()
-        summary = self.summary()
-        _write_line(self.path, summary)
-        return summary
-
-    def running_average(self) -> float:
-        done = list(self.done.values())
-        return sum(d.num_correct / len(d.samples) for d in done) / len(done) if done else 0.0
-
-
-def _write_line(path: Path, row: dict, mode: str = "ab") -> None:
-    """Append (or, with ``mode="wb"``, start the file with) one line, flushed and fsynced."""
-    with open(path, mode) as f:
-        f.write((json.dumps(row) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _parse_results(path: Path, data: bytes) -> tuple[dict | None, list[tuple[int, dict]], int]:
-    """``(header, [(line number, problem row)], bytes to keep)`` of an existing file.
-
-    A last line without its newline is torn and not kept; nor is a trailing summary.
-    Anything else that is not a header, problem or summary line raises :class:`EvalError`.
-    """
-    lines = data.split(b"\n")
-    complete = lines[:-1]  # the last piece is b"" when the file ends with a newline
-    if lines[-1]:
-        print(f"note: {path}: dropped a torn last line (a run killed mid-write); that problem is re-done",
-              file=sys.stderr)
-    header, rows, keep, offset = None, [], 0, 0
-    for lineno, raw in enumerate(complete, start=1):
-        offset += len(raw) + 1
-        row = _json_line(path, lineno, raw)
-        kind = row.get("type")
-        if lineno == 1 and kind != "header":
-            raise EvalError(f"{path} is not an eval results file (its first line is not a header); "
-                            "choose another --output")
-        if kind == "summary":
-            if lineno != len(complete):
-                raise EvalError(f"{path}:{lineno}: a summary line before the end of the file")
-            continue
-        if lineno > 1 and kind != "problem":
-            raise EvalError(f"{path}:{lineno}: unexpected line type {kind!r}")
-        if kind == "header":
-            header = row
-        else:
-            rows.append((lineno, row))
-        keep = offset
-    return header, rows, keep
-
-
-def _json_line(path: Path, lineno: int, raw: bytes) -> dict:
-    try:
-        row = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise EvalError(f"{path}:{lineno}: not valid JSON ({err}); the file is damaged — "
-                        "fix or remove that line, or pass --overwrite") from None
-    if not isinstance(row, dict):
-        raise EvalError(f"{path}:{lineno}: expected a JSON object")
-    return row
-
-
-def _check_header(path: Path, old: dict, new: dict) -> None:
-    old_flat, new_flat = _flatten({k: old.get(k) for k in MATCHED_HEADER_KEYS}), _flatten(
-        {k: new[k] for k in MATCHED_HEADER_KEYS})
-    missing = "(not set)"
-    diffs = [f"{k}: file has {old_flat.get(k, missing)!r}, this run has {new_flat.get(k, missing)!r}"
-             for k in sorted(old_flat.keys() | new_flat.keys()) if old_flat.get(k, missing) != new_flat.get(k, missing)]
-    if diffs:
-        raise ConfigError(f"{path} holds an eval with other settings, so it cannot be resumed:\n  "
-                          + "\n  ".join(diffs) + "\nPass --output NEW.jsonl for a separate file, "
-                          "or --overwrite to discard this one.")
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    """``{"sampling": {"top_p": 0.7}}`` → ``{"sampling.top_p": 0.7}`` (for readable differences)."""
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _done_problems(path: Path, rows: list[tuple[int, dict]], dataset: Dataset, val_n: int) -> dict[str, _Done]:
-    index_of = {p.id: i for i, p in enumerate(dataset.problems)}
-    done: dict[str, _Done] = {}
-    for lineno, row in rows:
-        pid = row.get("problem_id")
-        samples = row.get("samples")
-        if pid in done:
-            raise EvalError(f"{path}:{lineno}: problem {pid!r} appears twice")
-        if not isinstance(samples, list) or len(samples) != val_n:
-            raise EvalError(f"{path}:{lineno}: problem {pid!r} has "
-                            f"{len(samples) if isinstance(samples, list) else 'no'} samples, expected {val_n}")
-        index = index_of.get(pid, row.get("index", len(index_of)))  # beyond --limit: keep the file's order
-        done[pid] = _Done(index, pid, [_summary_view(s) for s in samples], int(row["num_correct"]))
-    return done
-
-
 # ---------------------------------------------------------------- running
 
 
@@ -540,8 +363,8 @@ class EvalReport:
     """What one ``evaluate`` call did."""
 
     path: Path
-    header: dict
-    summary: dict
+    header: ResultsHeader
+    summary: EvalSummary
     sampled_problems: int
     """Problems sampled by this call (0 when the file was already complete)."""
     resumed_problems: int
@@ -563,7 +386,7 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
     dataset = load_dataset(cfg)
     choice = model.choice if model is not None else choose_model(cfg)
     header = build_header(cfg, choice, dataset)
-    results = ResultsFile.open(default_output(cfg, choice, dataset), header, dataset, overwrite=cfg.overwrite)
+    results = _open_results(cfg, default_output(cfg, choice, dataset), header, dataset)
     pending = [(i, p) for i, p in enumerate(dataset.problems) if p.id not in results.done]
     resumed = len(dataset.problems) - len(pending)
     if resumed:
@@ -577,6 +400,16 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
     summary = results.finish()
     return EvalReport(results.path, results.header, summary, len(pending), resumed, counts["requests"],
                       counts["sequences"], counts["tokens"], time.monotonic() - t0)
+
+
+def _open_results(cfg: EvalConfig, path: Path, header: ResultsHeader, dataset: Dataset) -> ResultsFile:
+    """The results file to append to; a damaged one is an :class:`EvalError`."""
+    try:
+        return ResultsFile.open(path, header, {p.id: i for i, p in enumerate(dataset.problems)},
+                                overwrite=cfg.overwrite)
+    except ResultsFileError as err:
+        raise EvalError(f"{err} — fix or remove that line, choose another --output, "
+                        "or pass --overwrite to discard the file") from None
 
 
 def _check_gold_answers(dataset_path: str, problems: list) -> None:
@@ -599,8 +432,8 @@ async def _sample_pending(cfg: EvalConfig, model: EvalModel, pending: list, resu
 
     async def one(index: int, problem: Any) -> None:
         async with semaphore:
-            row, sampler = await _sample_problem(cfg, model, renderer, rollout_config, sandbox, index, problem)
-        results.append(index, row)
+            result, sampler = await _sample_problem(cfg, model, renderer, rollout_config, sandbox, index, problem)
+        results.append(result)
         counts.update(requests=sampler.requests, sequences=sampler.sequences, tokens=sampler.tokens)
         progress.update(len(results.done), average=results.running_average(),
                         tok_s=counts["tokens"] / max(time.monotonic() - t0, 1e-9))
@@ -641,11 +474,10 @@ def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any, Any]:
 
 
 async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, rollout_config: Any, sandbox: Any,
-                          index: int, problem: Any) -> tuple[dict, ProblemSampler]:
+                          index: int, problem: Any) -> tuple[ProblemResult, ProblemSampler]:
     """``val_n`` trajectories of one problem and its results line."""
     from retool.reward import agrade
     from retool.rollout import Rollout, RolloutError
-    from retool.serialize import to_jsonable
 
     seed = problem_seed(cfg.seed, problem.id)
     sampler = ProblemSampler(model.sampler, seed if cfg.seeded else None)
@@ -655,12 +487,10 @@ async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, roll
         trajectories = await rollout.group(problem, cfg.val_n)
     except RolloutError as err:
         raise EvalError(str(err)) from err
-    row = {"type": "problem", "index": index, "problem_id": problem.id, "question": problem.question,
-           "answer": problem.answer, "seed": seed, "samples": to_jsonable(trajectories),
-           "num_correct": sum(t.grade.correct for t in trajectories),
-           "num_formatted": sum(t.grade.formatted for t in trajectories),
-           "sampler_requests": sampler.requests, "time_s": round(time.monotonic() - start, 3)}
-    return row, sampler
+    result = ProblemResult(problem_id=problem.id, question=problem.question, answer=problem.answer,
+                           samples=tuple(trajectories), index=index, seed=seed, sampler_requests=sampler.requests,
+                           time_s=round(time.monotonic() - start, 3))
+    return result, sampler
 
 
 # ---------------------------------------------------------------- CLI
@@ -702,15 +532,15 @@ def _run_eval_command(args: argparse.Namespace) -> int:
 def format_summary(report: EvalReport) -> str:
     """A short human-readable account of an eval's summary and of this call's work."""
     s, h = report.summary, report.header
-    k = s["k"]
-    unbiased = "  ".join(f"pass@{j} {100 * v:.2f}%" for j, v in s["pass@k_unbiased"].items())
+    k = s.k
+    unbiased = "  ".join(f"pass@{j} {100 * v:.2f}%" for j, v in s.pass_at_k_unbiased.items())
     return "\n".join([
-        f"{h['label']} on {h['dataset']} ({h['mode']} mode), {s['num_problems']} problems × {k} samples",
-        f"  Average@{k} {100 * s['average@k']:.2f}% ± {100 * s['average@k_stderr']:.2f}  "
-        f"Pass@{k} {100 * s['pass@k']:.2f}%  Format {100 * s['format']:.2f}%",
+        f"{h.label} on {h.dataset} ({h.mode} mode), {s.num_problems} problems × {k} samples",
+        f"  Average@{k} {100 * s.average_at_k:.2f}% ± {100 * s.average_at_k_stderr:.2f}  "
+        f"Pass@{k} {100 * s.pass_at_k:.2f}%  Format {100 * s.format:.2f}%",
         f"  unbiased  {unbiased}",
-        f"  code calls {s['code_calls']:.2f}  turns {s['turns']:.2f}  tokens {s['tokens']:.0f}  "
-        f"correct {s['num_correct']}/{s['num_samples']}  solved {s['num_solved']}/{s['num_problems']}",
+        f"  code calls {s.code_calls:.2f}  turns {s.turns:.2f}  tokens {s.tokens:.0f}  "
+        f"correct {s.num_correct}/{s.num_samples}  solved {s.num_solved}/{s.num_problems}",
         f"  this run: sampled {report.sampled_problems} problems ({report.sampler_requests} sampler requests, "
         f"{report.sampled_tokens} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
         f"  results: {report.path}",

@@ -35,7 +35,6 @@ tools other than ``code_interpreter``, reward shaping.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -46,6 +45,7 @@ from retool.engines.base import SampledSequence, SamplingClient, SamplingParams,
 from retool.protocol import budget_exhausted_message, build_messages, tool_message_text, truncate_tool_output
 from retool.render import Renderer, Segment
 from retool.sandbox import SandboxConfig
+from retool.stats import trajectory_stats
 from retool.types import (
     ExecutionResult,
     Grade,
@@ -323,33 +323,31 @@ class Rollout:
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Per-step rollout and reward metrics over a batch of trajectories (the seed's metric
-    names: ``reward/*``, ``rollout/*``)."""
+    """Per-step rollout and reward metrics over a batch of trajectories.
+
+    The figures are :func:`retool.stats.trajectory_stats` (shared with the eval summary)
+    under the training names: ``reward/*``, ``rollout/*``, ``rollout/invalid_calls/<reason>``
+    (counts) and ``rollout/stop/<reason>`` (shares).
+    """
     if not trajectories:
         return {}
-    turns = [t.turns for t in trajectories]
-    attempts = [turn.exchange for ts in turns for turn in ts if turn.exchange is not None]
-    valid = [e for e in attempts if isinstance(e.call, ToolCall)]
-    executed = [e for e in valid if e.result is not None]
-    invalid = Counter(e.call.reason for e in attempts if isinstance(e.call, InvalidToolCall))
-    stops = Counter(t.stop_reason.value for t in trajectories)
-    n = len(trajectories)
+    s = trajectory_stats(trajectories)
     metrics = {
-        "reward/mean": statistics.fmean(t.grade.reward for t in trajectories),
-        "reward/correct": sum(t.grade.correct for t in trajectories) / n,
-        "reward/format": sum(t.grade.formatted for t in trajectories) / n,
-        "reward/grader_errors": float(sum(t.grade.grader_error is not None for t in trajectories)),
-        "rollout/turns": statistics.fmean(len(ts) for ts in turns),
-        "rollout/code_calls": len(executed) / n,
-        "rollout/tool_call_attempts": len(attempts) / n,
-        "rollout/valid_tool_call_rate": len(valid) / len(attempts) if attempts else 1.0,
-        "rollout/budget_exhausted_calls": float(len(valid) - len(executed)),
-        "rollout/trajectory_tokens": statistics.fmean(len(t.tokens_T) for t in trajectories),
-        "rollout/sampled_tokens": statistics.fmean(sum(t.mask_T) for t in trajectories),
-        "rollout/used_tool_rate": sum(t.num_code_calls > 0 for t in trajectories) / n,
+        "reward/mean": s.reward_mean,
+        "reward/correct": s.correct_rate,
+        "reward/format": s.format_rate,
+        "reward/grader_errors": float(s.grader_errors),
+        "rollout/turns": s.turns_mean,
+        "rollout/code_calls": s.code_calls_mean,
+        "rollout/tool_call_attempts": s.tool_call_attempts_mean,
+        "rollout/valid_tool_call_rate": s.valid_tool_call_rate,
+        "rollout/budget_exhausted_calls": float(s.budget_exhausted_calls),
+        "rollout/trajectory_tokens": s.tokens_mean,
+        "rollout/sampled_tokens": s.sampled_tokens_mean,
+        "rollout/used_tool_rate": s.used_tool_rate,
     }
-    for reason, count in invalid.items():
+    for reason, count in s.invalid_calls.items():
         metrics[f"rollout/invalid_calls/{reason}"] = float(count)
     for reason in StopReason:
-        metrics[f"rollout/stop/{reason.value}"] = stops.get(reason.value, 0) / n
+        metrics[f"rollout/stop/{reason.value}"] = s.stop_reasons.get(reason.value, 0) / s.trajectories
     return metrics

@@ -1,4 +1,4 @@
-"""Evaluation statistics: pass@k, Average@k and the summary line of an eval run.
+"""Evaluation statistics: pass@k, Average@k, paired differences, and trajectory totals.
 
 Definitions (those of the seed's report, plus the unbiased estimator):
 
@@ -20,6 +20,11 @@ Definitions (those of the seed's report, plus the unbiased estimator):
   variance both evals share, so it is the honest "did training help" test
   (``retool compare``).
 
+- **trajectory totals** (:class:`TrajectoryStats`) — correct, formatted, reward, turns,
+  call attempts, valid and executed calls, tokens, stop reasons of a set of
+  trajectories: the one aggregation behind the training metrics and the eval summary
+  (:mod:`retool.results`), which only name its figures differently.
+
 Everything here is a pure function of counts or of :class:`~retool.types.Trajectory`
 records. Not covered: bootstrap confidence intervals, per-difficulty breakdowns.
 """
@@ -29,9 +34,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 
-from retool.serialize import trajectory_from_jsonable
-from retool.types import Trajectory
+from retool.types import InvalidToolCall, ToolCall, Trajectory
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -55,25 +60,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def average_at_k(counts: Sequence[tuple[int, int]]) -> float:
     """Mean over problems of ``c / n``; ``counts`` holds one ``(n, c)`` per problem."""
-    _check_counts(counts)
+    check_counts(counts)
     return sum(c / n for n, c in counts) / len(counts)
 
 
 def pass_at_k_empirical(counts: Sequence[tuple[int, int]]) -> float:
     """Fraction of problems with at least one correct sample (the seed's Pass@k)."""
-    _check_counts(counts)
+    check_counts(counts)
     return sum(1 for _, c in counts if c > 0) / len(counts)
 
 
 def unbiased_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
     """Mean over problems of :func:`pass_at_k` ``(n, c, k)``."""
-    _check_counts(counts)
+    check_counts(counts)
     return sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
 
 
 def average_at_k_stderr(counts: Sequence[tuple[int, int]]) -> float:
     """Standard error of :func:`average_at_k` across problems (0.0 for one problem)."""
-    _check_counts(counts)
+    check_counts(counts)
     return _mean_and_stderr([c / n for n, c in counts])[1]
 
 
@@ -130,65 +135,128 @@ def _mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(variance / len(values))
 
 
-def summarize(problem_rows: Iterable[Mapping]) -> dict:
-    """The fields of an eval results file's summary line (docs/formats.md).
+@dataclass(frozen=True)
+class TrajectoryStats:
+    """The per-trajectory figures of a set of trajectories, as totals.
 
-    ``problem_rows`` are the ``{"type": "problem", ...}`` rows of an eval: each needs a
-    ``"samples"`` list of :class:`Trajectory` records or their JSON form (as written by
-    :func:`retool.serialize.to_jsonable`). The caller adds ``"type": "summary"``.
-
-    ``k`` is the smallest sample count over problems (equal counts are the normal case);
-    unbiased pass@k' is reported for k' = 1..k under string keys. The means follow the
-    rollout metrics of the same names: ``code_calls`` counts calls that ran in the
-    sandbox, ``tool_call_attempts`` every call attempt (invalid ones too), ``tokens`` the
-    whole context (prompt included, as the trajectory budget counts it),
-    ``sampled_tokens`` the policy tokens (mask sum). Raises ``ValueError`` for no problems or a problem
-    without samples.
+    One aggregation for every reader: the training metrics
+    (:func:`retool.rollout.rollout_metrics`: ``reward/correct``, ``rollout/code_calls``,
+    ``rollout/valid_tool_call_rate``, …), the eval summary (:func:`retool.results.summarize`:
+    ``format``, ``code_calls``, ``turns``, …) and ``retool compare`` all read these
+    fields and the means below. Totals add up: ``a + b`` is the record of both sets, so
+    an eval keeps one small record per problem instead of its trajectories.
     """
-    samples_P = [[_as_trajectory(s) for s in row["samples"]] for row in problem_rows]
-    counts = [(len(samples), sum(t.grade.correct for t in samples)) for samples in samples_P]
-    _check_counts(counts)
-    every = [t for samples in samples_P for t in samples]
-    k = min(n for n, _ in counts)
-    return {
-        "average@k": average_at_k(counts),
-        "pass@k": pass_at_k_empirical(counts),
-        "pass@k_unbiased": {str(j): unbiased_pass_at_k(counts, j) for j in range(1, k + 1)},
-        "format": _mean(t.grade.formatted for t in every),
-        "reward": _mean(t.grade.reward for t in every),
-        "code_calls": _mean(t.num_code_calls for t in every),
-        "tool_call_attempts": _mean(_attempts(t) for t in every),
-        "used_tool_rate": _mean(t.num_code_calls > 0 for t in every),
-        "turns": _mean(len(t.turns) for t in every),
-        "tokens": _mean(len(t.tokens_T) for t in every),
-        "sampled_tokens": _mean(sum(t.mask_T) for t in every),
-        "average@k_stderr": average_at_k_stderr(counts),
-        "k": k,
-        "num_problems": len(counts),
-        "num_samples": len(every),
-        "num_correct": sum(c for _, c in counts),
-        "num_formatted": sum(t.grade.formatted for t in every),
-        "num_solved": sum(1 for _, c in counts if c > 0),
-        "stop_reasons": dict(Counter(t.stop_reason.value for t in every)),
-    }
+
+    trajectories: int = 0
+    correct: int = 0
+    formatted: int = 0
+    reward: float = 0.0
+    """Sum of the rewards (:func:`math.fsum`)."""
+    grader_errors: int = 0
+    turns: int = 0
+    tool_call_attempts: int = 0
+    """Every call attempt, invalid and over-budget ones included."""
+    valid_tool_calls: int = 0
+    """Attempts that parsed and named the tool (run or answered "budget spent")."""
+    code_calls: int = 0
+    """Calls that ran in the sandbox (:attr:`Trajectory.num_code_calls`)."""
+    used_tool: int = 0
+    """Trajectories with at least one call that ran."""
+    tokens: int = 0
+    """Whole contexts, prompt included (as the trajectory budget counts them)."""
+    sampled_tokens: int = 0
+    """Policy tokens (mask sum)."""
+    invalid_calls: dict[str, int] = field(default_factory=dict)
+    """Invalid call attempts by reason, in order of first appearance."""
+    stop_reasons: dict[str, int] = field(default_factory=dict)
+    """Trajectories by stop reason, in order of first appearance."""
+
+    def __add__(self, other: TrajectoryStats) -> TrajectoryStats:
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name)
+                for f in fields(self) if f.name not in ("invalid_calls", "stop_reasons")}
+        return TrajectoryStats(**sums, invalid_calls=_add_counts(self.invalid_calls, other.invalid_calls),
+                               stop_reasons=_add_counts(self.stop_reasons, other.stop_reasons))
+
+    @property
+    def correct_rate(self) -> float:
+        return self.correct / self.trajectories
+
+    @property
+    def format_rate(self) -> float:
+        return self.formatted / self.trajectories
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward / self.trajectories
+
+    @property
+    def turns_mean(self) -> float:
+        return self.turns / self.trajectories
+
+    @property
+    def code_calls_mean(self) -> float:
+        return self.code_calls / self.trajectories
+
+    @property
+    def tool_call_attempts_mean(self) -> float:
+        return self.tool_call_attempts / self.trajectories
+
+    @property
+    def used_tool_rate(self) -> float:
+        return self.used_tool / self.trajectories
+
+    @property
+    def tokens_mean(self) -> float:
+        return self.tokens / self.trajectories
+
+    @property
+    def sampled_tokens_mean(self) -> float:
+        return self.sampled_tokens / self.trajectories
+
+    @property
+    def valid_tool_call_rate(self) -> float:
+        """Valid calls over call attempts, pooled; 1.0 when nothing was attempted."""
+        return self.valid_tool_calls / self.tool_call_attempts if self.tool_call_attempts else 1.0
+
+    @property
+    def budget_exhausted_calls(self) -> int:
+        """Valid calls answered "budget spent" instead of running."""
+        return self.valid_tool_calls - self.code_calls
 
 
-def _as_trajectory(sample: Trajectory | Mapping) -> Trajectory:
-    return sample if isinstance(sample, Trajectory) else trajectory_from_jsonable(dict(sample))
+def trajectory_stats(trajectories: Iterable[Trajectory]) -> TrajectoryStats:
+    """The totals of :class:`TrajectoryStats` over ``trajectories`` (all zero for none)."""
+    trajectories = list(trajectories)
+    attempts = [turn.exchange.call for t in trajectories for turn in t.turns if turn.exchange is not None]
+    return TrajectoryStats(
+        trajectories=len(trajectories),
+        correct=sum(t.grade.correct for t in trajectories),
+        formatted=sum(t.grade.formatted for t in trajectories),
+        reward=math.fsum(t.grade.reward for t in trajectories),
+        grader_errors=sum(t.grade.grader_error is not None for t in trajectories),
+        turns=sum(len(t.turns) for t in trajectories),
+        tool_call_attempts=len(attempts),
+        valid_tool_calls=sum(isinstance(call, ToolCall) for call in attempts),
+        code_calls=sum(t.num_code_calls for t in trajectories),
+        used_tool=sum(t.num_code_calls > 0 for t in trajectories),
+        tokens=sum(len(t.tokens_T) for t in trajectories),
+        sampled_tokens=sum(sum(t.mask_T) for t in trajectories),
+        invalid_calls=dict(Counter(call.reason for call in attempts if isinstance(call, InvalidToolCall))),
+        stop_reasons=dict(Counter(t.stop_reason.value for t in trajectories)),
+    )
 
 
-def _attempts(trajectory: Trajectory) -> int:
-    return sum(1 for turn in trajectory.turns if turn.exchange is not None)
+def _add_counts(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for key, count in b.items():
+        out[key] = out.get(key, 0) + count
+    return out
 
 
-def _check_counts(counts: Sequence[tuple[int, int]]) -> None:
+def check_counts(counts: Sequence[tuple[int, int]]) -> None:
+    """Raise ``ValueError`` for no problems or a problem's impossible ``(n, c)``."""
     if not counts:
         raise ValueError("no problems to summarise")
     for n, c in counts:
         if n < 1 or not 0 <= c <= n:
             raise ValueError(f"bad per-problem counts: {n} samples, {c} correct")
-
-
-def _mean(values: Iterable[float]) -> float:
-    values = list(values)
-    return sum(values) / len(values)

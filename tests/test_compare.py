@@ -49,18 +49,18 @@ def test_paired_ratio_difference_by_hand():
 def test_compare_matches_the_per_problem_counts():
     result = compare(EVAL / "base.jsonl", EVAL / "step-100.jsonl")
     before, after = read_eval_results(EVAL / "base.jsonl"), read_eval_results(EVAL / "step-100.jsonl")
-    acc_b = {r["problem_id"]: r["num_correct"] / len(r["samples"]) for r in before.problems}
-    acc_a = {r["problem_id"]: r["num_correct"] / len(r["samples"]) for r in after.problems}
+    acc_b = {r.problem_id: r.num_correct / len(r.samples) for r in before.problems}
+    acc_a = {r.problem_id: r.num_correct / len(r.samples) for r in after.problems}
     ids = list(acc_b)
     accuracy = result.metric("accuracy")
     assert result.problems == len(ids) and result.only_before == result.only_after == 0
-    assert accuracy.before == pytest.approx(before.summary["average@k"])
-    assert accuracy.after == pytest.approx(after.summary["average@k"])
+    assert accuracy.before == pytest.approx(before.summary.average_at_k)
+    assert accuracy.after == pytest.approx(after.summary.average_at_k)
     diff, se = paired_difference([acc_b[i] for i in ids], [acc_a[i] for i in ids])
     assert accuracy.difference == pytest.approx(diff) and accuracy.stderr == pytest.approx(se)
     assert accuracy.significant == (abs(diff) > 2 * se > 0)
-    assert result.metric("format").before == pytest.approx(before.summary["format"])
-    assert result.metric("used_tool").after == pytest.approx(after.summary["used_tool_rate"])
+    assert result.metric("format").before == pytest.approx(before.summary.format)
+    assert result.metric("used_tool").after == pytest.approx(after.summary.used_tool_rate)
     valid = result.metric("valid_tool_call_rate")
     assert 0 <= valid.before <= 1 and valid.stderr is not None and valid.stderr >= 0
 

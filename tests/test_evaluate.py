@@ -31,7 +31,7 @@ from retool.evaluate import (
     problem_seed,
     resolve_checkpoint,
 )
-from retool.report import read_eval_results
+from retool.results import read_results
 from tests.scripted import ScriptedSampler
 from tests.tiny import tiny_model_dir
 from tests.tokenizers import qwen25_tokenizer
@@ -101,7 +101,7 @@ def test_retool_eval_writes_trajectories_and_the_summary(tmp_path):
     assert summary["format"] == 1.0 and summary["code_calls"] == 0.5 and summary["turns"] == 1.5
     assert report.sampled_problems == 3 and report.sampler_requests == 3 * 2  # fork + one second turn each
     # The report readers (plots, viewer) accept the file.
-    assert read_eval_results(report.path).summary == summary
+    assert read_results(report.path).summary.to_json() == summary
 
 
 def test_other_settings_refuse_to_resume_and_overwrite_starts_afresh(tmp_path):

@@ -61,7 +61,7 @@ def test_checkpoint_figures_from_fixture_results(eval_dir, tmp_path, capsys):
 
 def test_checkpoints_are_ordered_base_first_then_by_step(eval_dir):
     found, skipped = plots.discover_eval_results(eval_dir)
-    retool_mode = [r for r in found if r.header["mode"] == "retool"]
+    retool_mode = [r for r in found if r.header.mode == "retool"]
     points = plots.order_checkpoints([plots.checkpoint_point(r) for r in retool_mode])
     assert [p.label for p in points] == ["base", "step 20", "step 50", "step 100"]  # file names sort otherwise
     summary = json.loads((eval_dir / "step-50.jsonl").read_text().splitlines()[-1])

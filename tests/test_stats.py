@@ -8,6 +8,7 @@ from fractions import Fraction
 import pytest
 
 from retool import stats
+from retool.results import ProblemResult, summarize
 from retool.serialize import to_jsonable
 from retool.types import (
     ExecStatus,
@@ -96,7 +97,7 @@ def test_summarize_by_hand():
         {"type": "problem", "samples": [_traj(True, calls=1), _traj(False, calls=2, invalid=1)]},
         {"type": "problem", "samples": [_traj(False, formatted=False), _traj(False, stop=StopReason.LENGTH)]},
     ]
-    s = stats.summarize(rows)
+    s = summarize(row["samples"] for row in rows).to_json()
     assert s["average@k"] == pytest.approx(0.25)       # (1/2 + 0/2) / 2
     assert s["pass@k"] == pytest.approx(0.5)
     assert s["pass@k_unbiased"] == {"1": pytest.approx(0.25), "2": pytest.approx(0.5)}
@@ -117,16 +118,17 @@ def test_summarize_by_hand():
 def test_summarize_reads_serialised_samples_the_same():
     rows = [{"samples": [_traj(True), _traj(False, calls=1)]}, {"samples": [_traj(False), _traj(True)]}]
     as_json = [{"samples": to_jsonable(row["samples"])} for row in rows]
-    assert stats.summarize(as_json) == stats.summarize(rows)
+    assert summarize([ProblemResult.from_json({"problem_id": "p", "question": "", "answer": "", **row}).samples
+                      for row in as_json]) == summarize(row["samples"] for row in rows)
 
 
 def test_summarize_uses_the_smallest_sample_count_as_k():
-    s = stats.summarize([{"samples": [_traj(True)] * 3}, {"samples": [_traj(False)] * 2}])
+    s = summarize([[_traj(True)] * 3, [_traj(False)] * 2]).to_json()
     assert s["k"] == 2 and set(s["pass@k_unbiased"]) == {"1", "2"}
 
 
 def test_summarize_rejects_empty_input():
     with pytest.raises(ValueError, match="no problems"):
-        stats.summarize([])
+        summarize([])
     with pytest.raises(ValueError, match="0 samples"):
-        stats.summarize([{"samples": [_traj(True)]}, {"samples": []}])
+        summarize([[_traj(True)], []])

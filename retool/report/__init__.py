@@ -1,14 +1,16 @@
 """Reports for humans: plots (``retool plot``) and the HTML trajectory viewer (``retool view``).
 
 This package only reads what training and evaluation wrote (docs/formats.md); it never
-runs a model. The readers below are shared by :mod:`retool.report.plots` and
-:mod:`retool.report.view`:
+runs a model. The readers below are shared by :mod:`retool.report.plots`,
+:mod:`retool.report.view` and :mod:`retool.report.compare`:
 
-- :func:`read_jsonl` — rows of a ``.jsonl`` or ``.jsonl.gz`` file, with line numbers in
-  errors and tolerance for one truncated last line (a run killed mid-write).
-- :func:`read_eval_results` — an eval results file split into header, problem rows and
-  summary; an eval that was interrupted has no summary, and the caller decides whether
-  to compute one with :func:`retool.stats.summarize`.
+- :func:`read_jsonl` — rows of a ``.jsonl`` or ``.jsonl.gz`` file (training metrics and
+  trajectory logs), with line numbers in errors and tolerance for one truncated last
+  line (a run killed mid-write).
+- :func:`read_eval_results` — an eval results file as typed records, through the one
+  reader :func:`retool.results.read_results`, its errors raised as
+  :class:`ReportInputError`; an eval that was interrupted has no summary, and the caller
+  decides whether to compute one with :func:`retool.results.summarize`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from __future__ import annotations
 import gzip
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from retool.results import EvalResults, ResultsFileError, read_results
 
 
 class ReportInputError(ValueError):
@@ -56,46 +59,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
-@dataclass
-class EvalResults:
-    """One eval results file: its header, its problem rows and its summary (if finished)."""
-
-    path: Path
-    header: dict
-    problems: list[dict] = field(default_factory=list)
-    summary: dict | None = None
-
-    @property
-    def label(self) -> str:
-        """The header's label, else ``base`` / ``step N`` from the step."""
-        if self.header.get("label"):
-            return str(self.header["label"])
-        step = self.header.get("step")
-        return "base" if step is None else f"step {step}"
-
-
-def is_eval_results(rows: list[dict]) -> bool:
-    """Whether rows look like an eval results file (first row is a header)."""
-    return bool(rows) and rows[0].get("type") == "header"
-
-
-def read_eval_results(path: str | Path, rows: list[dict] | None = None) -> EvalResults:
-    """Parse an eval results file (or its already-read ``rows``).
-
-    Raises :class:`ReportInputError` when the first row is not a header or a row has an
-    unknown ``type``.
-    """
-    path = Path(path)
-    rows = read_jsonl(path) if rows is None else rows
-    if not is_eval_results(rows):
-        raise ReportInputError(f"{path}: not an eval results file (first row is not a header)")
-    results = EvalResults(path=path, header=rows[0])
-    for lineno, row in enumerate(rows[1:], start=2):
-        kind = row.get("type")
-        if kind == "problem":
-            results.problems.append(row)
-        elif kind == "summary":
-            results.summary = row
-        else:
-            raise ReportInputError(f"{path}: row {lineno}: unknown row type {kind!r}")
-    return results
+def read_eval_results(path: str | Path) -> EvalResults:
+    """Read an eval results file; any problem with it raises :class:`ReportInputError`."""
+    try:
+        return read_results(path)
+    except ResultsFileError as err:
+        raise ReportInputError(str(err)) from None

@@ -10,9 +10,9 @@ two standard errors is flagged as significant.
 Per-problem metrics (paired s.e.): accuracy (Average@k), format (boxed answers), used
 the tool (share of samples with at least one executed call), code calls per sample.
 Pooled metric: valid tool-call rate (calls that parsed and named the tool, over all call
-attempts), as the training metric ``rollout/valid_tool_call_rate`` defines it, with a
-paired, problem-clustered s.e. (:func:`retool.stats.paired_ratio_difference`; none when
-a side made no call attempt).
+attempts), as the training metric ``rollout/valid_tool_call_rate`` defines it (both read
+:class:`retool.stats.TrajectoryStats`), with a paired, problem-clustered s.e.
+(:func:`retool.stats.paired_ratio_difference`; none when a side made no call attempt).
 
 Only problems present in both files are compared; how many were left out is printed.
 Interrupted evals (no summary line yet) are compared on the problems they finished.
@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retool.report import ReportInputError, read_eval_results
-from retool.serialize import trajectory_from_jsonable
-from retool.stats import paired_difference, paired_ratio_difference
+from retool.results import ProblemResult
+from retool.stats import TrajectoryStats, paired_difference, paired_ratio_difference, trajectory_stats
 
-PAIRED_METRICS = ("accuracy", "format", "used_tool", "code_calls")
+PAIRED_METRICS = {"accuracy": "correct_rate", "format": "format_rate", "used_tool": "used_tool_rate",
+                  "code_calls": "code_calls_mean"}
+"""Per-problem metric → the :class:`~retool.stats.TrajectoryStats` figure it compares."""
 
 
 @dataclass(frozen=True)
@@ -74,60 +76,43 @@ class Comparison:
         return next(m for m in self.metrics if m.name == name)
 
 
-def _samples(row: dict) -> list:
-    """A problem row's samples as :class:`~retool.types.Trajectory` records."""
-    samples = [trajectory_from_jsonable(dict(s)) for s in row["samples"]]
-    if not samples:
-        raise ReportInputError(f"problem {row.get('problem_id')!r} has no samples")
-    return samples
-
-
-def _per_problem(samples: list) -> dict[str, float]:
-    n = len(samples)
-    return {"accuracy": sum(t.grade.correct for t in samples) / n,
-            "format": sum(t.grade.formatted for t in samples) / n,
-            "used_tool": sum(t.num_code_calls > 0 for t in samples) / n,
-            "code_calls": sum(t.num_code_calls for t in samples) / n}
-
-
-def _valid_calls(samples: list) -> tuple[int, int]:
-    """A problem's (valid tool calls, call attempts) over its samples."""
-    from retool.types import ToolCall
-
-    exchanges = [turn.exchange for t in samples for turn in t.turns if turn.exchange is not None]
-    return sum(isinstance(e.call, ToolCall) for e in exchanges), len(exchanges)
-
-
 def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
     """Compare two eval results files; raises :class:`ReportInputError` on bad input."""
-    from retool.rollout import rollout_metrics
-
     before, after = read_eval_results(before_path), read_eval_results(after_path)
-    rows_before = {r["problem_id"]: r for r in before.problems}
-    rows_after = {r["problem_id"]: r for r in after.problems}
-    common = [pid for pid in rows_before if pid in rows_after]
+    problems_before = {p.problem_id: p for p in before.problems}
+    problems_after = {p.problem_id: p for p in after.problems}
+    common = [pid for pid in problems_before if pid in problems_after]
     if not common:
         raise ReportInputError(f"{before_path} and {after_path} share no problem")
-    samples_before = [_samples(rows_before[pid]) for pid in common]
-    samples_after = [_samples(rows_after[pid]) for pid in common]
-    values_before = [_per_problem(s) for s in samples_before]
-    values_after = [_per_problem(s) for s in samples_after]
-    metrics = []
-    for name in PAIRED_METRICS:
-        a, b = [v[name] for v in values_before], [v[name] for v in values_after]
-        _, stderr = paired_difference(a, b)
-        metrics.append(MetricComparison(name, sum(a) / len(a), sum(b) / len(b), stderr))
-    # pooled over every sample, as the training metric of the same name
-    valid = [rollout_metrics([t for s in samples for t in s])["rollout/valid_tool_call_rate"]
-             for samples in (samples_before, samples_after)]
+    stats_before = [_stats(problems_before[pid]) for pid in common]
+    stats_after = [_stats(problems_after[pid]) for pid in common]
+    metrics = [_paired(name, figure, stats_before, stats_after) for name, figure in PAIRED_METRICS.items()]
+    metrics.append(_valid_tool_call_rate(stats_before, stats_after))
+    return Comparison(Path(before_path), Path(after_path), len(common), len(problems_before) - len(common),
+                      len(problems_after) - len(common), tuple(metrics))
+
+
+def _stats(problem: ProblemResult) -> TrajectoryStats:
+    if not problem.samples:
+        raise ReportInputError(f"problem {problem.problem_id!r} has no samples")
+    return trajectory_stats(problem.samples)
+
+
+def _paired(name: str, figure: str, before: list[TrajectoryStats], after: list[TrajectoryStats]) -> MetricComparison:
+    a, b = [getattr(s, figure) for s in before], [getattr(s, figure) for s in after]
+    _, stderr = paired_difference(a, b)
+    return MetricComparison(name, sum(a) / len(a), sum(b) / len(b), stderr)
+
+
+def _valid_tool_call_rate(before: list[TrajectoryStats], after: list[TrajectoryStats]) -> MetricComparison:
+    """Pooled over every sample, as the training metric of the same name."""
+    rates = [sum(side, TrajectoryStats()).valid_tool_call_rate for side in (before, after)]
     try:
-        _, valid_stderr = paired_ratio_difference([_valid_calls(s) for s in samples_before],
-                                                  [_valid_calls(s) for s in samples_after])
+        _, stderr = paired_ratio_difference([(s.valid_tool_calls, s.tool_call_attempts) for s in before],
+                                            [(s.valid_tool_calls, s.tool_call_attempts) for s in after])
     except ValueError:  # a side made no call attempt: its rate is 1.0 by definition
-        valid_stderr = None
-    metrics.append(MetricComparison("valid_tool_call_rate", valid[0], valid[1], valid_stderr))
-    return Comparison(Path(before_path), Path(after_path), len(common), len(rows_before) - len(common),
-                      len(rows_after) - len(common), tuple(metrics))
+        stderr = None
+    return MetricComparison("valid_tool_call_rate", rates[0], rates[1], stderr)
 
 
 def format_table(result: Comparison) -> str:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
-from retool.report import EvalResults, ReportInputError, is_eval_results, read_eval_results, read_jsonl
+from retool.report import ReportInputError, read_eval_results, read_jsonl
+from retool.results import EvalResults, is_results_file, summarize
 
 FORMATS = ("png", "svg")
 
@@ -74,11 +75,10 @@ def discover_eval_results(folder: str | Path) -> tuple[list[EvalResults], list[P
         raise ReportInputError(f"{folder}: not a folder of eval results")
     found, skipped = [], []
     for path in sorted([*folder.glob("*.jsonl"), *folder.glob("*.jsonl.gz")]):
-        rows = read_jsonl(path)
-        if not is_eval_results(rows):
+        if not is_results_file(path):
             skipped.append(path)
             continue
-        results = read_eval_results(path, rows)
+        results = read_eval_results(path)
         if results.problems:
             found.append(results)
         else:
@@ -88,21 +88,16 @@ def discover_eval_results(folder: str | Path) -> tuple[list[EvalResults], list[P
 
 def checkpoint_point(results: EvalResults) -> CheckpointPoint:
     """The numbers one checkpoint contributes, from its summary or its problems."""
-    from retool.stats import summarize
-
     try:
-        summary = results.summary or summarize(results.problems)
-    except (KeyError, TypeError, ValueError) as err:
+        summary = results.summary or summarize(p.samples for p in results.problems)
+    except ValueError as err:
         raise ReportInputError(f"{results.path}: cannot summarise its problem rows: {err!r}") from err
     label = results.label
     if results.summary is None:
         label += f" (partial: {len(results.problems)} problems)"
-    step = results.header.get("step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        raise ReportInputError(f"{results.path}: header step must be an integer or null, got {step!r}")
-    return CheckpointPoint(label=label, step=step,
-                           average=summary["average@k"], pass_at_k=summary["pass@k"],
-                           format=summary["format"], k=int(summary["k"]), complete=results.summary is not None)
+    return CheckpointPoint(label=label, step=results.header.step, average=summary.average_at_k,
+                           pass_at_k=summary.pass_at_k, format=summary.format, k=summary.k,
+                           complete=results.summary is not None)
 
 
 def order_checkpoints(points: list[CheckpointPoint], order: Sequence[str] | None = None) -> list[CheckpointPoint]:
@@ -131,7 +126,7 @@ def plot_checkpoints(results_dir: str | Path, out_dir: str | Path, *, dataset: s
         print(f"skipped {path}: not an eval results file, or no finished problem", file=sys.stderr)
     groups: dict[tuple[str, str], list[EvalResults]] = {}
     for results in found:
-        key = (str(results.header.get("dataset", "unknown")), str(results.header.get("mode", "unknown")))
+        key = (results.header.dataset or "unknown", results.header.mode or "unknown")
         if (dataset is None or key[0] == dataset) and (mode is None or key[1] == mode):
             groups.setdefault(key, []).append(results)
     if not groups:

@@ -34,8 +34,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.report import EvalResults, ReportInputError, is_eval_results, read_eval_results, read_jsonl
+from retool.report import ReportInputError, read_eval_results, read_jsonl
+from retool.results import EvalResults, is_results_file
 from retool.serialize import trajectory_from_jsonable
+from retool.stats import trajectory_stats
 from retool.types import ToolCall, Trajectory, Turn
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "view"
@@ -88,9 +90,9 @@ def _folder_files(folder: Path) -> list[Path]:
 
 
 def _load_file(path: Path, strict: bool) -> list[ViewItem] | None:
+    if is_results_file(path):
+        return _eval_items(read_eval_results(path))
     rows = read_jsonl(path)
-    if is_eval_results(rows):
-        return _eval_items(read_eval_results(path, rows))
     if rows and all("trajectory" in row for row in rows):
         return [_training_item(path, n, row) for n, row in enumerate(rows, start=1)]
     if strict:
@@ -100,14 +102,10 @@ def _load_file(path: Path, strict: bool) -> list[ViewItem] | None:
 
 
 def _eval_items(results: EvalResults) -> list[ViewItem]:
-    label = " · ".join(str(part) for part in (results.label, results.header.get("mode")) if part)
-    items = []
-    for row in results.problems:
-        for n, sample in enumerate(row.get("samples", []), start=1):
-            trajectory = _parse(results.path, f"problem {row.get('problem_id')!r} sample {n}", sample)
-            items.append(ViewItem(source=f"{label} · sample {n}", trajectory=trajectory,
-                                  question=row.get("question"), gold=_str_or_none(row.get("answer"))))
-    return items
+    label = " · ".join(str(part) for part in (results.label, results.header.mode) if part)
+    return [ViewItem(source=f"{label} · sample {n}", trajectory=trajectory, question=problem.question,
+                     gold=_str_or_none(problem.answer))
+            for problem in results.problems for n, trajectory in enumerate(problem.samples, start=1)]
 
 
 def _training_item(path: Path, lineno: int, row: dict) -> ViewItem:
@@ -196,7 +194,7 @@ def _item_json(item: ViewItem, prompt: str | None) -> dict:
         "adv": item.advantage, "reward": _finite(t.grade.reward), "correct": t.grade.correct,
         "formatted": t.grade.formatted, "pred": t.grade.answer, "grader_error": t.grade.grader_error,
         "stop": t.stop_reason.value, "calls": t.num_code_calls, "prompt_len": t.prompt_len,
-        "attempts": sum(1 for turn in t.turns if turn.exchange is not None),
+        "attempts": trajectory_stats([t]).tool_call_attempts,
         "turns": [_turn_json(turn) for turn in t.turns], "ids": list(t.tokens_T), "mask": list(t.mask_T),
         "lp": _rounded(t.logprobs_T),
         "warn": mask_warnings(t),

@@ -1,0 +1,523 @@
+"""Eval results files: typed records, the one reader and the one appender.
+
+A results file (``docs/formats.md``) is JSON Lines, written by ``retool eval``:
+
+1. a header (:class:`ResultsHeader`) — what was evaluated and how: model, checkpoint,
+   step, label, dataset and its fingerprint, mode, ``val_n``, seed, sampling and
+   sandbox settings;
+2. one line per finished problem (:class:`ProblemResult`), in completion order — every
+   sample's full trajectory (:class:`~retool.types.Trajectory`), appended, flushed and
+   fsynced as the problem finishes;
+3. a summary line (:class:`EvalSummary`) once every problem is done — Average@k and its
+   standard error, Pass@k, unbiased pass@k', Format, and the means of
+   :class:`~retool.stats.TrajectoryStats` (code calls, turns, tokens, …).
+
+Each record's ``to_json``/``from_json`` keeps the file's keys as they are. The reader
+(:func:`read_results`, :func:`iter_results`) is shared by ``retool eval`` (resume),
+``retool compare``, ``retool plot``, ``retool view`` and the demo; a damaged line raises
+:class:`ResultsFileError` naming the file and the line. A last line without its newline
+is a write torn by a kill: it is dropped with a note on stderr. The appender
+(:class:`ResultsFile`) resumes a file only when its header matches the run's, cuts the
+torn line and the old summary, and keeps one :class:`~retool.stats.TrajectoryStats`
+per finished problem — not its trajectories — so a large eval's summary costs little
+memory.
+
+Not covered: sampling (``retool.evaluate``), the statistics themselves
+(:mod:`retool.stats`), training logs (``metrics.jsonl``, trajectory logs), and
+rewriting or merging results files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from retool.config import ConfigError
+from retool.serialize import to_jsonable, trajectory_from_jsonable
+from retool.stats import (
+    TrajectoryStats,
+    average_at_k,
+    average_at_k_stderr,
+    check_counts,
+    pass_at_k_empirical,
+    trajectory_stats,
+    unbiased_pass_at_k,
+)
+from retool.types import Trajectory
+
+MATCHED_HEADER_KEYS = ("model", "checkpoint", "step", "dataset_fingerprint", "mode", "val_n", "seed", "seeded",
+                       "chat_template", "dtype", "sampling", "sandbox")
+"""Header fields that must be equal for a run to resume (append to) an existing file."""
+
+
+class ResultsFileError(ValueError):
+    """A results file that cannot be read as one (with the file and, where known, the line)."""
+
+
+# ---------------------------------------------------------------- the header
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The header's ``sampling``: how every sample was drawn, and its budgets."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_trajectory_tokens: int | None = None
+    max_turn_tokens: int | None = None
+    max_assistant_turns: int | None = None
+    max_code_calls: int | None = None
+    max_tool_response_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class SandboxSettings:
+    """The header's ``sandbox`` (retool mode): limits of one code execution."""
+
+    timeout_s: float | None = None
+    memory_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class ResultsHeader:
+    """The first line of a results file. Fields a file leaves out read as ``None``."""
+
+    model: str | None = None
+    checkpoint: str | None = None
+    """The checkpoint folder, or ``None`` for the base model."""
+    step: int | None = None
+    label: str | None = None
+    dataset: str | None = None
+    dataset_path: str | None = None
+    dataset_fingerprint: str | None = None
+    """sha256 of every problem's id, question and answer, in file order."""
+    dataset_problems: int | None = None
+    mode: str | None = None
+    val_n: int | None = None
+    seed: int | None = None
+    seeded: bool | None = None
+    chat_template: str | None = None
+    dtype: str | None = None
+    sampling: SamplingSettings | None = None
+    sandbox: SandboxSettings | None = None
+    """``None`` in text mode."""
+    retool_version: str | None = None
+    created: str | None = None
+
+    @property
+    def display_label(self) -> str:
+        """The label, else ``base`` / ``step N`` from the step."""
+        if self.label:
+            return str(self.label)
+        return "base" if self.step is None else f"step {self.step}"
+
+    def to_json(self) -> dict:
+        return {"type": "header", **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, row: Mapping) -> ResultsHeader:
+        """Read a header row; raises ``ValueError`` for a step that is not an integer."""
+        step = row.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise ValueError(f"header step must be an integer or null, got {step!r}")
+        nested = {"sampling": SamplingSettings, "sandbox": SandboxSettings}
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = row.get(f.name)
+            if f.name in nested and value is not None:
+                value = _settings(nested[f.name], value)
+            values[f.name] = value
+        return cls(**values)
+
+    def differences(self, other: ResultsHeader) -> list[str]:
+        """``"key: file has X, this run has Y"`` for each resume-relevant field that differs."""
+        mine, theirs, missing = _flat_matched(self), _flat_matched(other), "(not set)"
+        return [f"{key}: file has {mine.get(key, missing)!r}, this run has {theirs.get(key, missing)!r}"
+                for key in sorted(mine.keys() | theirs.keys()) if mine.get(key, missing) != theirs.get(key, missing)]
+
+
+def _settings(record: type, value: Mapping) -> Any:
+    names = {f.name for f in dataclasses.fields(record)}
+    return record(**{k: v for k, v in value.items() if k in names})
+
+
+def _flat_matched(header: ResultsHeader) -> dict:
+    """The matched fields, nested settings as ``sampling.top_p`` (for readable differences)."""
+    out = {}
+    for key in MATCHED_HEADER_KEYS:
+        value = getattr(header, key)
+        if dataclasses.is_dataclass(value):
+            out.update({f"{key}.{k}": v for k, v in dataclasses.asdict(value).items()})
+        else:
+            out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------- problem lines
+
+
+@dataclass(frozen=True)
+class ProblemResult:
+    """One problem's line: the problem, its ``val_n`` trajectories, and how they were drawn."""
+
+    problem_id: str
+    question: str
+    answer: str
+    samples: tuple[Trajectory, ...]
+    index: int | None = None
+    """The problem's position in the dataset."""
+    seed: int | None = None
+    """The problem's derived sampling seed."""
+    sampler_requests: int | None = None
+    time_s: float | None = None
+
+    @property
+    def num_correct(self) -> int:
+        return sum(t.grade.correct for t in self.samples)
+
+    @property
+    def num_formatted(self) -> int:
+        return sum(t.grade.formatted for t in self.samples)
+
+    def to_json(self) -> dict:
+        """The line's JSON; optional fields that are ``None`` are left out."""
+        row = {"type": "problem", "index": self.index, "problem_id": self.problem_id, "question": self.question,
+               "answer": self.answer, "seed": self.seed, "samples": to_jsonable(self.samples),
+               "num_correct": self.num_correct, "num_formatted": self.num_formatted,
+               "sampler_requests": self.sampler_requests, "time_s": self.time_s}
+        return {k: v for k, v in row.items() if v is not None or k not in _OPTIONAL_PROBLEM_KEYS}
+
+    @classmethod
+    def from_json(cls, row: Mapping) -> ProblemResult:
+        """Read a problem row; raises ``ValueError`` naming the sample that is not a trajectory."""
+        samples = row["samples"]
+        if not isinstance(samples, list):
+            raise ValueError(f"problem {row['problem_id']!r}: samples is not a list")
+        return cls(problem_id=row["problem_id"], question=row["question"], answer=row["answer"],
+                   samples=tuple(_trajectory(row["problem_id"], n, s) for n, s in enumerate(samples, start=1)),
+                   **{k: row.get(k) for k in _OPTIONAL_PROBLEM_KEYS})
+
+
+_OPTIONAL_PROBLEM_KEYS = ("index", "seed", "sampler_requests", "time_s")
+
+
+def _trajectory(problem_id: str, n: int, data: Any) -> Trajectory:
+    try:
+        return trajectory_from_jsonable(data)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"problem {problem_id!r} sample {n}: not a valid trajectory: {err!r}") from None
+
+
+# ---------------------------------------------------------------- the summary
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    """The last line: the eval's statistics over every problem (definitions: :mod:`retool.stats`)."""
+
+    average_at_k: float
+    pass_at_k: float
+    pass_at_k_unbiased: dict[int, float]
+    """Unbiased pass@k' for k' = 1..k (string keys in the file)."""
+    format: float
+    reward: float
+    code_calls: float
+    tool_call_attempts: float
+    used_tool_rate: float
+    turns: float
+    tokens: float
+    sampled_tokens: float
+    average_at_k_stderr: float
+    k: int
+    num_problems: int
+    num_samples: int
+    num_correct: int
+    num_formatted: int
+    num_solved: int
+    stop_reasons: dict[str, int]
+
+    def to_json(self) -> dict:
+        row = {"type": "summary", **{key: getattr(self, name) for key, name in _SUMMARY_KEYS}}
+        row["pass@k_unbiased"] = {str(j): p for j, p in self.pass_at_k_unbiased.items()}
+        return row
+
+    @classmethod
+    def from_json(cls, row: Mapping) -> EvalSummary:
+        values = {name: row[key] for key, name in _SUMMARY_KEYS}
+        values["pass_at_k_unbiased"] = {int(j): p for j, p in row["pass@k_unbiased"].items()}
+        return cls(**values)
+
+
+_SUMMARY_KEYS = tuple((f.name.replace("_at_", "@"), f.name) for f in dataclasses.fields(EvalSummary))
+"""(JSON key, field) in the file's order: ``average@k`` ↔ ``average_at_k``, …"""
+
+
+def summarize(samples_P: Iterable[Sequence[Trajectory]]) -> EvalSummary:
+    """The summary of an eval from each problem's samples (dataset order).
+
+    ``k`` is the smallest sample count over problems (equal counts are the normal case).
+    Raises ``ValueError`` for no problems or a problem without samples.
+    """
+    return summary_of_stats([trajectory_stats(samples) for samples in samples_P])
+
+
+def summary_of_stats(stats_P: Sequence[TrajectoryStats]) -> EvalSummary:
+    """The summary from each problem's :class:`~retool.stats.TrajectoryStats` (dataset order)."""
+    counts = [(s.trajectories, s.correct) for s in stats_P]
+    check_counts(counts)
+    total = sum(stats_P, TrajectoryStats())
+    k = min(n for n, _ in counts)
+    return EvalSummary(
+        average_at_k=average_at_k(counts), pass_at_k=pass_at_k_empirical(counts),
+        pass_at_k_unbiased={j: unbiased_pass_at_k(counts, j) for j in range(1, k + 1)},
+        format=total.format_rate, reward=total.reward_mean, code_calls=total.code_calls_mean,
+        tool_call_attempts=total.tool_call_attempts_mean, used_tool_rate=total.used_tool_rate,
+        turns=total.turns_mean, tokens=total.tokens_mean, sampled_tokens=total.sampled_tokens_mean,
+        average_at_k_stderr=average_at_k_stderr(counts), k=k, num_problems=len(counts),
+        num_samples=total.trajectories, num_correct=total.correct, num_formatted=total.formatted,
+        num_solved=sum(1 for _, c in counts if c > 0), stop_reasons=total.stop_reasons)
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class EvalResults:
+    """One results file read whole: header, problems (file order), summary if finished."""
+
+    path: Path
+    header: ResultsHeader
+    problems: tuple[ProblemResult, ...]
+    summary: EvalSummary | None
+    """``None`` for an eval that was interrupted."""
+
+    @property
+    def label(self) -> str:
+        return self.header.display_label
+
+
+@dataclass(frozen=True)
+class ResultsLine:
+    """One record of a results file, where it is and where it ends (byte offset)."""
+
+    lineno: int
+    end: int
+    record: ResultsHeader | ProblemResult | EvalSummary
+
+
+def read_results(path: str | Path) -> EvalResults:
+    """Read a whole results file (plain or ``.gz``); raises :class:`ResultsFileError`."""
+    path = Path(path)
+    header, problems, summary = None, [], None
+    for line in iter_results(path):
+        if isinstance(line.record, ResultsHeader):
+            header = line.record
+        elif isinstance(line.record, ProblemResult):
+            problems.append(line.record)
+        else:
+            summary = line.record
+    if header is None:
+        raise ResultsFileError(f"{path} is not an eval results file (it holds no complete line)")
+    return EvalResults(path, header, tuple(problems), summary)
+
+
+def iter_results(path: str | Path) -> Iterator[ResultsLine]:
+    """The records of a results file one line at a time: the header, problems, the summary.
+
+    Nothing for a file without a complete line. Raises :class:`ResultsFileError` when the
+    first line is not a header, a line is not valid JSON or not a valid record, a problem
+    appears twice, or a line follows the summary.
+    """
+    path = Path(path)
+    seen: set[str] = set()
+    header_read, summary_at = False, None
+    for lineno, end, row in _json_lines(path):
+        if summary_at is not None:
+            raise ResultsFileError(f"{path}:{summary_at}: a summary line before the end of the file")
+        kind = row.get("type")
+        if not header_read and kind != "header":
+            raise ResultsFileError(f"{path} is not an eval results file (its first line is not a header)")
+        parse = _PARSERS.get(kind) if header_read else ResultsHeader.from_json
+        if parse is None:
+            raise ResultsFileError(f"{path}:{lineno}: unexpected line type {kind!r}")
+        record = _parsed(path, lineno, kind, parse, row)
+        if isinstance(record, ProblemResult):
+            if record.problem_id in seen:
+                raise ResultsFileError(f"{path}:{lineno}: problem {record.problem_id!r} appears twice")
+            seen.add(record.problem_id)
+        header_read, summary_at = True, lineno if kind == "summary" else None
+        yield ResultsLine(lineno, end, record)
+
+
+_PARSERS = {"problem": ProblemResult.from_json, "summary": EvalSummary.from_json}
+"""How each line after the header is read, by its ``type``."""
+
+
+def _parsed(path: Path, lineno: int, kind: str, parse: Any, row: dict) -> Any:
+    try:
+        return parse(row)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        detail = str(err) if isinstance(err, ValueError) else repr(err)
+        raise ResultsFileError(f"{path}:{lineno}: not a valid {kind} line: {detail}") from None
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """``(line number, byte offset after the line, object)`` of each complete, non-blank line."""
+    end = 0
+    try:
+        with _open(path) as f:
+            for lineno, raw in enumerate(f, start=1):
+                end += len(raw)
+                if not raw.endswith(b"\n"):
+                    print(f"note: {path}:{lineno}: dropped a torn last line (a writer killed mid-write)",
+                          file=sys.stderr)
+                    return
+                if raw.strip():
+                    yield lineno, end, _json_object(path, lineno, raw)
+    except (OSError, EOFError) as err:
+        raise ResultsFileError(f"{path}: cannot read: {err}") from err
+
+
+def _open(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def _json_object(path: Path, lineno: int, raw: bytes) -> dict:
+    try:
+        row = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ResultsFileError(f"{path}:{lineno}: not valid JSON ({err}); the file is damaged") from None
+    if not isinstance(row, dict):
+        raise ResultsFileError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def is_results_file(path: str | Path) -> bool:
+    """Whether the first non-blank line of ``path`` is a results header (``False`` if unreadable)."""
+    try:
+        with _open(Path(path)) as f:
+            for raw in f:
+                if raw.strip():
+                    row = json.loads(raw)
+                    return isinstance(row, dict) and row.get("type") == "header"
+    except (OSError, EOFError, ValueError):
+        pass
+    return False
+
+
+# ---------------------------------------------------------------- appending
+
+
+@dataclass(frozen=True)
+class _Done:
+    """What the summary and the progress bar keep of one finished problem."""
+
+    index: int
+    stats: TrajectoryStats
+
+
+class ResultsFile:
+    """A results file opened for appending, with the problems it already holds.
+
+    :meth:`open` checks an existing file's header against this run's, drops a torn last
+    line and an old summary line, and remembers the finished problems; :meth:`append`
+    adds one problem line durably; :meth:`finish` appends the summary of every problem
+    in the file. Nothing is written before :meth:`prepare` (or the first append).
+    """
+
+    def __init__(self, path: Path, header: ResultsHeader, done: dict[str, _Done], *, fresh: bool,
+                 keep: int) -> None:
+        self.path, self.header, self.done = path, header, done
+        self._fresh, self._keep = fresh, keep
+        self._prepared = False
+
+    @classmethod
+    def open(cls, path: str | Path, header: ResultsHeader, index_of: Mapping[str, int], *,
+             overwrite: bool) -> ResultsFile:
+        """Read and check an existing file (``index_of``: problem id → dataset position).
+
+        Raises ``ConfigError`` when the file's header differs from ``header`` in a
+        matched field, :class:`ResultsFileError` when the file is damaged or a problem
+        has other than ``header.val_n`` samples.
+        """
+        path = Path(path)
+        lines = iter_results(path) if path.exists() and not overwrite else iter(())
+        old, done, keep = None, {}, 0
+        for line in lines:
+            if isinstance(line.record, ResultsHeader):
+                old = line.record
+                _check_header(path, old, header)
+            elif isinstance(line.record, ProblemResult):
+                done[line.record.problem_id] = _done(path, line, index_of, header.val_n)
+            if not isinstance(line.record, EvalSummary):
+                keep = line.end
+        if old is None:
+            return cls(path, header, {}, fresh=True, keep=0)
+        return cls(path, old, done, fresh=False, keep=keep)
+
+    def prepare(self) -> None:
+        """Start a new file with its header, or cut an old one after its last problem line."""
+        if self._prepared:
+            return
+        if self._fresh:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _write_line(self.path, self.header.to_json(), mode="wb")
+        elif self.path.stat().st_size != self._keep:
+            os.truncate(self.path, self._keep)
+        self._prepared = True
+
+    def append(self, problem: ProblemResult) -> None:
+        """Write one problem line (flushed and fsynced) and remember the problem."""
+        self.prepare()
+        _write_line(self.path, problem.to_json())
+        self.done[problem.problem_id] = _Done(problem.index, trajectory_stats(problem.samples))
+
+    def summary(self) -> EvalSummary:
+        """The summary of every problem in the file, in dataset order."""
+        done = sorted(self.done.values(), key=lambda d: d.index)
+        return summary_of_stats([d.stats for d in done])
+
+    def finish(self) -> EvalSummary:
+        """Append the summary line and return it."""
+        self.prepare()
+        summary = self.summary()
+        _write_line(self.path, summary.to_json())
+        return summary
+
+    def running_average(self) -> float:
+        """Average@k of the problems done so far (0.0 before the first)."""
+        done = list(self.done.values())
+        return sum(d.stats.correct_rate for d in done) / len(done) if done else 0.0
+
+
+def _check_header(path: Path, old: ResultsHeader, new: ResultsHeader) -> None:
+    diffs = old.differences(new)
+    if diffs:
+        raise ConfigError(f"{path} holds an eval with other settings, so it cannot be resumed:\n  "
+                          + "\n  ".join(diffs) + "\nPass --output NEW.jsonl for a separate file, "
+                          "or --overwrite to discard this one.")
+
+
+def _done(path: Path, line: ResultsLine, index_of: Mapping[str, int], val_n: int | None) -> _Done:
+    problem = line.record
+    if val_n is not None and len(problem.samples) != val_n:
+        raise ResultsFileError(f"{path}:{line.lineno}: problem {problem.problem_id!r} has "
+                               f"{len(problem.samples)} samples, expected {val_n}")
+    index = index_of.get(problem.problem_id, problem.index)
+    return _Done(len(index_of) if index is None else index, trajectory_stats(problem.samples))
+
+
+def _write_line(path: Path, row: dict, mode: str = "ab") -> None:
+    """Append (or, with ``mode="wb"``, start the file with) one line, flushed and fsynced."""
+    with open(path, mode) as f:
+        f.write((json.dumps(row) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
