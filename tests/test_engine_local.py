@@ -20,7 +20,7 @@ import torch
 
 from retool import algo
 from retool.engines import base, create_training_client
-from retool.engines import local
+from retool.engines.local import decoding, hf_compat, trainer
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 from retool.types import StopReason
 
@@ -217,8 +217,8 @@ def test_shared_prefix_packing_gives_the_bucketed_logprobs_and_gradient(make_eng
     datums = prompt_sharing_datums()
     if loss_fn == "cross_entropy":  # train on the prompt tokens too: gradients through the shared rows
         datums = [dataclasses.replace(d, weights_N=(1.0,) * d.num_tokens) for d in datums]
-    assert local._shared_prefix_length(datums) == 9
-    assert local._shared_prefix_length(datums[::2]) == 12  # one group: its question is shared too
+    assert trainer._shared_prefix_length(datums) == 9
+    assert trainer._shared_prefix_length(datums[::2]) == 12  # one group: its question is shared too
     a = bucketed.forward_backward(datums, loss_fn)
     b = shared.forward_backward(datums, loss_fn)
     assert (b.metrics["train/micro_batches"] > 1) == (budget < 100)
@@ -314,7 +314,7 @@ def test_nucleus_filter_keeps_what_the_hf_warper_keeps(top_p):
     from transformers.generation.logits_process import TopPLogitsWarper
 
     hf = TopPLogitsWarper(top_p)
-    nucleus = local._NucleusFilter(top_p, hf, candidates=64)
+    nucleus = decoding.NucleusFilter(top_p, hf, candidates=64)
     generator = torch.Generator().manual_seed(0)
     for scale in (0.1, 1.0, 8.0):  # flat (fallback) to peaked (a handful of tokens)
         scores = torch.randn(6, 5000, generator=generator) * scale
@@ -486,7 +486,7 @@ def test_reserved_kv_layers_sample_what_growing_by_concatenation_samples(make_en
 
     reserved, plain = make_engine(), make_engine()
     plain.sampler.reserve_kv = False
-    reserved_layer = local._reserved_layer_class()
+    reserved_layer = hf_compat.reserved_layer_class()
     updates, original = collections.Counter(), reserved_layer.update
 
     def counted(self, *args, **kwargs):
@@ -530,8 +530,66 @@ def test_the_kv_store_stays_within_its_memory_budget(make_engine):
     for i in range(40):
         sample(engine, [2] + [3 + (i * 7 + j) % 50 for j in range(60)], 2, params)
     sampler = engine.sampler
-    assert 0 < sampler._kv_size <= 2**20
-    assert sampler._kv_size == sum(k.nbytes + v.nbytes for kv in sampler._kv.values() for k, v in kv)
+    assert 0 < sampler.kv_store.size <= 2**20
+    assert sampler.kv_store.size == sum(k.nbytes + v.nbytes for kv in sampler.kv_store.entries.values() for k, v in kv)
+
+
+def multi_turn_samples(engine) -> list[list[tuple[int, ...]]]:
+    """Tokens of a shared-prefix first turn, its stored-KV second turn and a top-p batch."""
+    system = [2] + [3 + (5 * i) % 40 for i in range(19)]
+    params = base.SamplingParams(max_tokens=6, temperature=0.9, seed=7)
+    first = sample(engine, system + [7, 8], 3, params).sequences
+    contexts = [system + [7, 8] + list(s.tokens) + [40 + i, 41] for i, s in enumerate(first)]
+
+    async def together():
+        return await asyncio.gather(*(engine.sampler.sample(c, 1, params) for c in contexts))
+    second = [r.sequences[0] for r in asyncio.run(together())]
+    nucleus = sample(engine, [2, 3, 4], 4, base.SamplingParams(max_tokens=5, top_p=0.8)).sequences
+    return [[s.tokens for s in seqs] for seqs in (first, second, nucleus)]
+
+
+def forbid_cache_internals(monkeypatch) -> None:
+    """Make every hf_compat function that touches cache internals fail if called."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the plain path touched transformers cache internals")
+    for name in ("cache_of", "pure_attention", "row_kv", "cache_from_kv", "repeat_rows",
+                 "with_reserved_room", "reserved_layer_class"):
+        monkeypatch.setattr(hf_compat, name, forbidden)
+
+
+def test_fast_sampling_off_samples_what_the_fast_path_samples(make_engine, monkeypatch):
+    fast = make_engine()
+    expected = multi_turn_samples(fast)
+    assert fast.sampler.prefix_cached_tokens > 0 and fast.sampler.kv_reused_tokens > 0
+    forbid_cache_internals(monkeypatch)
+    plain = make_engine(fast_sampling=False)
+    assert multi_turn_samples(plain) == expected
+    assert plain.sampler.prefix_cached_tokens == plain.sampler.kv_reused_tokens == 0
+    monkeypatch.setenv(hf_compat.FAST_SAMPLING_ENV, "0")  # the environment switch
+    by_env = make_engine()
+    assert not by_env.sampler.fast and multi_turn_samples(by_env) == expected
+
+
+def test_an_untested_transformers_falls_back_to_plain_generate_and_warns_once(make_engine, monkeypatch):
+    expected = multi_turn_samples(make_engine())
+    monkeypatch.setattr(hf_compat, "installed_version", lambda: "5.99.0")
+    monkeypatch.setattr(hf_compat, "_warned", False)
+    forbid_cache_internals(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="outside the range") as caught:
+        first = make_engine()
+        second = make_engine()
+        assert multi_turn_samples(first) == expected
+        assert multi_turn_samples(second) == expected
+    assert len([w for w in caught if "outside the range" in str(w.message)]) == 1
+    assert not first.sampler.fast and first.sampler.kv_reused_tokens == 0
+
+
+def test_the_tested_transformers_range():
+    low, high = hf_compat.TESTED_TRANSFORMERS
+    assert hf_compat.is_tested(low) and hf_compat.is_tested(high)
+    assert hf_compat.is_tested(hf_compat.installed_version())  # the tests above check the fast path
+    for untested in ("4.57.1", "5.10.3", "5.24.1", "6.0.0.dev0"):
+        assert not hf_compat.is_tested(untested)
 
 
 def test_top_k_one_is_greedy(make_engine):
