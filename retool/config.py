@@ -31,6 +31,8 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+from retool.atomic import atomic_write_text
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -257,7 +259,8 @@ def resumed_config(cls: type[C], args: argparse.Namespace) -> C:
 
 
 def save_config(cfg: Any, path: Path) -> None:
-    Path(path).write_text(json.dumps(config_to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    """Write ``cfg`` to ``path`` as sorted, indented JSON, atomically (:mod:`retool.atomic`)."""
+    atomic_write_text(path, json.dumps(config_to_dict(cfg), indent=2, sort_keys=True) + "\n")
 
 
 def require(condition: bool, message: str) -> None:

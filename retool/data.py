@@ -32,10 +32,8 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import random
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -45,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from retool import reward
+from retool.atomic import atomic_write_jsonl
 from retool.types import Problem
 
 logger = logging.getLogger(__name__)
@@ -405,9 +404,9 @@ def prepare_dataset(inputs: Sequence[Path], output_dir: Path, *, fields: Fields 
         raise DataError(inputs[0], f"only {len(problems)} usable problems: need more than "
                                    f"the {dev_size} of the dev split")
     output_dir.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(output_dir / "dev.jsonl", map(_problem_row, problems[:dev_size]))
-    _write_jsonl(output_dir / "train.jsonl", map(_problem_row, problems[dev_size:]))
-    _write_jsonl(output_dir / "conflicts.jsonl", map(_conflict_row, conflicts))
+    atomic_write_jsonl(output_dir / "dev.jsonl", map(_problem_row, problems[:dev_size]))
+    atomic_write_jsonl(output_dir / "train.jsonl", map(_problem_row, problems[dev_size:]))
+    atomic_write_jsonl(output_dir / "conflicts.jsonl", map(_conflict_row, conflicts))
     good_rows = counts["rows"] - len(skipped)
     return PrepareStats(
         rows_read=counts["rows"], bad_rows_skipped=len(skipped),
@@ -462,19 +461,6 @@ def _conflict_row(g: _Group) -> dict:
     answers = [{"answer": row.answer, "count": g.count_by_answer[key], "path": row.path, "line": row.line}
                for key, row in g.first_by_answer.items()]
     return {"question": g.question, "answers": answers}
-
-
-def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    """Write rows atomically: a reader never sees a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 # ---------------------------------------------------------------- the hub

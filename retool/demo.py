@@ -128,8 +128,8 @@ def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint
 def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
     """Cold-start SFT on the dialogues; returns the run folder (resumed if interrupted)."""
     from retool.config import make_config
+    from retool.runs import latest_checkpoint
     from retool.sft import SFTConfig, sft
-    from retool.train import latest_checkpoint
 
     run_dir = out / "sft"
     latest = latest_checkpoint(run_dir)
@@ -147,7 +147,8 @@ def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
 def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
     """RL from the SFT adapter; returns the run folder (resumed if interrupted)."""
     from retool.config import make_config
-    from retool.train import TrainConfig, latest_checkpoint, train
+    from retool.runs import latest_checkpoint
+    from retool.train import TrainConfig, train
 
     run_dir = out / "rl"
     latest = latest_checkpoint(run_dir)

@@ -65,6 +65,7 @@ from retool.results import (
     SandboxSettings,
 )
 from retool.rollout import RolloutBudgets
+from retool.runs import resolve_checkpoint
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
 MODES = ("retool", "text")
@@ -152,48 +153,6 @@ class ModelChoice:
     """What the checkpoint's ``engine.json`` records (engine, model, adapter shape)."""
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, int | None]:
-    """``(checkpoint folder, engine folder, step)`` for a run folder or a checkpoint folder.
-
-    A run folder (with ``manifest.json``) means its newest complete checkpoint; a
-    ``checkpoints/step_N`` folder or its ``engine/`` sub-folder means that checkpoint.
-    The step comes from ``trainer_state.json``, else from a ``step_N`` folder name.
-    """
-    from retool.train import latest_checkpoint
-
-    folder = Path(path).resolve()
-    if not folder.is_dir():
-        raise ConfigError(f"checkpoint {path}: no such folder")
-    try:
-        latest = latest_checkpoint(folder)
-    except (json.JSONDecodeError, KeyError) as err:
-        raise ConfigError(f"checkpoint {path}: unreadable manifest.json ({err})") from None
-    if latest is not None:
-        return latest[1], latest[1] / "engine", latest[0]
-    if (folder / "manifest.json").is_file():
-        raise ConfigError(f"checkpoint {path}: the run lists no complete checkpoint yet")
-    if (folder / "engine" / "engine.json").is_file():
-        return folder, folder / "engine", _checkpoint_step(folder)
-    if (folder / "engine.json").is_file() and folder.name == "engine":
-        return folder.parent, folder, _checkpoint_step(folder.parent)
-    if (folder / "engine.json").is_file():
-        return folder, folder, _checkpoint_step(folder)
-    raise ConfigError(f"checkpoint {path}: neither a run folder with checkpoints nor a checkpoint folder "
-                      "(expected manifest.json, engine/engine.json or engine.json)")
-
-
-def _checkpoint_step(folder: Path) -> int | None:
-    state = folder / "trainer_state.json"
-    if state.is_file():
-        return int(json.loads(state.read_text())["step"])
-    match = re.fullmatch(r"step_(\d+)", folder.name)
-    return int(match[1]) if match else None
-
-
-def _run_folder(checkpoint: Path) -> Path | None:
-    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
-
-
 def choose_model(cfg: EvalConfig) -> ModelChoice:
     """Resolve the model, checkpoint, step, label and chat template of an eval.
 
@@ -203,9 +162,9 @@ def choose_model(cfg: EvalConfig) -> ModelChoice:
     if cfg.checkpoint is None:
         return ModelChoice(model=cfg.model or DEFAULT_MODEL, label=cfg.label or "base",
                            chat_template=cfg.chat_template)
-    checkpoint, engine_dir, step = resolve_checkpoint(cfg.checkpoint)
+    found = resolve_checkpoint(cfg.checkpoint).resolved()
+    checkpoint, engine_dir, step, run = found.folder, found.engine_dir, found.step, found.run_dir
     record = EngineCheckpoint.read(engine_dir)
-    run = _run_folder(checkpoint)
     run_config = json.loads((run / "config.json").read_text()) if run and (run / "config.json").is_file() else {}
     saved_model = record.model or run_config.get("model")
     if cfg.model and saved_model and cfg.model != saved_model:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from retool.atomic import atomic_write_text
+
 SINKS = ("jsonl", "swanlab", "wandb", "tensorboard")
 _PIP_NAME = {"swanlab": "swanlab", "wandb": "wandb", "tensorboard": "tensorboard"}
 
@@ -63,9 +65,7 @@ class _JsonlSink:
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a", encoding="utf-8")

@@ -39,12 +39,14 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config, save_config
+from retool import runs
+from retool.atomic import atomic_write_json
+from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.engines import ModelConfig, Requirements, check_supported
 from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
 from retool.types import Datum
@@ -412,7 +414,7 @@ def total_steps(cfg: SFTConfig, num_datums: int) -> int:
 
 @dataclass
 class SFTRun:
-    """What a run holds (the shape :func:`retool.train.save_checkpoint` writes)."""
+    """What a run holds: config, engine, datums, step count, running totals."""
 
     config: SFTConfig
     engine: Any
@@ -420,14 +422,19 @@ class SFTRun:
     total_steps: int
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {"tokens/trained_total": 0.0})
 
+    def checkpoint_state(self, step: int) -> runs.TrainerState:
+        return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals))
+
+    def restore_state(self, state: runs.TrainerState) -> None:
+        self.totals.update(state.totals)
+
 
 def sft_step(run: SFTRun, step: int) -> dict[str, float]:
     """One SFT step: this step's batch → forward_backward(cross_entropy) → optim_step."""
     from retool.engines.base import AdamParams
-    from retool.train import batch_indices
 
     cfg, t0 = run.config, time.monotonic()
-    batch = [run.datums[i] for i in batch_indices(step, cfg.batch_size, len(run.datums), cfg.seed)]
+    batch = [run.datums[i] for i in runs.batch_indices(step, cfg.batch_size, len(run.datums), cfg.seed)]
     lr = learning_rate(step, run.total_steps, cfg)
     fb_future = run.engine.submit_forward_backward(batch, "cross_entropy")
     opt_future = run.engine.submit_optim_step(AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2,
@@ -450,9 +457,8 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
 def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SFTData]:
     """Load the engine and turn ``dialogues`` into datums."""
     from retool.render import Renderer
-    from retool.train import load_engine
 
-    engine = load_engine(cfg, cfg.seed)
+    engine = runs.load_engine(cfg, cfg.seed)
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=True, model_name=cfg.model)
     data = build_sft_data(dialogues, renderer, max_seq_tokens=cfg.max_seq_tokens,
                           max_tool_response_tokens=cfg.max_tool_response_tokens)
@@ -461,44 +467,24 @@ def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SF
 
 def sft(cfg: SFTConfig, *, resume: bool = False) -> Path:
     """Run (or resume) SFT as configured; return the run folder."""
-    from retool.log import MetricsLogger, StepProgress
-    from retool.train import latest_checkpoint, read_manifest, save_checkpoint
-
     run_dir = Path(cfg.run_dir)
-    if not resume and read_manifest(run_dir):
-        raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} or choose another --run-dir")
+    runs.refuse_existing_run(run_dir, resume=resume)
     dialogues = load_dialogues(cfg.data)  # data errors surface before the model loads
     data_info = _check_data_file(run_dir, cfg.data, resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.json")
+    runs.create_run(run_dir, cfg)
     run, data = build_run(cfg, dialogues)
     _report_data(run_dir, data, data_info)
-    start_step = _restore(run, run_dir) if resume else 0
-    logger = MetricsLogger(run_dir, sinks=cfg.sinks, run_name=cfg.run_name or run_dir.name,
-                           config=dataclasses.asdict(cfg), resume_step=start_step if resume else None)
-    with logger, StepProgress(run.total_steps, start=start_step, description="sft") as progress:
-        for step in range(start_step + 1, run.total_steps + 1):
-            metrics = sft_step(run, step)
-            logger.log(step, metrics)
-            if step % cfg.save_every == 0 or step == run.total_steps:
-                save_checkpoint(run, run_dir, step)
-            progress.update(step, loss=metrics["sft/loss"], lr=metrics["sft/lr"])
-    if latest_checkpoint(run_dir) is None:
+    runs.run_steps(runs.StepLoop(
+        run_dir, cfg, run.total_steps, run.engine, step=lambda step: sft_step(run, step),
+        progress_fields=_progress_fields, checkpoint_state=run.checkpoint_state,
+        restore_state=run.restore_state, description="sft"), resume=resume)
+    if runs.latest_checkpoint(run_dir) is None:
         raise RuntimeError(f"{run_dir}: the run ended without a checkpoint")
     return run_dir
 
 
-def _restore(run: SFTRun, run_dir: Path) -> int:
-    from retool.train import latest_checkpoint
-
-    latest = latest_checkpoint(run_dir)
-    if latest is None:
-        return 0
-    step, folder = latest
-    run.engine.load_state(folder / "engine")
-    run.totals.update(json.loads((folder / "trainer_state.json").read_text())["totals"])
-    print(f"resumed {run_dir} from step {step}", file=sys.stderr)
-    return step
+def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
+    return {"loss": metrics["sft/loss"], "lr": metrics["sft/lr"]}
 
 
 def _check_data_file(run_dir: Path, data_path: str, resume: bool) -> dict[str, str]:
@@ -515,8 +501,7 @@ def _check_data_file(run_dir: Path, data_path: str, resume: bool) -> dict[str, s
 
 def _report_data(run_dir: Path, data: SFTData, data_info: dict[str, str]) -> None:
     summary = data.summary()
-    (run_dir / "sft_data.json").write_text(json.dumps({**data_info, **summary,
-                                                       "dropped": list(data.dropped_too_long)}, indent=2))
+    atomic_write_json(run_dir / "sft_data.json", {**data_info, **summary, "dropped": list(data.dropped_too_long)})
     print("sft data: " + ", ".join(f"{k} {v}" for k, v in summary.items()), file=sys.stderr)
     if data.dropped_too_long:
         print(f"warning: dropped {len(data.dropped_too_long)} dialogues over max_seq_tokens "

@@ -32,15 +32,14 @@ import asyncio
 import hashlib
 import json
 import math
-import os
 import random
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retool.atomic import atomic_write_jsonl
 from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
 from retool.types import Problem
 
@@ -319,18 +318,7 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     """Write rows as JSON Lines atomically (a reader never sees half a file); return the count."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    count = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                count += 1
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return count
+    return atomic_write_jsonl(path, rows)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

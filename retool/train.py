@@ -7,11 +7,12 @@ One step, top to bottom (:func:`train_step`):
     datums (interpreter tokens weight 0) → forward_backward(ppo) → optim_step →
     metrics → (every N steps) checkpoint
 
-Everything a run writes lives in its run folder (``docs/formats.md``): the resolved
-config, ``metrics.jsonl``, optional compressed trajectories per step, and checkpoints
-with a ``manifest.json``. ``--resume RUN_DIR`` continues from the last complete
-checkpoint with the same step numbering, data order, weights, Adam moments and RNG
-states; metric rows a crashed run wrote after that checkpoint are dropped.
+Everything a run writes lives in its run folder (``docs/formats.md``, written by
+:mod:`retool.runs`): the resolved config, ``metrics.jsonl``, optional compressed
+trajectories per step, and checkpoints with a ``manifest.json``. ``--resume RUN_DIR``
+continues from the last complete checkpoint with the same step numbering, data order,
+weights, Adam moments and RNG states; metric rows a crashed run wrote after that
+checkpoint are dropped.
 
 Failures: a sampler or template error is reported with the step and problem id; a
 rollout that fails is retried ``max_retries`` times (transient service errors), then
@@ -28,21 +29,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gzip
-import json
-import os
-import shutil
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config, save_config
+from retool import runs
+from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.engines import ModelConfig, Requirements, check_supported
 from retool.rollout import RolloutBudgets
 
-CHECKPOINT_PREFIX = "step_"
 LOSSES = ("ppo", "importance_sampling")
 MODES = ("retool", "text")
 
@@ -127,38 +125,6 @@ class StepError(RuntimeError):
     """A training step failed; the message names the step and what failed."""
 
 
-# ---------------------------------------------------------------- data order
-
-
-def batch_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
-    """Indices of the problems of ``step`` (1-based): a fresh seeded shuffle per epoch.
-
-    A pure function of its arguments, so a resumed run sees exactly the batches the
-    uninterrupted run would have seen (the "data cursor" is the step number).
-    """
-    import numpy as np
-
-    start = (step - 1) * batch_size
-    out = []
-    for position in range(start, start + batch_size):
-        epoch, offset = divmod(position, num_problems)
-        order = np.random.default_rng([seed, epoch]).permutation(num_problems)
-        out.append(int(order[offset]))
-    return out
-
-
-def refill_indices(step: int, round_: int, count: int, num_problems: int, seed: int) -> list[int]:
-    """Problems for refill round ``round_`` (1-based) of ``step``: ``count`` distinct ones at random.
-
-    Dynamic sampling draws them from the whole set (they may repeat problems of the main
-    order); a pure function like :func:`batch_indices`, so a resumed run refills alike.
-    """
-    import numpy as np
-
-    rng = np.random.default_rng([seed, step, round_])
-    return [int(i) for i in rng.choice(num_problems, size=min(count, num_problems), replace=False)]
-
-
 # ---------------------------------------------------------------- one step
 
 
@@ -174,6 +140,12 @@ class Trainer:
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {
         "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0})
 
+    def checkpoint_state(self, step: int) -> runs.TrainerState:
+        return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals))
+
+    def restore_state(self, state: runs.TrainerState) -> None:
+        self.totals.update(state.totals)
+
 
 def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     """Run one RL step; return its metrics and the trajectory groups (with advantages)."""
@@ -182,7 +154,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     from retool.rollout import rollout_metrics
 
     cfg, t0 = trainer.config, time.monotonic()
-    problems = [trainer.problems[i] for i in batch_indices(step, cfg.batch_size, len(trainer.problems), cfg.seed)]
+    problems = [trainer.problems[i] for i in runs.batch_indices(step, cfg.batch_size, len(trainer.problems), cfg.seed)]
     trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
     groups = _rollout_with_retries(trainer, problems, step)
     rounds = 0
@@ -191,10 +163,10 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
         if missing <= 0:
             break
         rounds += 1
-        extra = refill_indices(step, rounds, missing, len(trainer.problems), cfg.seed)
+        extra = runs.refill_indices(step, rounds, missing, len(trainer.problems), cfg.seed)
         groups += _rollout_with_retries(trainer, [trainer.problems[i] for i in extra], step)
     t_rollout = time.monotonic() - t0
-    _failpoint("after_rollout", step)
+    runs.failpoint("after_rollout", step)
 
     rewards_BG = _rewards(groups)
     degenerate_B = [algo.is_degenerate(rewards_G) for rewards_G in rewards_BG]
@@ -274,107 +246,6 @@ def _rollout_with_retries(trainer: Trainer, problems: list, step: int) -> list:
     raise AssertionError("unreachable")
 
 
-# ---------------------------------------------------------------- failpoints
-
-
-FAILPOINTS_ENV = "RETOOL_FAILPOINTS"
-"""Comma-separated ``name@step`` pairs; the process SIGKILLs itself on reaching one.
-
-Used by the crash/resume tests to kill a run at an exact point (mid-step, or halfway
-through a checkpoint write) instead of racing a timer. Names: ``after_rollout``,
-``checkpoint_write``. Unset in normal use.
-"""
-
-
-def _failpoint(name: str, step: int) -> None:
-    wanted = os.environ.get(FAILPOINTS_ENV, "")
-    if wanted and f"{name}@{step}" in wanted.split(","):
-        import signal
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def _checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:06d}"
-
-
-def save_checkpoint(trainer: Trainer, run_dir: Path, step: int) -> Path:
-    """Write ``checkpoints/step_NNNNNN`` atomically, then list it in ``manifest.json``."""
-    final = _checkpoint_dir(run_dir, step)
-    staging = final.with_name(f".{final.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    trainer.engine.save_state(staging / "engine")
-    _failpoint("checkpoint_write", step)
-    state = {"step": step, "data_cursor": step * trainer.config.batch_size, "totals": trainer.totals}
-    (staging / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    _fsync_tree(staging)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    manifest = read_manifest(run_dir)
-    manifest = [m for m in manifest if m["step"] != step] + [{"step": step, "path": str(final.relative_to(run_dir)),
-                                                              "time": time.time()}]
-    _write_json_atomic(run_dir / "manifest.json", {"checkpoints": sorted(manifest, key=lambda m: m["step"])})
-    return final
-
-
-def read_manifest(run_dir: Path) -> list[dict[str, Any]]:
-    """The checkpoints listed in ``RUN_DIR/manifest.json`` (oldest first)."""
-    path = Path(run_dir) / "manifest.json"
-    if not path.exists():
-        return []
-    return json.loads(path.read_text())["checkpoints"]
-
-
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint of a run, as (step, folder)."""
-    for entry in reversed(read_manifest(run_dir)):
-        folder = Path(run_dir) / entry["path"]
-        if (folder / "trainer_state.json").is_file() and (folder / "engine" / "engine.json").is_file():
-            return entry["step"], folder
-    return None
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) -> Path:
-    """Write every trajectory of a step to ``trajectories/step_NNNNNN.jsonl.gz``."""
-    from retool.serialize import to_jsonable
-
-    folder = run_dir / "trajectories"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{CHECKPOINT_PREFIX}{step:06d}.jsonl.gz"
-    tmp = path.with_suffix(".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        for g, (group, advantages) in enumerate(groups_with_advantages):
-            for i, (trajectory, advantage) in enumerate(zip(group, advantages)):
-                row = {"step": step, "group": g, "index": i, "advantage": advantage,
-                       "trajectory": to_jsonable(trajectory)}
-                f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
 # ---------------------------------------------------------------- building a run
 
 
@@ -387,7 +258,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from retool.sandbox import Sandbox
 
     problems = load_problems(cfg.train_data)
-    engine = load_engine(cfg, cfg.seed)
+    engine = runs.load_engine(cfg, cfg.seed)
     tools = cfg.mode == "retool"
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model)
     sandbox = Sandbox(cfg.sandbox_config()) if tools else None
@@ -396,64 +267,34 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     return Trainer(cfg, engine, rollout, problems, sandbox)
 
 
-def load_engine(cfg: ModelConfig, seed: int) -> Any:
-    """The training client of ``cfg``'s engine, from ``--init-from`` weights when given."""
-    from retool.engines import load_training_client
-
-    return load_training_client(cfg, seed, resolve_init_from(cfg.init_from))
-
-
-def resolve_init_from(path: str | None) -> str | None:
-    """An SFT/RL run folder → its newest checkpoint's engine folder; a folder → itself."""
-    if path is None:
-        return None
-    folder = Path(path)
-    latest = latest_checkpoint(folder)
-    if latest is not None:
-        return str(latest[1] / "engine")
-    if (folder / "engine" / "engine.json").is_file():
-        return str(folder / "engine")
-    if folder.is_dir():
-        return str(folder)
-    raise ConfigError(f"init_from: {path} is neither a run folder with checkpoints nor a checkpoint folder")
-
-
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
     """Run (or resume) RL training as configured; return the run folder."""
-    from retool.log import MetricsLogger, StepProgress
-
     run_dir = Path(cfg.run_dir)
-    start_step, checkpoint = 0, None
-    if resume:
-        latest = latest_checkpoint(run_dir)
-        if latest is not None:
-            start_step, checkpoint = latest
-    elif read_manifest(run_dir):
-        raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} or choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.json")
+    runs.refuse_existing_run(run_dir, resume=resume)
+    runs.create_run(run_dir, cfg)
     trainer = build_trainer(cfg)
-    if checkpoint is not None:
-        trainer.engine.load_state(checkpoint / "engine")
-        trainer.totals.update(json.loads((checkpoint / "trainer_state.json").read_text())["totals"])
-        print(f"resumed {run_dir} from step {start_step}", file=sys.stderr)
-    logger = MetricsLogger(run_dir, sinks=cfg.sinks, run_name=cfg.run_name or run_dir.name,
-                           config=dataclasses.asdict(cfg), resume_step=start_step if resume else None)
     try:
-        with logger, StepProgress(cfg.max_steps, start=start_step) as progress:
-            for step in range(start_step + 1, cfg.max_steps + 1):
-                metrics, groups = train_step(trainer, step)
-                logger.log(step, metrics)
-                if cfg.save_trajectories:
-                    save_trajectories(run_dir, step, groups)
-                if step % cfg.save_every == 0 or step == cfg.max_steps:
-                    save_checkpoint(trainer, run_dir, step)
-                progress.update(step, reward=metrics["reward/mean"], correct=metrics["reward/correct"],
-                                tok_s=metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9))
+        runs.run_steps(runs.StepLoop(
+            run_dir, cfg, cfg.max_steps, trainer.engine, step=lambda step: _step_with_trajectories(trainer, run_dir, step),
+            progress_fields=_progress_fields, checkpoint_state=trainer.checkpoint_state,
+            restore_state=trainer.restore_state), resume=resume)
     finally:
         if trainer.sandbox is not None:
             trainer.sandbox.close()
     return run_dir
+
+
+def _step_with_trajectories(trainer: Trainer, run_dir: Path, step: int) -> dict[str, float]:
+    """One step; its trajectories go to the run folder when ``save_trajectories`` is on."""
+    metrics, groups = train_step(trainer, step)
+    if trainer.config.save_trajectories:
+        runs.save_trajectories(run_dir, step, groups)
+    return metrics
+
+
+def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
+    return {"reward": metrics["reward/mean"], "correct": metrics["reward/correct"],
+            "tok_s": metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9)}
 
 
 # ---------------------------------------------------------------- CLI

@@ -2,7 +2,7 @@
 
 Real components throughout: the rollout, renderer, grader and sandbox, the local engine
 with a tiny random Llama (real SmolLM2 tokenizer, Hermes template), the real checkpoint
-layout written by ``retool.train.save_checkpoint``. The policy is scripted only where
+layout written by ``retool.runs.save_checkpoint``. The policy is scripted only where
 a test needs tool calls and known answers.
 """
 
@@ -29,9 +29,9 @@ from retool.evaluate import (
     evaluate,
     load_eval_model,
     problem_seed,
-    resolve_checkpoint,
 )
 from retool.results import read_results
+from retool.runs import resolve_checkpoint
 from tests.scripted import ScriptedSampler
 from tests.tiny import tiny_model_dir
 from tests.tokenizers import qwen25_tokenizer
@@ -278,7 +278,8 @@ def test_checkpoint_eval_loads_the_adapter_and_the_runs_template(tiny, baseline,
 
     from retool.config import save_config
     from retool.engines.local import LocalEngineConfig, LocalTrainingClient
-    from retool.train import Trainer, TrainConfig, save_checkpoint
+    from retool.runs import TrainerState, save_checkpoint
+    from retool.train import TrainConfig
 
     run = tmp_path / "run"
     run.mkdir()
@@ -290,9 +291,10 @@ def test_checkpoint_eval_loads_the_adapter_and_the_runs_template(tiny, baseline,
         for name, p in engine.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 2.0)
-    save_checkpoint(Trainer(train_cfg, engine, None, [], None), run, 5)
+    save_checkpoint(run, engine, TrainerState(5, 5 * train_cfg.batch_size, {}))
 
-    checkpoint, engine_dir, step = resolve_checkpoint(run)
+    found = resolve_checkpoint(run)
+    checkpoint, engine_dir, step = found.folder, found.engine_dir, found.step
     assert (checkpoint.name, engine_dir.name, step) == ("step_000005", "engine", 5)
     cfg = tiny_config(baseline[0], "unused.jsonl", chat_template=None, model=None, checkpoint=str(run), limit=1,
                       output=str(tmp_path / "ckpt.jsonl"))

@@ -15,7 +15,7 @@ from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 from retool.log import read_metrics
 from retool.protocol import SYSTEM_PROMPT
 from retool.render import Renderer
-from retool.train import latest_checkpoint, read_manifest, resolve_init_from
+from retool.runs import latest_checkpoint, read_manifest, resolve_init_from
 from tests.tiny import tiny_model_dir
 from tests.tokenizers import qwen25_tokenizer, qwen35_tokenizer, smollm2_tokenizer
 
@@ -245,7 +245,7 @@ def test_tiny_sft_run_lowers_the_loss_and_rl_can_start_from_it(tmp_path, capsys)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["sft/loss"] < rows[0]["sft/loss"]
     assert rows[0]["tokens/trained"] > 0 and rows[0]["sft/grad_norm"] > 0
-    assert [m["step"] for m in read_manifest(run_dir)] == [2, 3]
+    assert [m.step for m in read_manifest(run_dir)] == [2, 3]
 
     engine_dir = resolve_init_from(str(run_dir))
     assert engine_dir == str(latest_checkpoint(run_dir)[1] / "engine")

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from retool.cli import main as cli_main
 from retool.config import ConfigError, make_config
 from retool.log import read_metrics
-from retool.train import (FAILPOINTS_ENV, TrainConfig, batch_indices, latest_checkpoint, read_manifest,
-                          refill_indices, train)
+from retool.runs import FAILPOINTS_ENV, batch_indices, latest_checkpoint, read_manifest, refill_indices
+from retool.train import TrainConfig, train
 from tests.tiny import DIGIT_QUESTION, boxed_digit_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_tiny_run_writes_metrics_trajectories_and_checkpoints(tmp_path):
         assert key in rows[0], key
     assert rows[0]["reward/format"] > 0.5  # the boxed-digit model boxes its answers
     assert rows[1]["tokens/sampled_total"] == rows[0]["tokens/sampled"] + rows[1]["tokens/sampled"]
-    assert [m["step"] for m in read_manifest(run)] == [1, 2]
+    assert [m.step for m in read_manifest(run)] == [1, 2]
     assert latest_checkpoint(run)[0] == 2
     with gzip.open(run / "trajectories" / "step_000001.jsonl.gz", "rt") as f:
         lines = [json.loads(line) for line in f]

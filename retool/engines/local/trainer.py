@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from retool import algo
+from retool.atomic import replace_folder
 from retool.engines.base import AdamParams, ForwardBackwardOutput, OptimStepOutput, run_now
 from retool.engines.local.config import LocalEngineConfig
 from retool.engines.local.kv_cache import common_prefix
@@ -306,7 +307,7 @@ class LocalTrainingClient:
             torch.save(self.optimizer.state_dict(), staging / "optimizer.pt")
             torch.save(self._rng_state(), staging / "rng.pt")
         (staging / "engine.json").write_text(json.dumps(self._state_meta(), indent=2))
-        _replace_folder(staging, path)
+        replace_folder(staging, path)
         return path
 
     def load_state(self, path: str | Path) -> None:
@@ -460,12 +461,3 @@ def _plain(numpy_state: tuple) -> tuple:
     """numpy's RNG state with its key array as a list, so ``torch.load(weights_only=True)`` reads it."""
     kind, keys, pos, has_gauss, cached = numpy_state
     return (kind, keys.tolist(), pos, has_gauss, cached)
-
-
-def _replace_folder(staging: Path, target: Path) -> None:
-    old = target.with_name(f".{target.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        target.rename(old)
-    staging.rename(target)
-    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,350 @@
+"""The run folder of ``retool train`` and ``retool sft``: its files, checkpoints and loop.
+
+A run folder (``RUN_DIR``, described in ``docs/formats.md``) holds:
+
+- ``config.json`` — the full resolved config (:func:`create_run`);
+- ``metrics.jsonl`` — one row per step (:class:`retool.log.MetricsLogger`), plus the
+  folders of remote sinks (``tensorboard/``, ``swanlog/``, ``wandb/``);
+- ``trajectories/step_NNNNNN.jsonl.gz`` — every trajectory of a step, when asked
+  (:func:`save_trajectories`, RL only);
+- ``checkpoints/step_NNNNNN/`` — ``engine/`` (the engine's ``save_state`` folder) and
+  ``trainer_state.json`` (:class:`TrainerState`), written to a ``.partial`` folder and
+  renamed into place (:func:`save_checkpoint`);
+- ``manifest.json`` — the checkpoints, listed only once complete, so a crash while
+  writing one leaves the previous one as the newest;
+- ``sft_data.json`` — the SFT data checksum and conversion counts (SFT only, written by
+  :mod:`retool.sft`).
+
+This module creates the folder (refusing to overwrite a run unless resuming), saves,
+lists and finds checkpoints, resolves what ``--init-from``, ``--checkpoint`` and
+``--resume`` point at (:func:`resolve_checkpoint`), fixes the data order
+(:func:`batch_indices`) and runs the step loop train and SFT share (:func:`run_steps`:
+logger, progress bar, checkpoints every N steps and at the last step, resume). The
+steps themselves stay in :mod:`retool.train` and :mod:`retool.sft`.
+
+Not covered: what is inside ``engine/`` (the engine's own format), eval results files
+(:mod:`retool.evaluate`), the byte-level atomic writes (:mod:`retool.atomic`), and
+several processes writing one run folder (the last writer wins; nothing locks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from retool.atomic import atomic_open, atomic_write_json, replace_folder
+from retool.config import ConfigError, save_config
+from retool.engines import ModelConfig, TrainingClient, load_training_client
+from retool.log import MetricsLogger, StepProgress
+
+CHECKPOINT_PREFIX = "step_"
+
+# ---------------------------------------------------------------- failpoints
+
+
+FAILPOINTS_ENV = "RETOOL_FAILPOINTS"
+"""Comma-separated ``name@step`` pairs; the process SIGKILLs itself on reaching one.
+
+Used by the crash/resume tests to kill a run at an exact point (mid-step, or halfway
+through a checkpoint write) instead of racing a timer. Names: ``after_rollout``,
+``checkpoint_write``. Unset in normal use.
+"""
+
+
+def failpoint(name: str, step: int) -> None:
+    """SIGKILL this process if ``name@step`` is listed in ``$RETOOL_FAILPOINTS``."""
+    wanted = os.environ.get(FAILPOINTS_ENV, "")
+    if wanted and f"{name}@{step}" in wanted.split(","):
+        import signal
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- data order
+
+
+def batch_indices(step: int, batch_size: int, num_problems: int, seed: int) -> list[int]:
+    """Indices of the problems of ``step`` (1-based): a fresh seeded shuffle per epoch.
+
+    A pure function of its arguments, so a resumed run sees exactly the batches the
+    uninterrupted run would have seen (the "data cursor" is the step number).
+    """
+    import numpy as np
+
+    start = (step - 1) * batch_size
+    out = []
+    for position in range(start, start + batch_size):
+        epoch, offset = divmod(position, num_problems)
+        order = np.random.default_rng([seed, epoch]).permutation(num_problems)
+        out.append(int(order[offset]))
+    return out
+
+
+def refill_indices(step: int, round_: int, count: int, num_problems: int, seed: int) -> list[int]:
+    """Problems for refill round ``round_`` (1-based) of ``step``: ``count`` distinct ones at random.
+
+    Dynamic sampling draws them from the whole set (they may repeat problems of the main
+    order); a pure function like :func:`batch_indices`, so a resumed run refills alike.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([seed, step, round_])
+    return [int(i) for i in rng.choice(num_problems, size=min(count, num_problems), replace=False)]
+
+
+# ---------------------------------------------------------------- the folder
+
+
+def refuse_existing_run(run_dir: Path, *, resume: bool) -> None:
+    """Raise :class:`ConfigError` when ``run_dir`` already holds checkpoints and this is no resume."""
+    if not resume and read_manifest(run_dir):
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} or choose another --run-dir")
+
+
+def create_run(run_dir: Path, cfg: Any) -> None:
+    """Create ``run_dir`` (if needed) and write the resolved ``cfg`` to its ``config.json``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.json")
+
+
+def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) -> Path:
+    """Write every trajectory of a step to ``trajectories/step_NNNNNN.jsonl.gz``."""
+    from retool.serialize import to_jsonable
+
+    folder = run_dir / "trajectories"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{CHECKPOINT_PREFIX}{step:06d}.jsonl.gz"
+    with atomic_open(path, compress=True) as f:
+        for g, (group, advantages) in enumerate(groups_with_advantages):
+            for i, (trajectory, advantage) in enumerate(zip(group, advantages)):
+                row = {"step": step, "group": g, "index": i, "advantage": advantage,
+                       "trajectory": to_jsonable(trajectory)}
+                f.write(json.dumps(row) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One checkpoint listed in ``manifest.json``."""
+
+    step: int
+    path: str
+    """The checkpoint folder, relative to the run folder."""
+    time: float
+    """When it was listed (Unix seconds)."""
+
+
+def read_manifest(run_dir: Path) -> list[ManifestEntry]:
+    """The checkpoints listed in ``RUN_DIR/manifest.json`` (oldest first; none without the file)."""
+    path = Path(run_dir) / "manifest.json"
+    if not path.exists():
+        return []
+    return [ManifestEntry(e["step"], e["path"], e["time"]) for e in json.loads(path.read_text())["checkpoints"]]
+
+
+def _list_in_manifest(run_dir: Path, entry: ManifestEntry) -> None:
+    """Add (or replace, by step) ``entry`` in ``manifest.json``, atomically."""
+    entries = [e for e in read_manifest(run_dir) if e.step != entry.step] + [entry]
+    rows = [dataclasses.asdict(e) for e in sorted(entries, key=lambda e: e.step)]
+    atomic_write_json(run_dir / "manifest.json", {"checkpoints": rows})
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class Checkpoint(NamedTuple):
+    """A checkpoint found on disk: ``(step, folder, engine_dir)``."""
+
+    step: int | None
+    """Its training step; ``None`` for a folder that does not say (no ``trainer_state.json``,
+    no ``step_N`` name)."""
+    folder: Path
+    """The checkpoint folder (``checkpoints/step_NNNNNN``, or a bare engine folder)."""
+    engine_dir: Path
+    """The folder the engine's ``save_state`` wrote (``engine.json`` + adapter or weights)."""
+
+    def resolved(self) -> Checkpoint:
+        """The same checkpoint with absolute, symlink-free paths."""
+        return self._replace(folder=self.folder.resolve(), engine_dir=self.engine_dir.resolve())
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run folder holding it, if it sits in one's ``checkpoints/``."""
+        return self.folder.parent.parent if self.folder.parent.name == "checkpoints" else None
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """``trainer_state.json``: what a resumed loop needs besides the engine's own state."""
+
+    step: int
+    data_cursor: int
+    """Problems (or dialogues) consumed so far: ``step * batch_size``."""
+    totals: dict[str, float]
+    """Running totals logged every step (``tokens/*_total``)."""
+
+
+def read_trainer_state(folder: Path) -> TrainerState:
+    """The ``trainer_state.json`` of the checkpoint ``folder``."""
+    state = json.loads((folder / "trainer_state.json").read_text())
+    return TrainerState(int(state["step"]), int(state["data_cursor"]), dict(state["totals"]))
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """``RUN_DIR/checkpoints/step_NNNNNN``."""
+    return run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def save_checkpoint(run_dir: Path, engine: Any, state: TrainerState) -> Path:
+    """Write ``checkpoints/step_NNNNNN`` (engine state + ``trainer_state.json``) atomically,
+    then list it in ``manifest.json``; return the folder."""
+    final = checkpoint_dir(run_dir, state.step)
+    staging = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    engine.save_state(staging / "engine")
+    failpoint("checkpoint_write", state.step)
+    (staging / "trainer_state.json").write_text(json.dumps(dataclasses.asdict(state), indent=2))
+    replace_folder(staging, final)
+    _list_in_manifest(run_dir, ManifestEntry(state.step, str(final.relative_to(run_dir)), time.time()))
+    return final
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether a checkpoint folder holds both its trainer state and its engine state."""
+    return (folder / "trainer_state.json").is_file() and (folder / "engine" / "engine.json").is_file()
+
+
+def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """The complete checkpoints the manifest of ``run_dir`` lists, oldest first."""
+    found = [(e.step, Path(run_dir) / e.path) for e in read_manifest(run_dir)]
+    return [Checkpoint(step, folder, folder / "engine") for step, folder in found if is_complete(folder)]
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The newest complete checkpoint of a run (``None`` when it has none yet)."""
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def checkpoint_step(folder: Path) -> int | None:
+    """The step of a checkpoint folder: from ``trainer_state.json``, else its ``step_N`` name."""
+    state = folder / "trainer_state.json"
+    if state.is_file():
+        return int(json.loads(state.read_text())["step"])
+    match = re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", folder.resolve().name)
+    return int(match[1]) if match else None
+
+
+def resolve_checkpoint(path: str | Path, *, flag: str = "checkpoint", bare_folder: bool = False) -> Checkpoint:
+    """The checkpoint ``path`` points at (for ``--checkpoint``, ``--init-from``).
+
+    A run folder (with ``manifest.json``) means its newest complete checkpoint; a
+    ``checkpoints/step_N`` folder or its ``engine/`` sub-folder means that checkpoint; a
+    folder with ``engine.json`` is an engine folder. With ``bare_folder`` any other folder
+    is taken as an engine folder too (e.g. a bare PEFT adapter). Errors are
+    :class:`ConfigError` starting ``"{flag} {path}: "``.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: no such folder")
+    try:
+        latest = latest_checkpoint(folder)
+    except (json.JSONDecodeError, KeyError) as err:
+        raise ConfigError(f"{flag} {path}: unreadable manifest.json ({err})") from None
+    if latest is not None:
+        return latest
+    if (folder / "manifest.json").is_file():
+        raise ConfigError(f"{flag} {path}: the run lists no complete checkpoint yet")
+    if (folder / "engine" / "engine.json").is_file():
+        return Checkpoint(checkpoint_step(folder), folder, folder / "engine")
+    if (folder / "engine.json").is_file() and folder.resolve().name == "engine":
+        parent = folder.resolve().parent
+        return Checkpoint(checkpoint_step(parent), parent, folder)
+    if (folder / "engine.json").is_file() or bare_folder:
+        return Checkpoint(checkpoint_step(folder), folder, folder)
+    raise ConfigError(f"{flag} {path}: neither a run folder with checkpoints nor a checkpoint folder "
+                      "(expected manifest.json, engine/engine.json or engine.json)")
+
+
+def resolve_init_from(path: str | None) -> str | None:
+    """The engine folder ``--init-from`` loads: a run folder's newest checkpoint's ``engine/``,
+    a checkpoint's ``engine/``, or the folder itself (an engine or bare adapter folder)."""
+    if path is None:
+        return None
+    return str(resolve_checkpoint(path, flag="init_from", bare_folder=True).engine_dir)
+
+
+# ---------------------------------------------------------------- the step loop
+
+
+@dataclass(frozen=True)
+class StepLoop:
+    """What :func:`run_steps` needs from a trainer (RL or SFT)."""
+
+    run_dir: Path
+    config: Any
+    """The run's config dataclass: ``sinks``, ``run_name``, ``save_every``; logged to remote sinks."""
+    last_step: int
+    engine: Any
+    """The training engine (``save_state``/``load_state``)."""
+    step: Callable[[int], Mapping[str, float]]
+    """Run one step (1-based) and return its metrics."""
+    progress_fields: Callable[[Mapping[str, float]], dict[str, float]]
+    """The numbers shown beside the progress bar, from a step's metrics."""
+    checkpoint_state: Callable[[int], TrainerState]
+    """The trainer state to save with a checkpoint after this step."""
+    restore_state: Callable[[TrainerState], None]
+    """Put a resumed checkpoint's trainer state (its totals) back."""
+    description: str = "train"
+
+
+def run_steps(loop: StepLoop, *, resume: bool) -> None:
+    """Run the steps after the newest checkpoint (``resume``) or from step 1, logging each
+    and checkpointing every ``save_every`` steps and at the last step.
+
+    On resume the engine and trainer state come from the newest complete checkpoint (none
+    yet: step 1) and metric rows written after it are dropped.
+    """
+    start = _restore(loop) if resume else 0
+    cfg, run_dir = loop.config, loop.run_dir
+    logger = MetricsLogger(run_dir, sinks=cfg.sinks, run_name=cfg.run_name or run_dir.name,
+                           config=dataclasses.asdict(cfg), resume_step=start if resume else None)
+    with logger, StepProgress(loop.last_step, start=start, description=loop.description) as progress:
+        for step in range(start + 1, loop.last_step + 1):
+            metrics = loop.step(step)
+            logger.log(step, metrics)
+            if step % cfg.save_every == 0 or step == loop.last_step:
+                save_checkpoint(run_dir, loop.engine, loop.checkpoint_state(step))
+            progress.update(step, **loop.progress_fields(metrics))
+
+
+def _restore(loop: StepLoop) -> int:
+    """Load the newest complete checkpoint into the loop's engine and trainer; return its step."""
+    latest = latest_checkpoint(loop.run_dir)
+    if latest is None:
+        return 0
+    loop.engine.load_state(latest.engine_dir)
+    loop.restore_state(read_trainer_state(latest.folder))
+    print(f"resumed {loop.run_dir} from step {latest.step}", file=sys.stderr)
+    return latest.step
+
+
+def load_engine(cfg: ModelConfig, seed: int) -> TrainingClient:
+    """The training client of ``cfg``'s engine, starting from the ``--init-from`` weights
+    (a run folder's newest checkpoint, or a checkpoint folder) when given."""
+    return load_training_client(cfg, seed, resolve_init_from(cfg.init_from))

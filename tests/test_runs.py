@@ -1,0 +1,235 @@
+"""The run layer without a model: atomic writes, the manifest, the one checkpoint
+resolver, and the shared step loop driven by a fake engine (checkpoints, resume)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from retool import runs
+from retool.atomic import (atomic_open, atomic_write_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text,
+                           replace_folder)
+from retool.config import ConfigError
+from retool.log import read_metrics
+
+# ---------------------------------------------------------------- atomic writes
+
+
+def test_atomic_writes_replace_the_file_and_leave_no_temporary(tmp_path):
+    path = tmp_path / "f.json"
+    atomic_write_text(path, "old")
+    atomic_write_json(path, {"a": [1, 2]})
+    assert json.loads(path.read_text()) == {"a": [1, 2]}
+    atomic_write_bytes(tmp_path / "b.bin", b"\x00\x01")
+    assert (tmp_path / "b.bin").read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "f.json"]
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    atomic_write_jsonl(path, [{"x": 1}])
+
+    def rows():
+        yield {"x": 2}
+        raise RuntimeError("generator died")
+
+    with pytest.raises(RuntimeError, match="generator died"):
+        atomic_write_jsonl(path, rows())
+    assert path.read_text() == '{"x": 1}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]
+
+
+def test_jsonl_counts_rows_keeps_unicode_and_compresses(tmp_path):
+    assert atomic_write_jsonl(tmp_path / "a.jsonl", [{"q": "π"}, {"q": "x"}]) == 2
+    assert (tmp_path / "a.jsonl").read_text(encoding="utf-8") == '{"q": "π"}\n{"q": "x"}\n'
+    atomic_write_jsonl(tmp_path / "a.jsonl.gz", [{"q": "π"}], compress=True)
+    with gzip.open(tmp_path / "a.jsonl.gz", "rt", encoding="utf-8") as f:
+        assert [json.loads(line) for line in f] == [{"q": "π"}]
+
+
+def test_streamed_binary_write_and_bad_mode(tmp_path):
+    with atomic_open(tmp_path / "b", "wb") as f:
+        f.write(b"abc")
+    assert (tmp_path / "b").read_bytes() == b"abc"
+    with pytest.raises(ValueError, match="whole files"):
+        with atomic_open(tmp_path / "c", "a"):
+            pass
+
+
+def test_replace_folder_swaps_whole_folders(tmp_path):
+    target, staging = tmp_path / "ckpt", tmp_path / ".ckpt.partial"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    staging.mkdir()
+    (staging / "sub").mkdir()
+    (staging / "sub" / "new.txt").write_text("new")
+    assert replace_folder(staging, target) == target
+    assert [p.relative_to(target).as_posix() for p in sorted(target.rglob("*"))] == ["sub", "sub/new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# ---------------------------------------------------------------- checkpoints and the resolver
+
+
+@dataclass
+class FakeEngine:
+    """Saves and loads a counter the way an engine's save_state/load_state do."""
+
+    value: int = 0
+    loaded: list = field(default_factory=list)
+
+    def save_state(self, path: Path) -> Path:
+        path.mkdir(parents=True)
+        (path / "engine.json").write_text(json.dumps({"value": self.value}))
+        return path
+
+    def load_state(self, path: Path) -> None:
+        self.value = json.loads((Path(path) / "engine.json").read_text())["value"]
+        self.loaded.append(Path(path))
+
+
+def save(run_dir: Path, step: int, engine: FakeEngine | None = None) -> Path:
+    return runs.save_checkpoint(run_dir, engine or FakeEngine(step), runs.TrainerState(step, 2 * step, {"t": 1.0}))
+
+
+def test_checkpoints_are_listed_in_the_manifest_and_only_complete_ones_count(tmp_path):
+    run = tmp_path / "run"
+    assert runs.read_manifest(run) == [] and runs.latest_checkpoint(run) is None
+    save(run, 2)
+    folder = save(run, 1)
+    save(run, 2)  # saving a step again replaces its entry
+    assert folder == run / "checkpoints" / "step_000001"
+    assert [(e.step, e.path) for e in runs.read_manifest(run)] == [(1, "checkpoints/step_000001"),
+                                                                  (2, "checkpoints/step_000002")]
+    assert runs.read_trainer_state(folder) == runs.TrainerState(1, 2, {"t": 1.0})
+    (run / "checkpoints" / "step_000002" / "trainer_state.json").unlink()
+    latest = runs.latest_checkpoint(run)
+    assert latest == runs.Checkpoint(1, folder, folder / "engine") and latest[0] == 1 and latest.run_dir == run
+    assert [c.step for c in runs.list_checkpoints(run)] == [1]
+    assert not list((run / "checkpoints").glob(".*"))  # no staging folders left
+
+
+def test_a_kill_mid_checkpoint_leaves_the_previous_one_newest(tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    save(run, 1)
+    script = ("import sys; from pathlib import Path; from tests.test_runs import save; "
+              "save(Path(sys.argv[1]), 2)")
+    env = {**os.environ, runs.FAILPOINTS_ENV: "checkpoint_write@2",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script, str(run)], env=env, capture_output=True, timeout=120)
+    assert done.returncode == -9
+    assert runs.latest_checkpoint(run).step == 1
+    assert not (run / "checkpoints" / "step_000002").exists()
+
+
+def test_one_resolver_for_run_checkpoint_and_engine_folders(tmp_path):
+    run = tmp_path / "run"
+    save(run, 3)
+    newest = save(run, 7)
+    for path in (run, newest, newest / "engine"):
+        found = runs.resolve_checkpoint(path)
+        assert (found.step, found.folder, found.engine_dir) == (7, newest, newest / "engine")
+    assert runs.resolve_init_from(str(run)) == str(newest / "engine")
+    bare = tmp_path / "adapter"
+    bare.mkdir()
+    assert runs.resolve_init_from(str(bare)) == str(bare)  # a bare adapter folder is used as it is
+    assert runs.resolve_init_from(None) is None
+    loose = tmp_path / "weights"
+    FakeEngine().save_state(loose)
+    assert runs.resolve_checkpoint(loose) == runs.Checkpoint(None, loose, loose)
+    (tmp_path / "x").mkdir()
+    assert runs.resolve_checkpoint(str(tmp_path / "x" / ".." / "run")).resolved().folder == newest.resolve()
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: None, "checkpoint {d}: no such folder"),
+    (lambda d: d.mkdir(), "checkpoint {d}: neither a run folder with checkpoints nor a checkpoint folder"),
+    (lambda d: (d.mkdir(), (d / "manifest.json").write_text('{"checkpoints": []}')),
+     "checkpoint {d}: the run lists no complete checkpoint yet"),
+    (lambda d: (d.mkdir(), (d / "manifest.json").write_text("{")), "checkpoint {d}: unreadable manifest.json"),
+])
+def test_resolver_errors_name_the_flag_and_the_path(tmp_path, setup, message):
+    folder = tmp_path / "ckpt"
+    setup(folder)
+    with pytest.raises(ConfigError) as err:
+        runs.resolve_checkpoint(folder)
+    assert str(err.value).startswith(message.format(d=folder))
+
+
+def test_an_existing_run_is_refused_unless_resuming(tmp_path):
+    run = tmp_path / "run"
+    runs.refuse_existing_run(run, resume=False)  # nothing there yet
+    save(run, 1)
+    with pytest.raises(ConfigError, match=f"already holds a run; pass --resume {run} or choose another --run-dir"):
+        runs.refuse_existing_run(run, resume=False)
+    runs.refuse_existing_run(run, resume=True)
+
+
+# ---------------------------------------------------------------- the step loop
+
+
+@dataclass
+class Config:
+    sinks: tuple[str, ...] = ("jsonl",)
+    run_name: str | None = None
+    save_every: int = 2
+
+
+@dataclass
+class CountingTrainer:
+    """A trainer whose step adds 1 to the engine's counter and to a running total."""
+
+    engine: FakeEngine = field(default_factory=FakeEngine)
+    totals: dict = field(default_factory=lambda: {"steps_total": 0.0})
+    crash_at: int | None = None
+
+    def step(self, step: int) -> dict[str, float]:
+        if step == self.crash_at:
+            raise KeyboardInterrupt
+        self.engine.value += 1
+        self.totals["steps_total"] += 1
+        return {"value": float(self.engine.value), **self.totals}
+
+    def loop(self, run_dir: Path, last_step: int) -> runs.StepLoop:
+        return runs.StepLoop(run_dir, Config(), last_step, self.engine, step=self.step,
+                             progress_fields=lambda m: {"value": m["value"]},
+                             checkpoint_state=lambda s: runs.TrainerState(s, 3 * s, dict(self.totals)),
+                             restore_state=lambda state: self.totals.update(state.totals))
+
+
+def test_the_loop_checkpoints_every_n_steps_and_at_the_last(tmp_path):
+    run = tmp_path / "run"
+    runs.run_steps(CountingTrainer().loop(run, 5), resume=False)
+    assert [e.step for e in runs.read_manifest(run)] == [2, 4, 5]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert runs.read_trainer_state(run / "checkpoints" / "step_000004") == runs.TrainerState(4, 12,
+                                                                                               {"steps_total": 4.0})
+
+
+def test_resume_restores_engine_and_totals_and_drops_later_rows(tmp_path, capsys):
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        runs.run_steps(CountingTrainer(crash_at=4).loop(run, 5), resume=False)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    resumed = CountingTrainer()
+    runs.run_steps(resumed.loop(run, 5), resume=True)
+    assert "resumed" in capsys.readouterr().err
+    assert resumed.engine.loaded == [run / "checkpoints" / "step_000002" / "engine"]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [(r["step"], r["value"], r["steps_total"]) for r in rows] == [(s, s, s) for s in range(1, 6)]
+    fresh = CountingTrainer()
+    runs.run_steps(fresh.loop(tmp_path / "empty", 1), resume=True)  # resuming a run without checkpoints
+    assert fresh.engine.loaded == [] and runs.latest_checkpoint(tmp_path / "empty").step == 1
+
+
+def test_data_order_is_the_step_number():
+    assert runs.batch_indices(3, 2, 5, seed=1) == runs.batch_indices(3, 2, 5, seed=1)
+    assert sorted(i for s in (1, 2) for i in runs.batch_indices(s, 2, 4, seed=0)) == [0, 1, 2, 3]
