@@ -64,7 +64,7 @@ from retool.results import (
     SamplingSettings,
     SandboxSettings,
 )
-from retool.rollout import RolloutBudgets
+from retool.rollout import RolloutBudgets, derive_seed
 from retool.runs import resolve_checkpoint
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
@@ -207,16 +207,9 @@ def load_eval_model(cfg: EvalConfig, choice: ModelChoice) -> EvalModel:
 # ---------------------------------------------------------------- seeding
 
 
-def _digest(*parts: bytes) -> int:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(len(part).to_bytes(8, "little") + part)
-    return int.from_bytes(h.digest()[:8], "little") >> 1
-
-
 def problem_seed(seed: int, problem_id: str) -> int:
     """A 63-bit seed for one problem, stable across processes and machines."""
-    return _digest(str(seed).encode(), problem_id.encode())
+    return derive_seed(str(seed).encode(), problem_id.encode())
 
 
 class ProblemSampler:
@@ -240,7 +233,7 @@ class ProblemSampler:
             context = hashlib.sha256(",".join(map(str, prompt_tokens)).encode()).digest()
             occurrence = self._seen[context]
             self._seen[context] += 1
-            request_seed = _digest(str(self.seed).encode(), context, str(occurrence).encode())
+            request_seed = derive_seed(str(self.seed).encode(), context, str(occurrence).encode())
             params = dataclasses.replace(sampling_params, seed=request_seed)
         self.requests += 1
         result = await self.inner.sample(prompt_tokens, num_samples, params)

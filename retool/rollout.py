@@ -35,6 +35,7 @@ tools other than ``code_interpreter``, reward shaping.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -150,6 +151,25 @@ class CodeRunner:
         raise NotImplementedError
 
 
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` (bytes as they are, anything else as its ``str``),
+    stable across processes and machines."""
+    h = hashlib.sha256()
+    for part in parts:
+        raw = part if isinstance(part, bytes) else str(part).encode()
+        h.update(len(raw).to_bytes(8, "little") + raw)
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+@dataclass(frozen=True)
+class _Group:
+    """What every request of one group shares: its problem, seed and usage counter."""
+
+    problem: Problem
+    seed: int | None
+    usage: Counter | None
+
+
 @dataclass
 class _State:
     """The mutable state of one trajectory while it is being rolled out."""
@@ -197,14 +217,26 @@ class Rollout:
 
     # ------------------------------------------------------------ groups
 
-    async def group(self, problem: Problem, group_size: int) -> list[Trajectory]:
-        """Roll out ``group_size`` trajectories for ``problem`` (first turn forked)."""
+    async def group(self, problem: Problem, group_size: int, *, seed: int | None = None,
+                    usage: Counter | None = None) -> list[Trajectory]:
+        """Roll out ``group_size`` trajectories for ``problem`` (first turn forked).
+
+        With ``seed``, every request of the group carries a seed derived from it and the
+        request's place (the fork, or trajectory ``i``'s turn ``t``), so the group's
+        samples depend on nothing else — not on timing, batching or which other groups
+        are rolled out with it (a resumed step re-rolls only its unfinished groups and
+        gets what the uninterrupted step got). Without it, the fork uses
+        ``config.seed`` and later turns draw from the engine's stream. ``usage``, when
+        given, also receives this group's token counts (as :attr:`usage` does).
+        """
+        ctx = _Group(problem, seed, usage)
         prompt = self.renderer.prompt_tokens(build_messages(problem.question, tools=self.tools))
         budget = self._turn_budget(len(prompt))
         if budget < 1:  # e.g. a long problem under a short --max-trajectory-tokens
             return [await self._unsampled(problem, prompt) for _ in range(group_size)]
-        first = await self._sample(problem, prompt, group_size, budget, seed=self.config.seed)
-        tasks = [asyncio.create_task(self._trajectory(problem, prompt, seq)) for seq in first]
+        fork_seed = self.config.seed if seed is None else derive_seed(seed, "fork")
+        first = await self._sample(ctx, prompt, group_size, budget, seed=fork_seed)
+        tasks = [asyncio.create_task(self._trajectory(ctx, i, prompt, seq)) for i, seq in enumerate(first)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -227,7 +259,8 @@ class Rollout:
             stop_reason=StopReason.PROMPT,
         )
 
-    async def _trajectory(self, problem: Problem, prompt: list[int], first: SampledSequence) -> Trajectory:
+    async def _trajectory(self, ctx: _Group, index: int, prompt: list[int], first: SampledSequence) -> Trajectory:
+        problem = ctx.problem
         state = _State(tokens=list(prompt), mask=[0] * len(prompt), logprobs=[0.0] * len(prompt))
         sequence: SampledSequence | None = first
         for turn_index in range(self.config.max_assistant_turns):
@@ -236,7 +269,8 @@ class Rollout:
                 if budget < 1:
                     state.stop_reason = StopReason.BUDGET
                     break
-                sequence = (await self._sample(problem, state.tokens, 1, budget))[0]
+                seed = None if ctx.seed is None else derive_seed(ctx.seed, index, turn_index)
+                sequence = (await self._sample(ctx, state.tokens, 1, budget, seed=seed))[0]
             last_turn = turn_index == self.config.max_assistant_turns - 1
             if not await self._advance(state, sequence, last_turn):
                 break
@@ -299,8 +333,9 @@ class Rollout:
     def _turn_budget(self, context_len: int) -> int:
         return min(self.config.max_turn_tokens, self.config.max_trajectory_tokens - context_len)
 
-    async def _sample(self, problem: Problem, tokens: list[int], n: int, max_tokens: int,
+    async def _sample(self, ctx: _Group, tokens: list[int], n: int, max_tokens: int,
                       seed: int | None = None) -> tuple[SampledSequence, ...]:
+        problem = ctx.problem
         params = SamplingParams(
             max_tokens=max_tokens, temperature=self.config.temperature, top_p=self.config.top_p,
             top_k=self.config.top_k, stop_token_ids=self.renderer.stop_token_ids, seed=seed,
@@ -314,8 +349,10 @@ class Rollout:
         if len(result.sequences) != n:
             raise RolloutError(f"problem {problem.id}: asked the sampler for {n} sequences, "
                                f"got {len(result.sequences)}")
-        self.usage["prefill"] += len(tokens)
-        self.usage["sampled"] += sum(len(s.tokens) for s in result.sequences)
+        counts = {"prefill": len(tokens), "sampled": sum(len(s.tokens) for s in result.sequences)}
+        self.usage.update(counts)
+        if ctx.usage is not None:
+            ctx.usage.update(counts)
         return result.sequences
 
 

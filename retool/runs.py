@@ -13,7 +13,10 @@ A run folder (``RUN_DIR``, described in ``docs/formats.md``) holds:
 - ``manifest.json`` — the checkpoints, listed only once complete, so a crash while
   writing one leaves the previous one as the newest;
 - ``sft_data.json`` — the SFT data checksum and conversion counts (SFT only, written by
-  :mod:`retool.sft`).
+  :mod:`retool.sft`);
+- ``rollouts/step_NNNNNN/`` — the finished trajectory groups of the RL step in progress
+  (:class:`GroupStore`), so a crash mid-step loses only the groups still running;
+  removed when the step is done.
 
 This module creates the folder (refusing to overwrite a run unless resuming), saves,
 lists and finds checkpoints, resolves what ``--init-from``, ``--checkpoint`` and
@@ -30,6 +33,8 @@ several processes writing one run folder (the last writer wins; nothing locks it
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import hashlib
 import json
 import os
 import re
@@ -42,9 +47,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from retool.atomic import atomic_open, atomic_write_json, replace_folder
-from retool.config import ConfigError, save_config
+from retool.config import ConfigError, config_to_dict, save_config
 from retool.engines import ModelConfig, TrainingClient, load_training_client
 from retool.log import MetricsLogger, StepProgress
+from retool.serialize import to_jsonable, trajectory_from_jsonable
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -120,8 +126,6 @@ def create_run(run_dir: Path, cfg: Any) -> None:
 
 def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) -> Path:
     """Write every trajectory of a step to ``trajectories/step_NNNNNN.jsonl.gz``."""
-    from retool.serialize import to_jsonable
-
     folder = run_dir / "trajectories"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{CHECKPOINT_PREFIX}{step:06d}.jsonl.gz"
@@ -132,6 +136,77 @@ def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) ->
                        "trajectory": to_jsonable(trajectory)}
                 f.write(json.dumps(row) + "\n")
     return path
+
+
+# ---------------------------------------------------------------- finished groups of an unfinished step
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """Where a trajectory group sits in a run: step, rollout round (0 = the batch, then
+    refills), position in that round, and its problem."""
+
+    step: int
+    round: int
+    index: int
+    problem_id: str
+
+
+@dataclass(frozen=True)
+class StoredGroup:
+    """A finished group of a step that has not finished: its trajectories and token usage."""
+
+    trajectories: tuple
+    usage: Mapping[str, int]
+
+
+class GroupStore:
+    """The finished trajectory groups of the step in progress, kept on disk so a crash
+    mid-step loses only the groups still running (``RUN_DIR/rollouts/step_NNNNNN/``).
+
+    A group is written atomically as it finishes, with the fingerprint of what produced
+    it — its :class:`GroupKey` and ``run_fingerprint`` (the run's config, which with the
+    step fixes the weights it was sampled with: resume is exact). :meth:`load` returns it
+    only when all of that matches; a resumed step reuses it instead of sampling again.
+    :meth:`clear` drops a step's groups once the step is done.
+    """
+
+    def __init__(self, run_dir: Path, run_fingerprint: str) -> None:
+        self.folder, self.fingerprint = Path(run_dir) / "rollouts", run_fingerprint
+
+    def _path(self, key: GroupKey) -> Path:
+        return self.folder / f"{CHECKPOINT_PREFIX}{key.step:06d}" / f"group_{key.round:02d}_{key.index:04d}.json.gz"
+
+    def save(self, key: GroupKey, trajectories: Any, usage: Mapping[str, int]) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        row = {"key": dataclasses.asdict(key), "fingerprint": self.fingerprint, "usage": dict(usage),
+               "trajectories": to_jsonable(list(trajectories))}
+        with atomic_open(path, compress=True) as f:
+            f.write(json.dumps(row))
+
+    def load(self, key: GroupKey) -> StoredGroup | None:
+        """The stored group at ``key`` if it was made by this run for this key, else ``None``."""
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                row = json.load(f)
+        except (OSError, EOFError, json.JSONDecodeError):
+            return None  # unreadable: roll the group out again
+        if row.get("key") != dataclasses.asdict(key) or row.get("fingerprint") != self.fingerprint:
+            return None
+        return StoredGroup(tuple(trajectory_from_jsonable(t) for t in row["trajectories"]), row["usage"])
+
+    def clear(self, step: int) -> None:
+        shutil.rmtree(self.folder / f"{CHECKPOINT_PREFIX}{step:06d}", ignore_errors=True)
+
+
+def run_fingerprint(cfg: Any) -> str:
+    """A digest of a run's config, without what ``--resume`` may change (``max_steps``)."""
+    settings = {k: v for k, v in config_to_dict(cfg).items() if k not in ("max_steps", "run_dir")}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------- manifest

@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,18 @@ class Trainer:
     sandbox: Any
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {
         "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0})
+    store: runs.GroupStore | None = None
+    """Finished groups of the step in progress, kept for a mid-step resume (``None``: not kept)."""
+    reused_groups: int = 0
+
+    def reuse(self, stored: runs.StoredGroup) -> None:
+        """Count a group an interrupted run finished as if it had been sampled now."""
+        self.rollout.usage.update(stored.usage)
+        if self.sandbox is not None:
+            self.sandbox.record_outcomes([(turn.exchange.result, turn.exchange.latency_s)
+                                          for t in stored.trajectories for turn in t.turns
+                                          if turn.exchange is not None and turn.exchange.result is not None])
+        self.reused_groups += 1
 
     def checkpoint_state(self, step: int) -> runs.TrainerState:
         return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals))
@@ -156,7 +169,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     cfg, t0 = trainer.config, time.monotonic()
     problems = [trainer.problems[i] for i in runs.batch_indices(step, cfg.batch_size, len(trainer.problems), cfg.seed)]
     trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
-    groups = _rollout_with_retries(trainer, problems, step)
+    groups = _rollout_with_retries(trainer, problems, step, 0)
     rounds = 0
     while rounds < cfg.refill_rounds:
         missing = cfg.batch_size - len(groups) + algo.count_degenerate_groups(_rewards(groups))
@@ -164,8 +177,12 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
             break
         rounds += 1
         extra = runs.refill_indices(step, rounds, missing, len(trainer.problems), cfg.seed)
-        groups += _rollout_with_retries(trainer, [trainer.problems[i] for i in extra], step)
+        groups += _rollout_with_retries(trainer, [trainer.problems[i] for i in extra], step, rounds)
     t_rollout = time.monotonic() - t0
+    if trainer.reused_groups:
+        print(f"step {step}: reused {trainer.reused_groups} trajectory group(s) that an interrupted run had "
+              "finished; rolled out the rest", file=sys.stderr)
+        trainer.reused_groups = 0
     runs.failpoint("after_rollout", step)
 
     rewards_BG = _rewards(groups)
@@ -230,12 +247,12 @@ def _add_totals(totals: dict[str, float], prefill: int, sampled: int, trained: f
     totals["tokens/trained_total"] += trained
 
 
-def _rollout_with_retries(trainer: Trainer, problems: list, step: int) -> list:
+def _rollout_with_retries(trainer: Trainer, problems: list, step: int, round_: int) -> list:
     from retool.rollout import RolloutError
 
     for attempt in range(trainer.config.max_retries + 1):
         try:
-            return asyncio.run(trainer.rollout.groups(problems, trainer.config.group_size))
+            return asyncio.run(_rollout_groups(trainer, problems, step, round_))
         except RolloutError as err:
             if not err.transient:
                 raise StepError(f"step {step}: rollout failed: {err}") from err
@@ -244,6 +261,36 @@ def _rollout_with_retries(trainer: Trainer, problems: list, step: int) -> list:
             print(f"step {step}: rollout failed ({err}); retrying ({attempt + 1}/{trainer.config.max_retries})",
                   file=sys.stderr)
     raise AssertionError("unreachable")
+
+
+async def _rollout_groups(trainer: Trainer, problems: list, step: int, round_: int) -> list:
+    """One group per problem, all at once, in the order of ``problems``.
+
+    Every group is seeded from (run seed, step, round, position), so it is the same
+    whenever and with whatever else it is rolled out. With a :class:`runs.GroupStore`,
+    a group an interrupted run of this step already finished is reused (its token usage
+    and sandbox outcomes counted as if sampled now), and each new group is kept as it
+    finishes.
+    """
+    from retool.rollout import derive_seed
+
+    cfg = trainer.config
+
+    async def one(index: int, problem: Any) -> list:
+        key = runs.GroupKey(step, round_, index, problem.id)
+        stored = trainer.store.load(key) if trainer.store is not None else None
+        if stored is not None:
+            trainer.reuse(stored)
+            return list(stored.trajectories)
+        usage: Counter = Counter()
+        group = await trainer.rollout.group(problem, cfg.group_size, seed=derive_seed(cfg.seed, step, round_, index),
+                                            usage=usage)
+        if trainer.store is not None:
+            trainer.store.save(key, group, usage)
+            runs.failpoint("group_saved", step)
+        return group
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(problems))))
 
 
 # ---------------------------------------------------------------- building a run
@@ -264,7 +311,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     sandbox = Sandbox(cfg.sandbox_config()) if tools else None
     rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
-    return Trainer(cfg, engine, rollout, problems, sandbox)
+    store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
+    return Trainer(cfg, engine, rollout, problems, sandbox, store=store)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
@@ -289,6 +337,8 @@ def _step_with_trajectories(trainer: Trainer, run_dir: Path, step: int) -> dict[
     metrics, groups = train_step(trainer, step)
     if trainer.config.save_trajectories:
         runs.save_trajectories(run_dir, step, groups)
+    if trainer.store is not None:
+        trainer.store.clear(step)
     return metrics
 
 

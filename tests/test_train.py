@@ -216,6 +216,97 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
             torch.testing.assert_close(opt["state"][key][moment], state[moment], atol=1e-6, rtol=0)
 
 
+TIMING_METRICS = ("time/rollout", "time/train", "time/step", "sandbox/latency_mean", "sandbox/latency_p50",
+                  "sandbox/latency_p95")
+"""Metrics that measure wall time; every other metric of a resumed run equals the uninterrupted one's."""
+
+
+def test_sigkill_mid_rollout_reuses_the_finished_groups(tmp_path, monkeypatch):
+    from retool.config import config_from_dict
+    from retool.engines.local import LocalSamplingClient
+
+    reference = tmp_path / "reference"
+    assert run_cli(cli_args(tmp_path, reference)).returncode == 0
+
+    crashed = tmp_path / "crashed"
+    first = run_cli(cli_args(tmp_path, crashed), failpoints="group_saved@2")
+    assert first.returncode == -9
+    finished = list((crashed / "rollouts" / "step_000002").glob("group_*.json.gz"))
+    assert len(finished) == 1  # killed as the first group of step 2 was kept
+
+    calls = []
+    real_sample = LocalSamplingClient.sample
+
+    async def counted(self, prompt_tokens, num_samples, params):
+        calls.append(num_samples)
+        return await real_sample(self, prompt_tokens, num_samples, params)
+
+    monkeypatch.setattr(LocalSamplingClient, "sample", counted)
+    saved = json.loads((crashed / "config.json").read_text())
+    train(config_from_dict(TrainConfig, {**saved, "max_steps": 2}), resume=True)  # step 2 only, in this process
+    step2 = read_metrics(crashed / "metrics.jsonl")[-1]
+    assert step2["step"] == 2
+    # text mode: one request per group (the fork), so one call per group not finished before the kill
+    assert len(calls) == step2["rollout/groups"] - len(finished)
+    assert not (crashed / "rollouts" / "step_000002").exists()  # dropped once the step was done
+
+    assert run_cli(["--resume", str(crashed), "--max-steps", "4"]).returncode == 0  # steps 3 and 4
+    ref_rows, crash_rows = read_metrics(reference / "metrics.jsonl"), read_metrics(crashed / "metrics.jsonl")
+    assert [r["step"] for r in crash_rows] == [1, 2, 3, 4]
+    for ref, row in zip(ref_rows, crash_rows):
+        assert ref.keys() == row.keys()
+        for name in ref.keys() - set(TIMING_METRICS):
+            assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), (row["step"], name)
+    assert problem_order(crashed) == problem_order(reference)
+    ref_weights, ref_opt = final_state(reference)
+    weights, opt = final_state(crashed)
+    for name in ref_weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], atol=1e-6, rtol=0)
+    for key, state in ref_opt["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt["state"][key][moment], state[moment], atol=1e-6, rtol=0)
+
+
+def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
+    from retool.runs import GroupKey, GroupStore, run_fingerprint
+    from retool.types import ExecStatus, ExecutionResult, Grade, StopReason, ToolCall, ToolExchange, Trajectory, Turn
+
+    exchange = ToolExchange(ToolCall("print(2)"), ExecutionResult(ExecStatus.OK, stdout="2\n"), "2", latency_s=0.1)
+    trajectory = Trajectory("p0", 2, (1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.5, -0.25),
+                            (Turn("call", 1, StopReason.STOP, exchange), Turn("\\boxed{2}", 1, StopReason.STOP)),
+                            Grade(1.0, True, True, "2"), StopReason.STOP)
+    store = GroupStore(tmp_path, run_fingerprint(tiny_config(tmp_path)))
+    key = GroupKey(step=3, round=1, index=0, problem_id="p0")
+    store.save(key, [trajectory], {"prefill": 10, "sampled": 4})
+    stored = store.load(key)
+    assert stored.trajectories == (trajectory,) and stored.usage == {"prefill": 10, "sampled": 4}
+    assert store.load(GroupKey(step=3, round=1, index=0, problem_id="p1")) is None  # another problem
+    assert store.load(GroupKey(step=4, round=1, index=0, problem_id="p0")) is None  # another step
+    other = GroupStore(tmp_path, run_fingerprint(tiny_config(tmp_path, lr=1e-3)))
+    assert other.load(key) is None  # another run's settings
+    assert GroupStore(tmp_path, run_fingerprint(tiny_config(tmp_path, max_steps=9))).load(key) is not None
+    store.clear(3)
+    assert store.load(key) is None
+
+    # reusing it counts its tokens and its sandbox call in the step, as if sampled now
+    from collections import Counter
+
+    from retool.runs import StoredGroup
+    from retool.sandbox import Sandbox, SandboxConfig
+    from retool.train import Trainer
+
+    class Rollout:
+        usage: Counter = Counter()
+
+    with Sandbox(SandboxConfig(workers=1)) as sandbox:
+        trainer = Trainer(tiny_config(tmp_path), engine=None, rollout=Rollout(), problems=[], sandbox=sandbox)
+        trainer.reuse(StoredGroup((trajectory,), {"prefill": 10, "sampled": 4}))
+        metrics = sandbox.metrics(reset=True)
+    assert trainer.rollout.usage == {"prefill": 10, "sampled": 4} and trainer.reused_groups == 1
+    assert metrics["sandbox/calls"] == 1 and metrics["sandbox/success_rate"] == 1.0
+    assert metrics["sandbox/latency_mean"] == pytest.approx(0.1)
+
+
 def test_docs_list_every_flag():
     from retool.config import markdown_table
 
@@ -228,19 +319,18 @@ def test_a_non_finite_update_stops_the_run_with_the_step(tmp_path):
     from retool.train import StepError, build_trainer, train_step
 
     trainer = build_trainer(tiny_config(tmp_path))
-    real_groups = trainer.rollout.groups
+    real_group = trainer.rollout.group
 
-    async def poisoned(problems, group_size):
+    async def poisoned(problem, group_size, **kwargs):
         import dataclasses
 
-        groups = await real_groups(problems, group_size)
-        bad = groups[0][0]
+        group = await real_group(problem, group_size, **kwargs)
+        bad = group[0]
         logprobs = tuple(float("nan") if m else lp for lp, m in zip(bad.logprobs_T, bad.mask_T))
-        groups[0][0] = dataclasses.replace(bad, logprobs_T=logprobs,
-                                           grade=dataclasses.replace(bad.grade, reward=1.0))
-        return groups
+        group[0] = dataclasses.replace(bad, logprobs_T=logprobs, grade=dataclasses.replace(bad.grade, reward=1.0))
+        return group
 
-    trainer.rollout.groups = poisoned
+    trainer.rollout.group = poisoned
     before = [p.detach().clone() for p in trainer.engine.params]
     with pytest.raises(StepError, match="step 1: the update failed and was not applied"):
         train_step(trainer, 1)

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -377,6 +378,12 @@ class Sandbox:
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """``sandbox/*`` metrics since the last reset (see :class:`SandboxMetrics`)."""
         return self._metrics.snapshot(reset)
+
+    def record_outcomes(self, outcomes: Sequence[tuple[ExecutionResult, float]]) -> None:
+        """Count calls that ran elsewhere — e.g. in the finished groups an interrupted run
+        of this step left — in the current window, as ``(result, latency_s)`` pairs."""
+        for result, latency_s in outcomes:
+            self._metrics.record(result, latency_s)
 
     def _submit(self, code, timeout_s, memory_mb, stdin, files, fetch_files) -> concurrent.futures.Future:
         timeout_s = self.config.timeout_s if timeout_s is None else float(timeout_s)
