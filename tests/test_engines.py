@@ -25,6 +25,7 @@ from retool.engines import (
 from retool.evaluate import EvalConfig
 from retool.rollout import RolloutError
 from retool.train import TrainConfig
+from retool.types import Problem
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,19 +146,21 @@ def test_only_transient_sampler_failures_are_retried(monkeypatch):
         def __init__(self, errors):
             self.errors = errors
 
-        async def groups(self, problems, group_size):
+        async def group(self, problem, group_size, **kwargs):
             calls.append(1)
             if self.errors:
                 raise self.errors.pop(0)
-            return [["trajectory"]]
+            return ["trajectory"]
 
     def trainer(errors):
         cfg = TrainConfig(max_retries=2)
         return train.Trainer(cfg, engine=None, rollout=FakeRollout(errors), problems=[], sandbox=None)
 
-    assert train._rollout_with_retries(trainer([RolloutError("x", transient=True)]), [], 1) == [["trajectory"]]
+    problem = Problem("p0", "question", "1")
+    assert train._rollout_with_retries(trainer([RolloutError("x", transient=True)]), [problem], 1, 0) == [
+        ["trajectory"]]
     assert len(calls) == 2
     calls.clear()
     with pytest.raises(train.StepError, match="step 3: rollout failed: a bug"):
-        train._rollout_with_retries(trainer([RolloutError("a bug")]), [], 3)
+        train._rollout_with_retries(trainer([RolloutError("a bug")]), [problem], 3, 0)
     assert len(calls) == 1
