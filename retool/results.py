@@ -53,7 +53,7 @@ from retool.stats import (
 from retool.types import Trajectory
 
 MATCHED_HEADER_KEYS = ("model", "checkpoint", "step", "dataset_fingerprint", "mode", "val_n", "seed", "seeded",
-                       "chat_template", "dtype", "sampling", "sandbox")
+                       "chat_template", "dtype", "sampling", "sandbox", "engine")
 """Header fields that must be equal for a run to resume (append to) an existing file."""
 
 
@@ -109,6 +109,8 @@ class ResultsHeader:
     sampling: SamplingSettings | None = None
     sandbox: SandboxSettings | None = None
     """``None`` in text mode."""
+    engine: str | None = None
+    """The engine that sampled (``retool.engines``); files from before it was recorded: ``local``."""
     retool_version: str | None = None
     created: str | None = None
 
@@ -154,6 +156,8 @@ def _flat_matched(header: ResultsHeader) -> dict:
     out = {}
     for key in MATCHED_HEADER_KEYS:
         value = getattr(header, key)
+        if key == "engine":
+            value = value or "local"  # every file written before the engine was recorded
         if dataclasses.is_dataclass(value):
             out.update({f"{key}.{k}": v for k, v in dataclasses.asdict(value).items()})
         else:

@@ -95,6 +95,12 @@ def test_header_round_trip_and_label():
         ResultsHeader.from_json({"type": "header", "step": "5"})
 
 
+def test_header_engine_matches_and_old_files_read_as_local():
+    assert header(engine=None).differences(header(engine="local")) == []  # written before engines were recorded
+    assert header(engine="local").differences(header(engine="vllm")) == [
+        "engine: file has 'local', this run has 'vllm'"]
+
+
 def test_header_differences_name_the_nested_setting():
     old = header()
     assert old.differences(header(label="other", dataset_path="elsewhere")) == []  # not matched fields
