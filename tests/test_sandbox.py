@@ -571,3 +571,29 @@ def test_code_file_lives_at_a_neutral_path(sb):
     require(sb, "minimal_root", "private_proc")
     res = run(sb, "import os, sys\nprint(os.getcwd(), __file__, os.environ['HOME'], sys.path[0])")
     assert res.stdout.split() == [WORK_DIR, f"{WORK_DIR}/{SCRIPT_NAME}", WORK_DIR, WORK_DIR]
+
+
+# ---------------------------------------------------------------- isolation: logged, measured, strict
+
+
+def test_degraded_isolation_is_logged_and_measured(sb, caplog):
+    require(sb, *ROOT_ISOLATION)
+    assert sb.metrics(reset=False)["sandbox/isolation_degraded"] == 0.0
+    assert sb.isolation_report().startswith("sandbox isolation: full (")
+    with caplog.at_level("INFO", logger="retool.sandbox"):
+        with Sandbox(SandboxConfig(preload=(), benchmark_skip=("pidns",))) as degraded:
+            degraded.start()
+            assert degraded.metrics()["sandbox/isolation_degraded"] == 1.0
+            assert "REDUCED, missing pidns, private_proc" in degraded.isolation_report()
+    (record,) = [r for r in caplog.records if r.name == "retool.sandbox"]
+    assert record.levelname == "WARNING" and "missing pidns" in record.getMessage()
+
+
+def test_strict_refuses_to_start_without_full_isolation(monkeypatch):
+    import retool.sandbox.executor as executor
+
+    monkeypatch.setattr(executor, "NAMESPACE_ISOLATION", executor.NAMESPACE_ISOLATION + ("imaginary_ns",))
+    sandbox = Sandbox(SandboxConfig(strict=True, preload=()))
+    with pytest.raises(executor.SandboxUnavailableError, match="strict sandbox: .*missing imaginary_ns"):
+        sandbox.start()
+    sandbox.close()

@@ -291,6 +291,16 @@ class _Zygote:
             self.terminate()
 
 
+def _describe(zygote: _Zygote, missing: list[str]) -> str:
+    """The isolation line logged at start (and refused with under ``strict``)."""
+    in_force = ", ".join(zygote.isolation) or "nothing"
+    if not missing:
+        return f"sandbox isolation: full ({in_force})"
+    warnings = "; ".join(zygote.ready.get("warnings") or ()) or "none"
+    return (f"sandbox isolation: REDUCED, missing {', '.join(missing)} (in force: {in_force}; warnings: "
+            f"{warnings}); --sandbox-strict refuses to run like this")
+
+
 def _resolve(pending: _Pending, make_result) -> None:
     if not pending.future.done():
         try:
@@ -345,19 +355,17 @@ class Sandbox:
 
     def _check_strict(self, zygote: _Zygote) -> None:
         missing = missing_isolation(zygote.isolation, self.config.network)
-        warnings = "; ".join(zygote.ready.get("warnings") or ()) or "none"
         if self.config.strict and missing:
             zygote.close()
             self._zygote = None
-            raise SandboxUnavailableError(f"strict sandbox: isolation incomplete, missing {', '.join(missing)} "
-                                          f"(warnings: {warnings}); run as root or where user namespaces "
-                                          "are allowed, or drop the strict setting")
-        if missing:
-            log.warning("sandbox started with REDUCED isolation: missing %s (warnings: %s); in force: %s. "
-                        "Use --sandbox-strict to refuse to run like this.",
-                        ", ".join(missing), warnings, ", ".join(zygote.isolation) or "nothing")
-        else:
-            log.info("sandbox started with full isolation: %s", ", ".join(zygote.isolation))
+            raise SandboxUnavailableError(f"strict sandbox: {_describe(zygote, missing)}; run as root or "
+                                          "where user namespaces are allowed, or drop the strict setting")
+        log.log(logging.WARNING if missing else logging.INFO, "%s", _describe(zygote, missing))
+
+    def isolation_report(self) -> str:
+        """One line: the isolation mechanisms in force, and what is missing (starts the sandbox)."""
+        zygote = self._ensure_zygote()
+        return _describe(zygote, missing_isolation(zygote.isolation, self.config.network))
 
     @property
     def isolation_degraded(self) -> bool:
