@@ -82,9 +82,12 @@ class SandboxConfig:
     """Limits and pool settings of the local sandbox (per-call overrides in ``Sandbox.run``)."""
 
     timeout_s: float = 30.0
-    """Wall-clock limit of one call; the whole process tree is killed when it passes."""
+    """Wall-clock limit of one call, at most :data:`MAX_TIMEOUT_S`; the whole process tree
+    is killed when it passes."""
     memory_mb: int = 2048
-    """Address-space limit (RLIMIT_AS) of every process of a call, in MiB."""
+    """Memory each process of a call may allocate, in MiB, on top of the address space it
+    inherits from the warm parent (RLIMIT_AS = that baseline + this; the baseline is in
+    ``ExecutionResult.memory_baseline_bytes``)."""
     max_file_mb: int = 16
     """Largest file a call may write (RLIMIT_FSIZE), in MiB; also caps fetched files."""
     max_processes: int = 64

@@ -124,7 +124,8 @@ class RunCodeRequest(BaseModel):
         None, gt=0, description="wall-clock limit in seconds; omitted -> the server default"
     )
     memory_limit_MB: int = Field(
-        -1, description="address-space limit in MiB; <= 0 -> the server default"
+        -1, description="memory the program may allocate in MiB, on top of the preloaded "
+        "baseline; <= 0 -> the server default"
     )
     stdin: str | None = Field(None, description="text fed to the program's stdin")
     compile_timeout: float = Field(10, description="accepted for compatibility; unused")
