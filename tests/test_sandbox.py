@@ -597,3 +597,12 @@ def test_strict_refuses_to_start_without_full_isolation(monkeypatch):
     with pytest.raises(executor.SandboxUnavailableError, match="strict sandbox: .*missing imaginary_ns"):
         sandbox.start()
     sandbox.close()
+
+
+def test_a_broken_stdout_is_reported_not_a_sandbox_error(sb):
+    code = ("import sys\nclass Broken:\n    def write(self, s): pass\n"
+            "    def flush(self): raise AttributeError('no flush')\nsys.stdout = Broken()")
+    res = run(sb, code, auto_print=False)
+    assert (res.status, res.exit_code) == (ExecStatus.ERROR, 120)  # as `python main.py` exits
+    assert "AttributeError: no flush" in res.stderr
+    assert run(sb, "import sys\nsys.stdout = None", auto_print=False).ok

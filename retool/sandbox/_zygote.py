@@ -885,15 +885,17 @@ def execute(source: str, namespace: dict, frames: int, filename: str, auto_print
     except BaseException as exc:  # user code: report like the interpreter, never propagate
         code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
         _report_exception(exc, frames)
-    _finalize()
+    if not _finalize() and code == 0:
+        code = 120  # as Python exits when flushing stdout fails
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
 
 
-def _finalize() -> None:
-    """What ``Py_FinalizeEx`` does for a script: join threads, run atexit hooks, flush."""
+def _finalize() -> bool:
+    """What ``Py_FinalizeEx`` does for a script: join threads, run atexit hooks, flush the
+    standard streams. False when flushing stdout failed (reported as Python reports it)."""
     try:
         threading._shutdown()  # non-daemon threads; concurrent.futures' exit hooks
     except BaseException:  # pragma: no cover - interpreters without it: join by hand
@@ -902,11 +904,23 @@ def _finalize() -> None:
     sys.unraisablehook = lambda args: hook(type(args)((args.exc_type, args.exc_value, _user_frames(
         args.exc_traceback), args.err_msg, args.object)))
     atexit._run_exitfuncs()  # reports "Exception ignored in atexit callback" through that hook
-    for stream in (sys.stdout, sys.stderr):
+    flushed = True
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name, None)
         try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+            if stream is not None:
+                stream.flush()
+        except BaseException as exc:  # the snippet replaced or broke the stream
+            flushed = flushed and name != "stdout"
+            _write_fd(2, f"Exception ignored on flushing sys.{name}:\n{type(exc).__name__}: {exc}\n")
+    return flushed
+
+
+def _write_fd(fd: int, text: str) -> None:
+    try:
+        os.write(fd, text.encode("utf-8", "backslashreplace"))
+    except OSError:
+        pass
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
