@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import logging
 import os
 import resource
 import shutil
@@ -113,6 +114,7 @@ def mechanism_costs(calls: int) -> None:
     print(f"\nper-call cost of each isolation mechanism (p50 of {SNIPPETS['a_print']!r}, "
           "concurrency 1, variants interleaved)")
     variants = {"all on": (), **{f"without {m}": (m,) for m in SKIPPABLE}, "none of them": SKIPPABLE}
+    logging.getLogger("retool.sandbox").setLevel(logging.ERROR)  # the variants are degraded on purpose
     boxes = {label: Sandbox(SandboxConfig(timeout_s=30, benchmark_skip=skip)) for label, skip in variants.items()}
     latencies: dict[str, list[float]] = {label: [] for label in variants}
     try:

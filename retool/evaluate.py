@@ -417,11 +417,7 @@ def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any, Any]:
     renderer = Renderer(model.tokenizer, chat_template=model.choice.chat_template, tools=tools,
                         model_name=model.choice.model)
     rollout_config = cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-    sandbox = None
-    if tools:
-        from retool.sandbox import Sandbox
-
-        sandbox = Sandbox(cfg.sandbox_config())
+    sandbox = cfg.start_sandbox() if tools else None
     return renderer, rollout_config, sandbox
 
 

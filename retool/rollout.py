@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,7 +46,8 @@ from retool.config import option, require
 from retool.engines.base import SampledSequence, SamplingClient, SamplingParams, TransientEngineError
 from retool.protocol import budget_exhausted_message, build_messages, tool_message_text, truncate_tool_output
 from retool.render import Renderer, Segment
-from retool.sandbox import SandboxConfig
+from retool.sandbox import Sandbox, SandboxConfig
+from retool.sandbox.executor import MAX_TIMEOUT_S
 from retool.stats import trajectory_stats
 from retool.types import (
     ExecutionResult,
@@ -117,15 +119,18 @@ class RolloutBudgets:
     max_turn_tokens: int = option(1024, "tokens per assistant turn")
     max_tool_response_tokens: int = option(512, "tokens per tool response (head+tail kept)")
     sandbox_workers: int = option(8, "concurrent sandbox executions")
-    sandbox_timeout_s: float = option(30.0, "wall-clock limit of one code execution")
-    sandbox_memory_mb: int = option(2048, "address-space limit of one code execution")
+    sandbox_timeout_s: float = option(30.0, f"wall-clock limit of one code execution (at most {MAX_TIMEOUT_S:g} s)")
+    sandbox_memory_mb: int = option(2048, "memory one code execution may allocate (MiB, on top of the preloaded modules)")
+    sandbox_strict: bool = option(False, "refuse to start unless the sandbox has full isolation")
 
     def validate_budgets(self) -> None:
         for name in ("max_assistant_turns", "max_trajectory_tokens", "max_turn_tokens", "max_tool_response_tokens",
                      "sandbox_workers", "sandbox_memory_mb"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.max_code_calls >= 0, f"max_code_calls must be >= 0, got {self.max_code_calls}")
-        require(self.sandbox_timeout_s > 0, "sandbox_timeout_s must be > 0")
+        require(0 < self.sandbox_timeout_s <= MAX_TIMEOUT_S,  # false for nan
+                f"sandbox_timeout_s must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} "
+                f"(the sandbox's maximum), got {self.sandbox_timeout_s!r}")
 
     def rollout_config(self, *, temperature: float, top_p: float, top_k: int = 0) -> RolloutConfig:
         """The rollout's budgets and sampling settings."""
@@ -135,10 +140,21 @@ class RolloutBudgets:
             max_tool_response_tokens=self.max_tool_response_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, sandbox_timeout_s=self.sandbox_timeout_s)
 
+    def start_sandbox(self) -> Sandbox:
+        """The sandbox, started now: its isolation line goes to stderr, and with
+        ``sandbox_strict`` an incomplete isolation raises ``SandboxUnavailableError``."""
+        sandbox = Sandbox(self.sandbox_config())
+        try:
+            print(sandbox.isolation_report(), file=sys.stderr)
+        except BaseException:
+            sandbox.close()
+            raise
+        return sandbox
+
     def sandbox_config(self) -> SandboxConfig:
         """The sandbox's limits and pool size."""
         return SandboxConfig(timeout_s=self.sandbox_timeout_s, memory_mb=self.sandbox_memory_mb,
-                             workers=self.sandbox_workers)
+                             workers=self.sandbox_workers, strict=self.sandbox_strict)
 
 
 class CodeRunner:

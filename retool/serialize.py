@@ -5,7 +5,9 @@
 ``trajectory_from_jsonable`` rebuilds a :class:`~retool.types.Trajectory` exactly, so a
 saved trajectory can be re-read by the viewer, the evaluator's resume logic, or tests.
 
-Every dict written for a record carries the record's field names unchanged; the
+Every dict written for a record carries the record's field names unchanged (a field
+added later with ``metadata={"omit_if_none": True}`` is left out while it is ``None``,
+so files written before it existed stay byte for byte the same); the
 trajectory dict additionally keeps ``tokens_T``/``mask_T``/``logprobs_T`` as lists of
 the same length (checked on load).
 """
@@ -33,7 +35,8 @@ from retool.types import (
 def to_jsonable(obj: Any) -> Any:
     """Plain-JSON form of a record (or of containers of records)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+               if not (f.metadata.get("omit_if_none") and getattr(obj, f.name) is None)}
         if isinstance(obj, (ToolCall, InvalidToolCall)):
             out["kind"] = "valid" if isinstance(obj, ToolCall) else "invalid"
         return out

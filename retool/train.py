@@ -302,13 +302,17 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from retool.render import Renderer
     from retool.reward import agrade
     from retool.rollout import Rollout
-    from retool.sandbox import Sandbox
 
     problems = load_problems(cfg.train_data)
-    engine = runs.load_engine(cfg, cfg.seed)
     tools = cfg.mode == "retool"
+    sandbox = cfg.start_sandbox() if tools else None  # before the model: strict refuses early
+    try:
+        engine = runs.load_engine(cfg, cfg.seed)
+    except BaseException:
+        if sandbox is not None:
+            sandbox.close()
+        raise
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model)
-    sandbox = Sandbox(cfg.sandbox_config()) if tools else None
     rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
@@ -364,13 +368,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_train_command(args: argparse.Namespace) -> int:
+    from retool.sandbox import SandboxUnavailableError
+
     try:
         if args.resume:
             cfg = resumed_config(TrainConfig, args)
         else:
             cfg = config_from_args(TrainConfig, args)
         run_dir = train(cfg, resume=bool(args.resume))
-    except (ConfigError, StepError, FileNotFoundError) as err:
+    except (ConfigError, StepError, FileNotFoundError, SandboxUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"run folder: {run_dir}")

@@ -108,6 +108,9 @@ class ExecutionResult:
     isolation: tuple[str, ...] = ()
     """Isolation mechanisms that were actually in force for this call."""
     files: dict[str, bytes] = field(default_factory=dict)
+    memory_baseline_bytes: int | None = field(default=None, metadata={"omit_if_none": True})
+    """Address space the call inherited from the sandbox's warm parent (preloaded
+    modules); the memory limit counts only what the snippet adds on top of it."""
 
     @property
     def ok(self) -> bool:

@@ -11,7 +11,10 @@ import asyncio
 import glob
 import os
 import signal
+import resource
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -21,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from retool.sandbox import Sandbox, SandboxConfig
-from retool.sandbox._zygote import compile_with_autoprint
-from retool.sandbox.executor import build_result, check_relative_path
+from retool.sandbox._zygote import SCRIPT_NAME, WORK_DIR, compile_script
+from retool.sandbox.executor import CLEAN_ENV, MAX_TIMEOUT_S, build_result, check_relative_path
 from retool.types import ExecStatus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,15 +57,25 @@ def no_strays(request):
 
 
 def _sandbox_uid_processes(base: int = SandboxConfig().uid_base) -> list[int]:
-    pids = []
+    """Processes running as a sandbox uid that descend from this test process (other
+    test runs on the same machine use the same uids)."""
+    uids, parents = {}, {}
     for status in glob.glob("/proc/[0-9]*/status"):
         try:
-            uid_line = next(line for line in open(status) if line.startswith("Uid:"))
-        except (OSError, StopIteration):
+            fields = dict(line.split(":", 1) for line in open(status) if ":" in line)
+        except OSError:
             continue
-        if base <= int(uid_line.split()[1]) < base + 1000:
-            pids.append(int(status.split("/")[2]))
-    return pids
+        pid = int(status.split("/")[2])
+        uids[pid], parents[pid] = int(fields["Uid"].split()[1]), int(fields["PPid"])
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            if pid == os.getpid():
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    return [pid for pid, uid in uids.items() if base <= uid < base + 1000 and ours(pid)]
 
 
 def _processes_with(marker: str) -> list[int]:
@@ -116,18 +129,24 @@ def test_autoprint_last_expression_like_a_notebook(sb):
 
 
 def test_autoprint_uses_ast_not_text():
-    blocks = compile_with_autoprint("a = 1  # 2\n'''doc'''  ;  a + 1")
+    blocks = compile_script("a = 1  # 2\n'''doc'''  ;  a + 1", "main.py")
     assert len(blocks) == 2
-    assert len(compile_with_autoprint("for i in range(3):\n    i")) == 1
+    assert len(compile_script("for i in range(3):\n    i", "main.py")) == 1
+    assert len(compile_script("a = 1\na + 1", "main.py", auto_print=False)) == 1
     with pytest.raises(SyntaxError):
-        compile_with_autoprint("def f(:\n")
+        compile_script("def f(:\n", "main.py")
+
+
+def test_without_auto_print_nothing_is_displayed(sb):
+    assert run(sb, "import sys\nsys.stdout.write('5\\n')", auto_print=False).stdout == "5\n"
+    assert run(sb, "6 * 7", auto_print=False).stdout == ""
 
 
 def test_error_shows_traceback_last_frames(sb):
     res = run(sb, "def f(n):\n    return 1 / n\n\nf(0)")
     assert res.status is ExecStatus.ERROR and res.exit_code == 1
     assert "ZeroDivisionError: division by zero" in res.observation
-    assert 'File "<code>", line 2, in f' in res.observation and "_zygote" not in res.stderr
+    assert f'{SCRIPT_NAME}", line 2, in f' in res.observation and "_zygote" not in res.stderr
     syntax = run(sb, "def f(:")
     assert syntax.status is ExecStatus.ERROR and "SyntaxError" in syntax.observation
 
@@ -159,9 +178,9 @@ def test_fetch_refuses_symlinks_out_of_the_call_directory(sb):
 
 
 def test_unicode_and_binary_output(sb):
-    res = run(sb, "import sys\nprint('héllo ✓ 😀')\nprint('\\ud800')\nsys.stdout.flush()\n"
+    res = run(sb, "import sys\nprint('héllo ✓ 😀')\nsys.stdout.flush()\n"
                   "sys.stdout.buffer.write(b'\\xff\\xfe\\n')")
-    assert res.ok and res.stdout.startswith("héllo ✓ 😀\n\\ud800\n") and "\ufffd" in res.stdout
+    assert res.ok and res.stdout.startswith("héllo ✓ 😀\n") and "\ufffd" in res.stdout
 
 
 def test_exit_paths(sb):
@@ -184,7 +203,7 @@ def test_recursion_overflow(sb):
     res = run(sb, "def f(n): return f(n + 1)\nf(0)")
     assert res.status is ExecStatus.ERROR and "RecursionError" in res.observation
     deep = run(sb, "import sys\nsys.setrecursionlimit(10**8)\ndef f(n): return f(n + 1)\nf(0)",
-               memory_mb=256, timeout_s=10)
+               memory_mb=96, timeout_s=10)
     assert deep.status in (ExecStatus.ERROR, ExecStatus.MEMORY), deep
     assert run(sb, "1").ok
 
@@ -195,7 +214,7 @@ def test_no_state_leaks_between_calls(sb):
     assert run(sb, first).ok
     second = ("import math, builtins, sys, os\nprint('leak' in globals(), math.pi, hasattr(builtins, 'leaked'),"
               " 'planted' in sys.modules, os.listdir('.'), 'X' in os.environ)")
-    assert run(sb, second).stdout == "False 3.141592653589793 False False [] False\n"
+    assert run(sb, second).stdout == f"False 3.141592653589793 False False {[SCRIPT_NAME]} False\n"
 
 
 # ---------------------------------------------------------------- hostile
@@ -266,7 +285,7 @@ def test_memory_bomb(sb):
     assert res.status is ExecStatus.MEMORY and "MemoryError" in res.observation
     grow = run(sb, "chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 24))", memory_mb=256)
     assert grow.status is ExecStatus.MEMORY
-    assert grow.peak_rss_bytes is not None and grow.peak_rss_bytes < 300 << 20
+    assert grow.peak_rss_bytes is not None and grow.peak_rss_bytes < grow.memory_baseline_bytes + (300 << 20)
 
 
 def test_huge_file(sb):
@@ -413,7 +432,177 @@ def test_classification_of_replies():
 def test_bad_arguments_raise(sb):
     with pytest.raises(TypeError):
         run(sb, b"print(1)")
-    with pytest.raises(ValueError):
-        run(sb, "1", timeout_s=0)
+    for timeout in (0, -1, float("inf"), float("nan"), MAX_TIMEOUT_S + 1):
+        with pytest.raises(ValueError, match="seconds > 0 and <= 3600"):
+            run(sb, "1", timeout_s=timeout)
+    with pytest.raises(ValueError, match="timeout_s must be"):
+        SandboxConfig(timeout_s=float("inf"))
+    with pytest.raises(ValueError, match="may not contain 'main.py'"):
+        run(sb, "1", files={"main.py": b"print(2)"})
     with pytest.raises(TypeError):
         run(sb, "1", files={"a.txt": "not bytes"})
+
+
+# ---------------------------------------------------------------- like `python main.py`
+
+FAST_IO = '''
+import os, sys
+from io import BytesIO, IOBase
+BUFSIZE = 8192
+class FastIO(IOBase):
+    newlines = 0
+    def __init__(self, file):
+        self._fd = file.fileno()
+        self.buffer = BytesIO()
+        self.writable = "x" in file.mode or "r" not in file.mode
+        self.write = self.buffer.write if self.writable else None
+    def read(self):
+        while True:
+            b = os.read(self._fd, max(os.fstat(self._fd).st_size, BUFSIZE))
+            if not b:
+                break
+            ptr = self.buffer.tell()
+            self.buffer.seek(0, 2), self.buffer.write(b), self.buffer.seek(ptr)
+        self.newlines = 0
+        return self.buffer.read()
+    def readline(self):
+        while self.newlines == 0:
+            b = os.read(self._fd, max(os.fstat(self._fd).st_size, BUFSIZE))
+            self.newlines = b.count(b"\\n") + (not b)
+            ptr = self.buffer.tell()
+            self.buffer.seek(0, 2), self.buffer.write(b), self.buffer.seek(ptr)
+        self.newlines -= 1
+        return self.buffer.readline()
+    def flush(self):
+        if self.writable:
+            os.write(self._fd, self.buffer.getvalue())
+            self.buffer.truncate(0), self.buffer.seek(0)
+class IOWrapper(IOBase):
+    def __init__(self, file):
+        self.buffer = FastIO(file)
+        self.flush = self.buffer.flush
+        self.writable = self.buffer.writable
+        self.write = lambda s: self.buffer.write(s.encode("ascii"))
+        self.read = lambda: self.buffer.read().decode("ascii")
+        self.readline = lambda: self.buffer.readline().decode("ascii")
+sys.stdin, sys.stdout = IOWrapper(sys.stdin), IOWrapper(sys.stdout)
+input = lambda: sys.stdin.readline().rstrip("\\r\\n")
+n = int(input())
+print(sum(map(int, input().split())) * n)
+'''
+
+LIKE_PYTHON = {
+    "fast_io_template": (FAST_IO, "2\n1 2 3\n"),
+    "atexit_output": ("import atexit\natexit.register(print, 'from atexit')\nprint('main')", None),
+    "atexit_after_error": ("import atexit\natexit.register(print, 'still runs')\n1 / 0", None),
+    "file_and_argv": ("import os, sys\nprint(__file__, sys.argv, sys.path[0] == os.getcwd(), __name__)\n"
+                      "print(open(__file__).read().count('argv'))", None),
+    "std_streams": ("import sys\nfor s in (sys.stdin, sys.stdout, sys.stderr):\n"
+                    "    print(s.name, s.mode, s.encoding, s.errors, s.line_buffering, type(s.buffer).__name__)", ""),
+    "syntax_error": ("x = 1\ndef f(:\n    pass\n", None),
+    "indentation_error": ("if True:\nprint(1)\n", None),
+    "keyboard_interrupt": ("import atexit\natexit.register(print, 'bye')\nprint('before')\nraise KeyboardInterrupt", None),
+    "runtime_error_chain": ("def f():\n    try:\n        {}['k']\n    except KeyError as e:\n"
+                            "        raise ValueError('bad') from e\nf()", None),
+    "lone_surrogate": ("print('ok')\nprint('\\ud800')", None),
+    "thread_pool_not_shut_down": ("from concurrent.futures import ThreadPoolExecutor\n"
+                                  "ex = ThreadPoolExecutor(2)\nprint(ex.submit(pow, 2, 10).result())", None),
+    "exit_in_atexit_is_ignored": ("import atexit, sys\natexit.register(sys.exit, 4)\nprint(1)", None),
+}
+
+
+def _python_file(code: str, stdin: str | None, tmp_path: Path) -> tuple[int, str, str]:
+    """What ``python main.py`` does with ``code`` in a folder of its own (paths shown as
+    the sandbox's working directory)."""
+    (tmp_path / SCRIPT_NAME).write_text(code)
+    proc = subprocess.run([sys.executable, SCRIPT_NAME], cwd=tmp_path, env={**CLEAN_ENV, "HOME": str(tmp_path)},
+                          input=(stdin or "").encode(), capture_output=True, timeout=60)
+    out, err = (s.decode("utf-8", "replace").replace(str(tmp_path), WORK_DIR) for s in (proc.stdout, proc.stderr))
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("name", sorted(LIKE_PYTHON))
+def test_runs_like_python_file(sb, name, tmp_path):
+    require(sb, "minimal_root", "private_proc")
+    code, stdin = LIKE_PYTHON[name]
+    res = run(sb, code, stdin=stdin, auto_print=False)
+    returncode = res.exit_code if res.exit_code is not None else -res.signal
+    assert (returncode, res.stdout, res.stderr) == _python_file(code, stdin, tmp_path)
+    assert "retool-sandbox" not in res.stdout + res.stderr and "_zygote" not in res.stderr
+
+
+def test_keyboard_interrupt_is_return_code_minus_2(sb):
+    res = run(sb, "raise KeyboardInterrupt")
+    assert res.signal == signal.SIGINT and res.exit_code is None and "KeyboardInterrupt" in res.observation
+
+
+def test_syntax_error_has_no_sandbox_frames_and_no_host_path(sb):
+    res = run(sb, "print(1)\nprint(2 +)\n")
+    assert res.stderr.startswith('  File "') and "Traceback" not in res.stderr
+    assert "ast.py" not in res.stderr and "_zygote" not in res.stderr
+    assert f'{SCRIPT_NAME}", line 2' in res.observation and tempfile.gettempdir() + "/" not in res.stderr
+
+
+def test_only_the_snippets_own_atexit_hooks_run(sb):
+    res = run(sb, "import atexit\nprint(atexit._ncallbacks())\natexit.register(print, 'mine')", auto_print=False)
+    assert res.stdout in ("0\nmine\n", "1\nmine\n")  # at most logging.shutdown, as after `import logging`
+
+
+def test_fast_io_reads_200k_lines_fast(sb):
+    code = "import sys\nn = 0\nfor line in iter(sys.stdin.buffer.readline, b''):\n    n += 1\nprint(n)"
+    res = run(sb, code, stdin="1 2 3\n" * 200_000, timeout_s=10)
+    assert res.stdout == "200000\n" and res.wall_s < 1.0, res  # unbuffered: 1.5 s
+
+
+def test_memory_limit_counts_the_snippets_own_allocations(sb, tmp_path):
+    require(sb, "rlimits")
+    fits = run(sb, "x = bytearray(400 << 20)\nprint(len(x) >> 20)", memory_mb=512, timeout_s=20)
+    assert fits.ok and fits.stdout == "400\n", fits
+    assert fits.memory_baseline_bytes > 50 << 20  # numpy, sympy, ... preloaded
+    assert run(sb, "x = bytearray(600 << 20)", memory_mb=512, timeout_s=20).status is ExecStatus.MEMORY
+    (tmp_path / "m.py").write_text("x = bytearray(400 << 20)\nprint(len(x) >> 20)")
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (512 << 20,) * 2)  # noqa: E731 - `ulimit -v`
+    plain = subprocess.run([sys.executable, "m.py"], cwd=tmp_path, env=CLEAN_ENV, preexec_fn=limit,
+                           capture_output=True, text=True, timeout=60)
+    assert plain.stdout == fits.stdout  # what `python file.py` under the same limit can do
+
+
+def test_code_file_lives_at_a_neutral_path(sb):
+    require(sb, "minimal_root", "private_proc")
+    res = run(sb, "import os, sys\nprint(os.getcwd(), __file__, os.environ['HOME'], sys.path[0])")
+    assert res.stdout.split() == [WORK_DIR, f"{WORK_DIR}/{SCRIPT_NAME}", WORK_DIR, WORK_DIR]
+
+
+# ---------------------------------------------------------------- isolation: logged, measured, strict
+
+
+def test_degraded_isolation_is_logged_and_measured(sb, caplog):
+    require(sb, *ROOT_ISOLATION)
+    assert sb.metrics(reset=False)["sandbox/isolation_degraded"] == 0.0
+    assert sb.isolation_report().startswith("sandbox isolation: full (")
+    with caplog.at_level("INFO", logger="retool.sandbox"):
+        with Sandbox(SandboxConfig(preload=(), benchmark_skip=("pidns",))) as degraded:
+            degraded.start()
+            assert degraded.metrics()["sandbox/isolation_degraded"] == 1.0
+            assert "REDUCED, missing pidns, private_proc" in degraded.isolation_report()
+    (record,) = [r for r in caplog.records if r.name == "retool.sandbox"]
+    assert record.levelname == "WARNING" and "missing pidns" in record.getMessage()
+
+
+def test_strict_refuses_to_start_without_full_isolation(monkeypatch):
+    import retool.sandbox.executor as executor
+
+    monkeypatch.setattr(executor, "NAMESPACE_ISOLATION", executor.NAMESPACE_ISOLATION + ("imaginary_ns",))
+    sandbox = Sandbox(SandboxConfig(strict=True, preload=()))
+    with pytest.raises(executor.SandboxUnavailableError, match="strict sandbox: .*missing imaginary_ns"):
+        sandbox.start()
+    sandbox.close()
+
+
+def test_a_broken_stdout_is_reported_not_a_sandbox_error(sb):
+    code = ("import sys\nclass Broken:\n    def write(self, s): pass\n"
+            "    def flush(self): raise AttributeError('no flush')\nsys.stdout = Broken()")
+    res = run(sb, code, auto_print=False)
+    assert (res.status, res.exit_code) == (ExecStatus.ERROR, 120)  # as `python main.py` exits
+    assert "AttributeError: no flush" in res.stderr
+    assert run(sb, "import sys\nsys.stdout = None", auto_print=False).ok

@@ -34,9 +34,10 @@ from retool.sandbox.client import (
     from_response,
 )
 from retool.sandbox.server import (
+    DEFAULT_WORKERS,
+    BackgroundServer,
     RequestError,
     ServerConfig,
-    as_script,
     parse_request,
     to_response,
     to_run_args,
@@ -75,7 +76,7 @@ def test_full_official_request_maps_to_run_args():
     )
     body = json.dumps({**official.dict(), "memory_limit_MB": 512}).encode()
     args = to_run_args(parse_request(body), ServerConfig())
-    assert args.code == official.code + "\npass\n"  # runs as a script (see below)
+    assert args.code == official.code and args.auto_print is False  # runs as a script (see below)
     assert (args.timeout_s, args.memory_mb, args.stdin) == (3.0, 512, "hi")
     assert args.files == {"in.txt": b"data", "sub/dir/x.bin": b"\x00\xff"}
     assert args.fetch_files == ("out.txt", "./sub/y.txt")  # kept as given: answers use these names
@@ -136,20 +137,12 @@ def test_paths_that_could_escape_the_working_dir_are_refused(path):
     assert _refusal(_body(fetch_files=[path])).reason == "bad_path"
 
 
-@pytest.mark.parametrize(
-    "code, script",
-    [
-        ("import sys\nsys.stdout.write('5\\n')", "import sys\nsys.stdout.write('5\\n')\npass\n"),
-        ("x = 1  # last line is a comment", "x = 1  # last line is a comment"),
-        ("if True:\n    f()\n", "if True:\n    f()\n"),
-        ("print(1", "print(1"),  # a SyntaxError stays the user's own
-        ("", ""),
-    ],
-)
-def test_requests_run_as_scripts_unless_auto_print_is_asked(code, script):
-    assert as_script(code) == script
-    assert to_run_args(parse_request(_body(code=code)), ServerConfig()).code == script
-    assert to_run_args(parse_request(_body(code=code, auto_print=True)), ServerConfig()).code == code
+@pytest.mark.parametrize("code", ["import sys\nsys.stdout.write('5\\n')", "x = 1  # comment", "print(1", ""])
+def test_requests_run_as_scripts_unless_auto_print_is_asked(code):
+    """The code is passed on unchanged (it runs as the file main.py); only the flag differs."""
+    plain = to_run_args(parse_request(_body(code=code)), ServerConfig())
+    shown = to_run_args(parse_request(_body(code=code, auto_print=True)), ServerConfig())
+    assert (plain.code, plain.auto_print, shown.code, shown.auto_print) == (code, False, code, True)
 
 
 def test_bad_base64_is_refused():
@@ -331,6 +324,139 @@ def test_verl_payload_is_served_and_classified_as_verl_expects(server):
     assert crash["run_result"]["return_code"] == 3  # verl: runtime_error
 
 
+# ---------------------------------------------------------------- verl's own client code
+
+VERL_VERSION = "0.9.1"
+VERL_CLIENT = "verl/utils/reward_score/sandbox_fusion/utils.py"
+CI = os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture(scope="session")
+def verl(tmp_path_factory, pytestconfig):
+    """verl's SandboxFusion client module (``check_correctness``, ``call_sandbox_api``),
+    loaded by path from the verl wheel (``pip download --no-deps``; needs only the
+    standard library and requests). Skipped when pip cannot fetch it; failed under CI."""
+    import importlib.util
+    import zipfile
+
+    cache = Path(pytestconfig.cache.mkdir(f"verl-{VERL_VERSION}"))
+    target = cache / "sandbox_fusion_utils.py"
+    if not target.exists():
+        download = tmp_path_factory.mktemp("verl-wheel")
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                               f"verl=={VERL_VERSION}", "-d", str(download)], capture_output=True, text=True,
+                              timeout=300)
+        wheels = sorted(download.glob("verl-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            message = f"could not download verl {VERL_VERSION} with pip: {proc.stderr.strip()[-300:]}"
+            pytest.fail(message) if CI else pytest.skip(message)
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            target.write_bytes(wheel.read(VERL_CLIENT))
+    spec = importlib.util.spec_from_file_location("verl_sandbox_fusion_utils", target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+A_PLUS_B = "a, b = map(int, input().split())\nprint(a + b)"
+FAST_IO_SUM = """
+import os, sys
+from io import BytesIO, IOBase
+class FastIO(IOBase):
+    newlines = 0
+    def __init__(self, file):
+        self._fd = file.fileno()
+        self.buffer = BytesIO()
+        self.writable = "x" in file.mode or "r" not in file.mode
+        self.write = self.buffer.write if self.writable else None
+    def readline(self):
+        while self.newlines == 0:
+            b = os.read(self._fd, max(os.fstat(self._fd).st_size, 8192))
+            self.newlines = b.count(b"\\n") + (not b)
+            ptr = self.buffer.tell()
+            self.buffer.seek(0, 2), self.buffer.write(b), self.buffer.seek(ptr)
+        self.newlines -= 1
+        return self.buffer.readline()
+    def flush(self):
+        if self.writable:
+            os.write(self._fd, self.buffer.getvalue())
+            self.buffer.truncate(0), self.buffer.seek(0)
+class IOWrapper(IOBase):
+    def __init__(self, file):
+        self.buffer = FastIO(file)
+        self.flush = self.buffer.flush
+        self.write = lambda s: self.buffer.write(s.encode("ascii"))
+        self.readline = lambda: self.buffer.readline().decode("ascii")
+sys.stdin, sys.stdout = IOWrapper(sys.stdin), IOWrapper(sys.stdout)
+a, b = map(int, sys.stdin.readline().split())
+print(a + b)
+"""
+VERL_CASES = {  # name: (generation, in_outs, timeout, expected verdicts)
+    "right": (A_PLUS_B, {"inputs": ["2 40\n", "1 1\n"], "outputs": ["42\n", "2"]}, 10, [True, True]),
+    "wrong": ("a, b = map(int, input().split())\nprint(a - b)", {"inputs": ["2 40\n"], "outputs": ["42"]}, 10,
+              [False]),
+    "runtime_error": ("import sys\nx = int(sys.stdin.read())\nprint(1 / x)", {"inputs": ["0"], "outputs": ["0"]},
+                      10, [-2]),
+    "syntax_error": ("print(1 +)", {"inputs": [""], "outputs": ["1"]}, 10, [-2]),
+    "timeout": ("while True:\n    pass", {"inputs": [""], "outputs": [""]}, 1, [-3]),
+    "keyboard_interrupt": ("raise KeyboardInterrupt", {"inputs": [""], "outputs": [""]}, 10, [-2]),
+    "fn_name": ("class Solution:\n    def add(self, a, b):\n        return a + b",
+                {"inputs": ["1\n2", "[1]\n[2]"], "outputs": ["3", "[1, 2]"], "fn_name": "add"}, 10, [True, True]),
+    "fast_io_template": (FAST_IO_SUM, {"inputs": ["2 40\n"], "outputs": ["42"]}, 10, [True]),
+    "atexit_output": ("import atexit\natexit.register(print, 42)", {"inputs": [""], "outputs": ["42"]}, 10, [True]),
+    "uses_file": ("import os\nprint(os.path.basename(__file__), open(__file__).read().count('print'))",
+                  {"inputs": [""], "outputs": ["main.py 2"]}, 10, [True]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VERL_CASES))
+def test_verl_check_correctness_verdicts(verl, server, name):
+    generation, in_outs, timeout, expected = VERL_CASES[name]
+    verdicts, metadata = verl.check_correctness(server.url + "/run_code", in_outs, generation, timeout=timeout)
+    assert verdicts == expected, metadata
+
+
+def test_verl_default_load_gets_no_client_side_failures(verl):
+    """64 requests at once (verl's default concurrency), each running to its timeout: with
+    the default pool every one is answered within verl's own wait (compile + run + 10 s);
+    with 8 workers the queue takes 8 rounds and 15 of 64 come back as client-side failures."""
+    import concurrent.futures
+
+    config = ServerConfig(port=0, sandbox=None)
+    assert config.sandbox_config().workers == DEFAULT_WORKERS == 64
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
+        with BackgroundServer(config) as running:
+            def call(i: int):
+                code = "import time\ntime.sleep(60)" if i else "print(0)"  # all but one run to the timeout
+                return verl.call_sandbox_api(running.url + "/run_code", code, "", compile_timeout=2,
+                                             run_timeout=2, memory_limit_mb=1024)
+
+            start = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(64) as pool:
+                answers = list(pool.map(call, range(64)))
+            elapsed = time.monotonic() - start
+    errors = [error for _, error in answers if error]
+    assert errors == [] and elapsed < 14, (errors[:3], elapsed)  # verl waits 2 + 2 + 10 s
+    statuses = [answer["run_result"]["status"] for answer, _ in answers]
+    assert statuses == ["Finished"] + ["TimeLimitExceeded"] * 63
+
+
+def test_issue_cases_through_the_official_client(server):
+    """The 'like python file.py' cases of issue 15 as a SandboxFusion client sees them."""
+    syntax = _official(server, code="x = (1,\n")
+    assert syntax.run_result.return_code == 1 and syntax.run_result.stderr.startswith('  File "')
+    assert "ast.py" not in syntax.run_result.stderr and "retool" not in syntax.run_result.stderr
+    interrupted = _official(server, code="raise KeyboardInterrupt")
+    assert interrupted.run_result.return_code == -2
+    big = requests.post(server.url + "/run_code", json={"code": "x = bytearray(400 << 20)\nprint(len(x) >> 20)",
+                                                         "language": "python", "memory_limit_MB": 512,
+                                                         "run_timeout": 20}, timeout=60).json()
+    assert big["run_result"]["stdout"] == "400\n" and big["retool"]["memory_baseline_bytes"] > 0
+    streams = _official(server, code="import sys\nprint(sys.stdin.mode, sys.stdout.mode, sys.argv, __file__)")
+    assert streams.run_result.stdout == "r w ['main.py'] /sandbox/work/main.py\n"
+
+
 def test_http_refusals_are_clear_and_counted(server):
     bad = requests.post(server.url + "/run_code", data=b'{"code": ', timeout=10)
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["detail"]
@@ -390,14 +516,52 @@ def test_unreachable_server_raises_after_retries():
 
 
 def _cli(*argv: str) -> int:
-    import argparse
+    """``retool ARGV`` through retool's own parser."""
+    from retool.cli import main
 
-    from retool.sandbox import cli
+    return main(list(argv))
 
-    parser = argparse.ArgumentParser(prog="retool")
-    cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(list(argv))
-    return args.func(args)
+
+@pytest.mark.parametrize("command", [["sandbox", "run", "-", "--timeout"], ["sandbox", "serve", "--timeout"],
+                                     ["sandbox", "serve", "--max-timeout"]])
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "3601"])
+def test_cli_refuses_unbounded_timeouts_in_one_line(command, value, capsys):
+    with pytest.raises(SystemExit) as info:
+        _cli(*command, value)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert info.value.code == 2
+    assert error.endswith(f"argument {command[-1]}: must be a number of seconds > 0 and <= 3600 "
+                          f"(the sandbox's maximum), got '{value}'")
+
+
+@pytest.mark.parametrize("value", ["inf", "0", "nan", "-1"])
+def test_train_and_eval_refuse_unbounded_sandbox_timeouts(value, tmp_path, capsys):
+    for command in (["train", "--run-dir", str(tmp_path / "run")], ["eval", "--output", str(tmp_path / "e.jsonl")]):
+        code = _cli(*command, "--sandbox-timeout-s", value)
+        assert code == 2 and "sandbox_timeout_s must be a number of seconds > 0 and <= 3600" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_strict_flags_are_wired():
+    from retool.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["sandbox", "serve", "--sandbox-strict"]).strict is True
+    assert parser.parse_args(["sandbox", "serve"]).workers == DEFAULT_WORKERS
+    from retool.config import config_from_args
+    from retool.train import TrainConfig
+
+    cfg = config_from_args(TrainConfig, parser.parse_args(["train", "--sandbox-strict"]))
+    assert cfg.sandbox_config().strict is True
+
+
+def test_cli_run_is_python_file_unless_auto_print(tmp_path, capsys):
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text("x = 6\nx * 7\n")
+    assert _cli("sandbox", "run", str(snippet)) == 0
+    assert json.loads(capsys.readouterr().out)["stdout"] == ""
+    assert _cli("sandbox", "run", str(snippet), "--auto-print") == 0
+    assert json.loads(capsys.readouterr().out)["stdout"] == "42\n"
 
 
 def test_cli_run_prints_the_result_as_json(tmp_path, capsys):

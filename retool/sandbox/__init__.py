@@ -7,6 +7,21 @@ Use::
         res = await sb.run("import sympy\\nsympy.factorint(2**64 - 1)")
         res.status, res.observation     # ExecStatus.OK, '{3: 1, 5: 1, 17: 1, ...}'
 
+What a call is: ``python main.py`` for the snippet written to ``main.py`` in a fresh,
+empty working directory, with the given stdin — same ``__file__`` (``/sandbox/work/main.py``,
+a neutral path inside the sandbox: no host path appears in any output), ``sys.argv``
+(``['main.py']``), standard streams (made as the interpreter makes them: ``.mode``,
+buffered ``.buffer``), tracebacks and ``SyntaxError`` reports (printed by
+``sys.excepthook``), end of run (non-daemon threads joined, the snippet's own ``atexit``
+hooks run, streams flushed) and return code (``-2`` after an uncaught
+``KeyboardInterrupt``). The model's tool adds one thing: ``auto_print=True`` (the
+default of ``Sandbox.run``) shows the value of a final bare expression, as a REPL does.
+The modules in ``preload`` are already imported (faster; ``sys.modules`` shows them).
+``memory_mb`` limits what the snippet allocates *on top of* that preloaded baseline
+(``ExecutionResult.memory_baseline_bytes``, ~160 MB of address space with numpy and
+sympy), so 512 MB lets a snippet allocate ~510 MB, as ``python main.py`` under
+``ulimit -v 512M`` can allocate ~490 MB. Timeouts are bounded (``MAX_TIMEOUT_S``, 3600 s).
+
 Threat model (Linux; what ``ExecutionResult.isolation`` lists is what was in force):
 
 The snippet is untrusted code written by a model being trained: it may be buggy or
@@ -41,10 +56,13 @@ Not isolated / known limits:
 - Without root or unprivileged user namespaces (some containers), and on non-Linux
   systems, only rlimits, the scrubbed environment and the process-group kill apply:
   children that ``setsid()`` can outlive a call, the network and the filesystem are
-  reachable with the trainer's rights. ``isolation`` then says so; ``strict=True``
-  refuses to start instead. Non-Linux systems are not supported beyond that.
-- Snippets that use non-daemon threads are waited for; ``atexit`` handlers of the
-  snippet do not run (the process ends with ``os._exit``).
+  reachable with the trainer's rights. ``isolation`` then says so, the start-up log
+  line says what is missing, the metric ``sandbox/isolation_degraded`` is 1, and
+  ``strict=True`` (``--sandbox-strict``) refuses to start instead. Without a private
+  mount namespace the call also runs at its real (host) directory, not at the neutral
+  path. Non-Linux systems are not supported beyond that.
+- The process ends with ``os._exit`` after the interpreter-like shutdown above: objects'
+  finalizers (``__del__``) that only module teardown would call do not run.
 """
 
 from retool.sandbox.executor import (

@@ -20,7 +20,8 @@ Process tree (Linux, with namespaces available)::
      +- runner  per call: forked into that namespace as pid 2; takes a private /proc,
                 /dev/shm and IPC namespace, applies rlimits, drops to the call slot's
                 unprivileged uid (or all capabilities), resets interpreter state and
-                runs the snippet with ast-based auto-print
+                runs the snippet as ``python main.py`` would (written to its working
+                directory, seen at WORK_DIR), plus ast-based auto-print when asked
 
 Control protocol: JSON lines on stdin (requests) and stdout (replies); bytes travel as
 base64. Children never hold the control pipes. The zygote is single-threaded, so
@@ -30,6 +31,7 @@ forking it is safe.
 from __future__ import annotations
 
 import ast
+import atexit
 import base64
 import builtins
 import collections
@@ -72,8 +74,12 @@ MAX_FD = 1 << 16
 MAX_TRACEBACK_FRAMES = 200
 EXIT_SETUP_FAILED = 70
 """Exit code of a call's init or runner when isolation could not be applied."""
-CODE_FILENAME = "<code>"
-"""The file name user code runs under (shown in its tracebacks)."""
+SCRIPT_NAME = "main.py"
+"""The file the snippet is written to in its working directory and run as (``python main.py``)."""
+WORK_DIR = "/sandbox/work"
+"""Where every call's working directory appears inside the sandbox (a bind mount in the
+call's private mount namespace): the same neutral path for every call, never a host path.
+Without a private mount namespace the call runs in its real directory."""
 
 _libc = None
 
@@ -296,6 +302,7 @@ class Zygote:
         self.env = dict(os.environ)
         self.skip = set(cfg.get("benchmark_skip", ()))
         self.private_mounts = False
+        self.work_dir: str | None = None  # the fixed path calls run at, when they can
         self.sleep_binary = shutil.which("sleep", path="/usr/bin:/bin")
 
     # ---- start-up
@@ -368,6 +375,9 @@ class Zygote:
         if self.pidns_fd is None:
             self.warnings.append("no per-call PID namespace: a call's setsid() children may outlive it")
         self.private_mounts = "mountns" in self.isolation and "private_mounts" not in self.skip
+        if self.private_mounts and "minimal_root" in self.isolation:
+            os.makedirs(WORK_DIR, mode=0o755, exist_ok=True)
+            self.work_dir = WORK_DIR
         if self.private_mounts:
             self.isolation += ["private_proc", "private_shm"] if self.pidns_fd is not None else ["private_shm"]
         if "privilege_drop" not in self.skip:
@@ -435,7 +445,7 @@ class Zygote:
         call = Call(req, slot, directory)
         child_fds: dict[str, int] = {}
         try:
-            _prepare_directory(directory, req.get("files") or {}, uid)
+            _prepare_directory(directory, {**(req.get("files") or {}), SCRIPT_NAME: None}, uid, req["code"])
             child_fds, call.fds = _make_pipes(req.get("stdin"))
             self._fork(call, child_fds, uid)
         except BaseException:
@@ -569,6 +579,7 @@ class Zygote:
             "exit_code": code, "signal": sig, "killed": call.killed,
             "setup_failed": info.get("setup_error") or (not call.killed and not info.get("ready")),
             "exc_type": info.get("exc_type"), "short_tb": info.get("short_tb"),
+            "memory_baseline_bytes": info.get("memory_baseline_bytes"),
             "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
             "peak_rss_bytes": usage.ru_maxrss * 1024 if sys.platform.startswith("linux") else usage.ru_maxrss,
             "isolation": self.isolation,
@@ -658,14 +669,15 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _prepare_directory(directory: str, files: dict[str, str], uid: int) -> None:
-    """Write the request's files (paths already checked: relative, no ``..``) and give
-    the directory and everything in it to the call's uid."""
+def _prepare_directory(directory: str, files: dict[str, str | None], uid: int, code: str) -> None:
+    """Write the request's files (paths already checked: relative, no ``..``) and the
+    snippet as :data:`SCRIPT_NAME` (``None`` content), and give the directory and
+    everything in it to the call's uid."""
     for rel, b64 in files.items():
         path = os.path.join(directory, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(base64.b64decode(b64))
+            f.write(code.encode("utf-8", "surrogatepass") if b64 is None else base64.b64decode(b64))
     if os.geteuid() == 0 and uid != 0:
         for parent, dirs, names in os.walk(directory):
             for name in [*dirs, *names]:
@@ -701,27 +713,49 @@ def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int)
         os.setsid()
         if sys.platform.startswith("linux"):
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies: so does the call
+        workdir = call.dir
         if zygote.private_mounts:
-            _private_mounts()
-        os.chdir(call.dir)
+            _private_mounts(call.dir, zygote.work_dir)
+            workdir = zygote.work_dir or call.dir
+        os.chdir(workdir)
+        baseline = _address_space_bytes()
         if "rlimits" not in zygote.skip:
-            _apply_limits(call.req, zygote.cfg)
+            _apply_limits(call.req, zygote.cfg, baseline)
         if "privilege_drop" not in zygote.skip:
             _drop_privileges(uid, zygote.root)
-        namespace = _fresh_interpreter_state(call.dir, zygote.env)
+        namespace = _fresh_interpreter_state(workdir, zygote.env)
     except BaseException:  # never run the snippet half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
-    _report(3, {"ready": True})
-    os._exit(execute(call.req["code"], namespace, zygote.cfg["traceback_frames"]))
+    _report(3, {"ready": True, "memory_baseline_bytes": baseline})
+    script = os.path.join(workdir, SCRIPT_NAME)
+    code = execute(call.req["code"], namespace, zygote.cfg["traceback_frames"], script,
+                   call.req.get("auto_print", True))
+    os._exit(code)
 
 
-def _private_mounts() -> None:
-    """A /proc that shows only this call's processes, a private /dev/shm and SysV IPC."""
+def _private_mounts(call_dir: str, work_dir: str | None) -> None:
+    """A /proc that shows only this call's processes, a private /dev/shm and SysV IPC,
+    and the call's directory at the fixed path ``work_dir`` (when given)."""
     unshare(CLONE_NEWNS | CLONE_NEWIPC)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     if os.path.isdir("/dev/shm"):
         mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+    if work_dir is not None:
+        mount(call_dir, work_dir, None, MS_BIND)
+
+
+def _address_space_bytes() -> int:
+    """This process's address space (VmSize) now: what the warm parent preloaded, which
+    the snippet's memory limit does not count. 0 where /proc cannot tell."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _layout_fds(child_fds: dict[str, int]) -> None:
@@ -740,12 +774,14 @@ def _report(fd: int, msg: dict) -> None:
         pass
 
 
-def _apply_limits(req: dict, cfg: dict) -> None:
+def _apply_limits(req: dict, cfg: dict, baseline_bytes: int) -> None:
+    """rlimits of the call; the address-space limit is the snippet's ``memory_mb`` on top
+    of the preloaded ``baseline_bytes`` it inherited."""
     mib = 1 << 20
     cpu = int(math.ceil(req["cpu_s"]))
     limits = [
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-        (resource.RLIMIT_AS, (req["memory_mb"] * mib,) * 2),
+        (resource.RLIMIT_AS, (baseline_bytes + req["memory_mb"] * mib,) * 2),
         (resource.RLIMIT_FSIZE, (cfg["max_file_bytes"],) * 2),
         (resource.RLIMIT_NPROC, (cfg["max_processes"],) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
@@ -771,61 +807,127 @@ def _drop_privileges(uid: int, root: bool) -> None:
 
 
 def _fresh_interpreter_state(directory: str, env: dict) -> dict:
-    """Make the forked interpreter look like ``python -c`` started in ``directory``."""
+    """Make the forked interpreter look like ``python main.py`` started in ``directory``:
+    environment, ``sys.argv``/``sys.path``, standard streams, ``__main__``, atexit."""
     os.environ.clear()
     os.environ.update(env, HOME=directory, TMPDIR=directory, PWD=directory)
     tempfile.tempdir = None
-    sys.argv = ["-c"]
+    sys.argv = [SCRIPT_NAME]
     sys.path.insert(0, directory)
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
-    sys.stdout = sys.__stdout__ = _text_stream(1)
-    sys.stderr = sys.__stderr__ = _text_stream(2)
+    sys.stdin = sys.__stdin__ = _std_stream(0, sys.__stdin__, "r", "<stdin>")
+    sys.stdout = sys.__stdout__ = _std_stream(1, sys.__stdout__, "w", "<stdout>")
+    sys.stderr = sys.__stderr__ = _std_stream(2, sys.__stderr__, "w", "<stderr>")
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
+    _fresh_atexit()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()  # a fresh interpreter would not share the parent's seed
     return main.__dict__
 
 
-def _text_stream(fd: int) -> io.TextIOWrapper:
-    raw = io.FileIO(fd, "w", closefd=False)
-    return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors="backslashreplace",
-                            line_buffering=True)
+def _std_stream(fd: int, like: io.TextIOWrapper, mode: str, name: str) -> io.TextIOWrapper:
+    """A standard stream made as the interpreter makes it (``create_stdio``): a buffered
+    binary stream under a text wrapper with ``.mode`` and ``.name``, and the encoding,
+    error handler and line buffering this interpreter chose for its own stream (the
+    warm parent's stdin and stdout are pipes, as a call's are)."""
+    buffered = io.open(fd, mode + "b", buffering=-1, closefd=False)
+    buffered.raw.name = name
+    stream = io.TextIOWrapper(buffered, encoding=like.encoding, errors=like.errors, newline="\n",
+                              line_buffering=like.line_buffering, write_through=False)
+    stream.mode = mode
+    return stream
 
 
-def compile_with_autoprint(source: str, filename: str = CODE_FILENAME) -> list[types.CodeType]:
-    """Compile ``source``; when its last top-level statement is a bare expression, that
-    statement is compiled in ``single`` mode, so its value is shown through
-    ``sys.displayhook`` exactly as an interactive session shows it (``repr``, nothing
-    for ``None``). Raises ``SyntaxError`` like ``compile``.
+def _fresh_atexit() -> None:
+    """Drop the warm parent's atexit hooks: the snippet's own hooks run at its end, as
+    ``python main.py`` runs them. ``logging.shutdown`` stays, as importing logging
+    registers it in any interpreter (the warm parent imported it already)."""
+    atexit._clear()
+    if "logging" in sys.modules:
+        atexit.register(sys.modules["logging"].shutdown)
+
+
+def compile_script(source: str, filename: str, auto_print: bool = True) -> list[types.CodeType]:
+    """Compile ``source`` as the file ``filename``. With ``auto_print``, when its last
+    top-level statement is a bare expression, that statement is compiled in ``single``
+    mode, so its value is shown through ``sys.displayhook`` exactly as an interactive
+    session shows it (``repr``, nothing for ``None``). Raises ``SyntaxError`` like ``compile``.
     """
+    if not auto_print:
+        return [compile(source, filename, "exec", dont_inherit=True)]
     tree = ast.parse(source, filename, "exec")
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Interactive(body=[tree.body.pop()])
-        return [compile(tree, filename, "exec"), compile(last, filename, "single")]
-    return [compile(tree, filename, "exec")]
+        return [compile(tree, filename, "exec", dont_inherit=True),
+                compile(last, filename, "single", dont_inherit=True)]
+    return [compile(tree, filename, "exec", dont_inherit=True)]
 
 
-def execute(source: str, namespace: dict, frames: int) -> int:
-    """Run ``source`` in ``namespace`` as ``python -c`` would; return the exit code."""
-    linecache.cache[CODE_FILENAME] = (len(source), None, source.splitlines(True), CODE_FILENAME)
-    code = 0
+def execute(source: str, namespace: dict, frames: int, filename: str, auto_print: bool = True) -> int:
+    """Run ``source`` in ``namespace`` as ``python filename`` would (plus ``auto_print``);
+    return the exit code. Like the interpreter: an uncaught exception is printed, then
+    non-daemon threads are joined and atexit hooks run, then the streams are flushed;
+    an uncaught ``KeyboardInterrupt`` ends the process by SIGINT (return code -2)."""
+    namespace.update(__file__=filename, __cached__=None)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    code, interrupted = 0, False
     try:
-        for block in compile_with_autoprint(source):
+        blocks = compile_script(source, filename, auto_print)
+    except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes in the source
+        _report_exception(exc, frames, show_frames=False)
+        blocks, code = [], 1
+    try:
+        for block in blocks:
             exec(block, namespace)
-        _join_threads()
     except SystemExit as exc:
         code = _exit_code(exc)
     except BaseException as exc:  # user code: report like the interpreter, never propagate
-        code = 1
+        code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
         _report_exception(exc, frames)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    if not _finalize() and code == 0:
+        code = 120  # as Python exits when flushing stdout fails
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     return code
+
+
+def _finalize() -> bool:
+    """What ``Py_FinalizeEx`` does for a script: join threads, run atexit hooks, flush the
+    standard streams. False when flushing stdout failed (reported as Python reports it)."""
+    try:
+        threading._shutdown()  # non-daemon threads; concurrent.futures' exit hooks
+    except BaseException:  # pragma: no cover - interpreters without it: join by hand
+        _join_threads()
+    hook = sys.unraisablehook  # the snippet's, if it set one
+    sys.unraisablehook = lambda args: hook(type(args)((args.exc_type, args.exc_value, _user_frames(
+        args.exc_traceback), args.err_msg, args.object)))
+    atexit._run_exitfuncs()  # reports "Exception ignored in atexit callback" through that hook
+    flushed = True
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name, None)
+        try:
+            if stream is not None:
+                stream.flush()
+        except BaseException as exc:  # the snippet replaced or broke the stream
+            flushed = flushed and name != "stdout"
+            _write_fd(2, f"Exception ignored on flushing sys.{name}:\n{type(exc).__name__}: {exc}\n")
+    return flushed
+
+
+def _write_fd(fd: int, text: str) -> None:
+    try:
+        os.write(fd, text.encode("utf-8", "backslashreplace"))
+    except OSError:
+        pass
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without its leading frames of this file (the sandbox's, never the snippet's)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
 
 
 def _join_threads() -> None:
@@ -843,22 +945,24 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _report_exception(exc: BaseException, frames: int) -> None:
-    """Full traceback (minus the sandbox's own frames) to stderr; a short one to fd 3."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
+def _report_exception(exc: BaseException, frames: int, show_frames: bool = True) -> None:
+    """Print ``exc`` through ``sys.excepthook`` as the interpreter does (minus the
+    sandbox's own frames) and report a short traceback, for the model, on fd 3.
+    ``show_frames=False`` (a SyntaxError of the file): no traceback, as Python prints it."""
+    tb = _user_frames(exc.__traceback__) if show_frames else None
     exc.__traceback__ = tb
     try:
-        full = "".join(traceback.format_exception(type(exc), exc, tb, limit=-MAX_TRACEBACK_FRAMES))
+        sys.excepthook(type(exc), exc, tb)
+    except BaseException:  # a broken hook, or no memory left: what the interpreter falls back to
+        try:
+            sys.__excepthook__(type(exc), exc, tb)
+        except BaseException:
+            pass
+    try:
         short = "".join(traceback.format_exception(type(exc), exc, tb, limit=-frames if frames else None,
                                                    chain=False))
     except BaseException:  # e.g. MemoryError while formatting a huge traceback
-        full = short = f"{type(exc).__name__}: (traceback unavailable)\n"
-    try:
-        sys.stderr.write(full)
-    except (OSError, ValueError):
-        pass
+        short = f"{type(exc).__name__}: (traceback unavailable)\n"
     _report(3, {"exc_type": type(exc).__name__, "short_tb": short[-8000:]})
 
 

@@ -3,8 +3,13 @@
 - ``retool sandbox serve`` starts the SandboxFusion-compatible server
   (:mod:`retool.sandbox.server`) on 127.0.0.1:8080 until SIGINT/SIGTERM.
 - ``retool sandbox run [FILE]`` runs a file (or stdin) once — in a local sandbox, or on
-  a server with ``--endpoint`` — and prints the :class:`~retool.types.ExecutionResult`
-  as JSON; the exit code is 0 when the snippet ran cleanly and 1 otherwise.
+  a server with ``--endpoint`` — as ``python FILE`` would (``--auto-print``: as the
+  model's tool, which also shows a final bare expression's value) and prints the
+  :class:`~retool.types.ExecutionResult` as JSON; the exit code is 0 when the snippet
+  ran cleanly and 1 otherwise.
+
+Timeouts are bounded: a number of seconds in (0, ``MAX_TIMEOUT_S``]; ``0``, negative
+values, ``inf`` and ``nan`` are refused by argparse with one line naming the flag.
 
 Heavy imports happen inside the command functions so ``retool --help`` stays fast.
 """
@@ -19,6 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+DEFAULT_WORKERS = 64
+"""``retool sandbox serve``'s pool size (= ``retool.sandbox.server.DEFAULT_WORKERS``,
+repeated so that ``retool --help`` imports no server code)."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -32,11 +41,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_run(commands)
 
 
+def timeout_seconds(text: str) -> float:
+    """argparse type of a timeout: seconds in (0, MAX_TIMEOUT_S]."""
+    from retool.sandbox.executor import MAX_TIMEOUT_S
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= MAX_TIMEOUT_S:  # also false for nan
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (the sandbox's maximum), got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count or size that must be >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--timeout", type=float, metavar="S",
-                        help="wall-clock limit per run in seconds (default: the sandbox default)")
-    parser.add_argument("--memory-mb", type=int, metavar="MB",
-                        help="address-space limit per run in MiB (default: the sandbox default)")
+    parser.add_argument("--timeout", type=timeout_seconds, metavar="S",
+                        help="wall-clock limit per run in seconds, at most 3600 (default: the sandbox default)")
+    parser.add_argument("--memory-mb", type=positive_int, metavar="MB",
+                        help="memory the snippet may allocate, in MiB, on top of what the sandbox "
+                             "preloaded (default: the sandbox default)")
 
 
 def _register_serve(commands: argparse._SubParsersAction) -> None:
@@ -49,17 +84,21 @@ def _register_serve(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="TCP port, 0 for any free one (default: %(default)s)")
-    p.add_argument("--workers", type=int, metavar="N",
-                   help="runs executed at once; more requests queue (default: the sandbox default)")
+    p.add_argument("--workers", type=positive_int, default=DEFAULT_WORKERS, metavar="N",
+                   help="runs executed at once; more requests queue (default: %(default)s, verl's "
+                        "default concurrency; sizing rule in docs/sandbox-server.md)")
     _add_limit_flags(p)
-    p.add_argument("--max-timeout", type=float, default=300.0, metavar="S",
-                   help="largest run_timeout a request may ask for (default: %(default)s)")
-    p.add_argument("--max-memory-mb", type=int, default=16384, metavar="MB",
+    p.add_argument("--max-timeout", type=timeout_seconds, default=300.0, metavar="S",
+                   help="largest run_timeout a request may ask for, at most 3600 (default: %(default)s)")
+    p.add_argument("--max-memory-mb", type=positive_int, default=16384, metavar="MB",
                    help="largest memory_limit_MB a request may ask for (default: %(default)s)")
     p.add_argument("--max-request-mb", type=float, default=64.0, metavar="MB",
                    help="largest request body, code and files included (default: %(default)s)")
     p.add_argument("--allow-network", action="store_true",
                    help="let snippets use the network (default: no network where the OS allows)")
+    p.add_argument("--strict", "--sandbox-strict", action="store_true", dest="strict",
+                   help="refuse to start unless the sandbox has full isolation (namespaces, "
+                        "read-only filesystem, privilege drop, rlimits)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="server log level (default: %(default)s)")
     p.set_defaults(func=_serve)
@@ -70,8 +109,8 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
         "run",
         help="run a Python file or stdin once and print the result as JSON",
         description="Run a snippet once in the sandbox (locally, or on a server with --endpoint) "
-        "as the model's code tool runs it (the value of a final bare expression is shown) and "
-        "print the ExecutionResult as JSON. Exit code 0 when it ran cleanly, 1 otherwise.",
+        "as `python FILE` would run it, and print the ExecutionResult as JSON. Exit code 0 "
+        "when it ran cleanly, 1 otherwise.",
     )
     p.add_argument("file", nargs="?", default="-", help="Python file to run; '-' or nothing reads stdin")
     _add_limit_flags(p)
@@ -82,6 +121,8 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
                    help="return this file from the working directory (base64 in 'files'); repeatable")
     p.add_argument("--endpoint", metavar="URL",
                    help="run on this SandboxFusion-compatible server instead of a local sandbox")
+    p.add_argument("--auto-print", action="store_true",
+                   help="also show the value of a final bare expression, as the model's code tool does")
     p.set_defaults(func=_run)
 
 
@@ -99,7 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host,
         port=args.port,
-        sandbox=_sandbox_config(args, workers=args.workers, network=args.allow_network or None),
+        sandbox=_sandbox_config(args, workers=args.workers, network=args.allow_network or None,
+                                strict=args.strict or None),
         max_timeout_s=args.max_timeout,
         max_memory_mb=args.max_memory_mb,
         max_request_mb=args.max_request_mb,
@@ -134,8 +176,14 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"retool sandbox run: {e}", file=sys.stderr)
         return 2
-    kwargs = dict(stdin=stdin, files=files or None, fetch_files=tuple(args.fetch))
-    result = _run_remote(args, code, kwargs) if args.endpoint else _run_local(args, code, kwargs)
+    kwargs = dict(stdin=stdin, files=files or None, fetch_files=tuple(args.fetch), auto_print=args.auto_print)
+    from retool.sandbox import SandboxUnavailableError
+
+    try:
+        result = _run_remote(args, code, kwargs) if args.endpoint else _run_local(args, code, kwargs)
+    except (SandboxUnavailableError, ValueError) as e:  # ValueError: a request the sandbox refuses
+        print(f"retool sandbox run: the sandbox could not run the file: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(result_to_json(result), indent=2))
     return 0 if result.ok else 1
 
@@ -158,7 +206,7 @@ def _run_local(args: argparse.Namespace, code: str, kwargs: dict[str, Any]):
 def _run_remote(args: argparse.Namespace, code: str, kwargs: dict[str, Any]):
     from retool.sandbox.client import SandboxClient
 
-    client = SandboxClient(args.endpoint)
+    client = SandboxClient(args.endpoint, auto_print=kwargs.pop("auto_print"))
     return client.run_sync(code, timeout_s=args.timeout, memory_mb=args.memory_mb, **kwargs)
 
 

@@ -241,6 +241,7 @@ def from_response(answer: dict[str, Any], *, timeout_s: float | None = None) -> 
             truncated=bool(ours.get("truncated")),
             observation=ours.get("observation") or "",
             isolation=tuple(ours.get("isolation") or ()),
+            memory_baseline_bytes=ours.get("memory_baseline_bytes"),
             **common,
         )
     return _from_sandbox_fusion(answer, run, common, timeout_s)

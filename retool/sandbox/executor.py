@@ -15,6 +15,7 @@ import base64
 import concurrent.futures
 import itertools
 import json
+import logging
 import os
 import posixpath
 import queue
@@ -29,10 +30,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retool.sandbox._zygote import SCRIPT_NAME
 from retool.sandbox.metrics import SandboxMetrics
 from retool.types import ExecStatus, ExecutionResult
 
+log = logging.getLogger("retool.sandbox")
+
 ZYGOTE_SCRIPT = Path(__file__).with_name("_zygote.py")
+
+MAX_TIMEOUT_S = 3600.0
+"""Largest wall-clock limit of one call (and of ``SandboxConfig.timeout_s``), in seconds:
+a finite bound, so that no call can hold a worker for ever."""
 
 DEFAULT_PRELOAD = (
     "math", "cmath", "itertools", "functools", "fractions", "decimal", "collections",
@@ -59,8 +67,9 @@ CLEAN_ENV = {
 }
 """The whole environment of the warm parent and its calls: nothing is inherited."""
 
-NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc")
-"""Mechanisms ``strict=True`` requires (plus ``netns`` unless ``network=True``)."""
+NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_new_privs", "rlimits")
+"""Mechanisms full isolation has (``strict=True`` requires them): these, plus ``netns``
+unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise)."""
 
 SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits")
 
@@ -74,9 +83,12 @@ class SandboxConfig:
     """Limits and pool settings of the local sandbox (per-call overrides in ``Sandbox.run``)."""
 
     timeout_s: float = 30.0
-    """Wall-clock limit of one call; the whole process tree is killed when it passes."""
+    """Wall-clock limit of one call, at most :data:`MAX_TIMEOUT_S`; the whole process tree
+    is killed when it passes."""
     memory_mb: int = 2048
-    """Address-space limit (RLIMIT_AS) of every process of a call, in MiB."""
+    """Memory each process of a call may allocate, in MiB, on top of the address space it
+    inherits from the warm parent (RLIMIT_AS = that baseline + this; the baseline is in
+    ``ExecutionResult.memory_baseline_bytes``)."""
     max_file_mb: int = 16
     """Largest file a call may write (RLIMIT_FSIZE), in MiB; also caps fetched files."""
     max_processes: int = 64
@@ -113,9 +125,26 @@ class SandboxConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        check_timeout(self.timeout_s, "SandboxConfig.timeout_s")
         unknown = set(self.benchmark_skip) - set(SKIPPABLE)
         if unknown or (self.strict and self.benchmark_skip):
             raise ValueError(f"benchmark_skip: unknown {sorted(unknown)} or combined with strict=True")
+
+
+def check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
+    """``timeout_s`` if it is a number of seconds in (0, :data:`MAX_TIMEOUT_S`], else ValueError."""
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"{name} must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def missing_isolation(isolation: tuple[str, ...], network: bool = False) -> list[str]:
+    """The mechanisms of full isolation (:data:`NAMESPACE_ISOLATION`) not in ``isolation``."""
+    required = NAMESPACE_ISOLATION + (() if network else ("netns",))
+    missing = [m for m in required if m not in isolation]
+    if "uid_drop" not in isolation and "caps_drop" not in isolation:
+        missing.append("uid_drop")
+    return missing
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -266,6 +295,16 @@ class _Zygote:
             self.terminate()
 
 
+def _describe(zygote: _Zygote, missing: list[str]) -> str:
+    """The isolation line logged at start (and refused with under ``strict``)."""
+    in_force = ", ".join(zygote.isolation) or "nothing"
+    if not missing:
+        return f"sandbox isolation: full ({in_force})"
+    warnings = "; ".join(zygote.ready.get("warnings") or ()) or "none"
+    return (f"sandbox isolation: REDUCED, missing {', '.join(missing)} (in force: {in_force}; warnings: "
+            f"{warnings}); --sandbox-strict refuses to run like this")
+
+
 def _resolve(pending: _Pending, make_result) -> None:
     if not pending.future.done():
         try:
@@ -319,13 +358,25 @@ class Sandbox:
             return self._zygote
 
     def _check_strict(self, zygote: _Zygote) -> None:
-        required = NAMESPACE_ISOLATION + (() if self.config.network else ("netns",))
-        missing = [m for m in required if m not in zygote.isolation]
+        missing = missing_isolation(zygote.isolation, self.config.network)
         if self.config.strict and missing:
             zygote.close()
             self._zygote = None
-            raise SandboxUnavailableError(f"strict sandbox: missing isolation {missing}; "
-                                          f"warnings: {zygote.ready.get('warnings')}")
+            raise SandboxUnavailableError(f"strict sandbox: {_describe(zygote, missing)}; run as root or "
+                                          "where user namespaces are allowed, or drop the strict setting")
+        log.log(logging.WARNING if missing else logging.INFO, "%s", _describe(zygote, missing))
+
+    def isolation_report(self) -> str:
+        """One line: the isolation mechanisms in force, and what is missing (starts the sandbox)."""
+        zygote = self._ensure_zygote()
+        return _describe(zygote, missing_isolation(zygote.isolation, self.config.network))
+
+    @property
+    def isolation_degraded(self) -> bool:
+        """True when the running warm parent lacks part of full isolation (see
+        :func:`missing_isolation`); False before it has started."""
+        zygote = self._zygote
+        return zygote is not None and bool(missing_isolation(zygote.isolation, self.config.network))
 
     def close(self) -> None:
         """Stop the warm parent; running calls are killed and answered ``sandbox_error``."""
@@ -355,8 +406,14 @@ class Sandbox:
 
     async def run(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
                   stdin: str | None = None, files: dict[str, bytes] | None = None,
-                  fetch_files=()) -> ExecutionResult:
+                  fetch_files=(), auto_print: bool = True) -> ExecutionResult:
         """Run ``code`` in a fresh isolated process; never raises for anything the code does.
+
+        The code runs as ``python main.py`` runs that file in the call's working
+        directory; ``auto_print`` (the model's tool) also shows the value of a final bare
+        expression, as an interactive session would. ``memory_mb`` limits what the
+        snippet allocates on top of what the warm parent preloaded
+        (``result.memory_baseline_bytes``).
 
         ``stdin``: ``None`` gives the process an empty stdin; a string is fed to it.
         ``files``: relative path -> bytes written into the call's empty working directory
@@ -366,18 +423,19 @@ class Sandbox:
         zygote = self._zygote
         if zygote is None or zygote.dead:
             await asyncio.to_thread(self._ensure_zygote)
-        future = self._submit(code, timeout_s, memory_mb, stdin, files, fetch_files)
+        future = self._submit(code, timeout_s, memory_mb, stdin, files, fetch_files, auto_print)
         return await asyncio.wrap_future(future)
 
     def run_sync(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
                  stdin: str | None = None, files: dict[str, bytes] | None = None,
-                 fetch_files=()) -> ExecutionResult:
+                 fetch_files=(), auto_print: bool = True) -> ExecutionResult:
         """Blocking form of :meth:`run` for plain threads (not from inside an event loop)."""
-        return self._submit(code, timeout_s, memory_mb, stdin, files, fetch_files).result()
+        return self._submit(code, timeout_s, memory_mb, stdin, files, fetch_files, auto_print).result()
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
-        """``sandbox/*`` metrics since the last reset (see :class:`SandboxMetrics`)."""
-        return self._metrics.snapshot(reset)
+        """``sandbox/*`` metrics since the last reset (see :class:`SandboxMetrics`), plus
+        ``sandbox/isolation_degraded``: 1.0 while the sandbox runs without full isolation."""
+        return {**self._metrics.snapshot(reset), "sandbox/isolation_degraded": float(self.isolation_degraded)}
 
     def record_outcomes(self, outcomes: Sequence[tuple[ExecutionResult, float]]) -> None:
         """Count calls that ran elsewhere — e.g. in the finished groups an interrupted run
@@ -385,11 +443,13 @@ class Sandbox:
         for result, latency_s in outcomes:
             self._metrics.record(result, latency_s)
 
-    def _submit(self, code, timeout_s, memory_mb, stdin, files, fetch_files) -> concurrent.futures.Future:
+    def _submit(self, code, timeout_s, memory_mb, stdin, files, fetch_files,
+                auto_print=True) -> concurrent.futures.Future:
         timeout_s = self.config.timeout_s if timeout_s is None else float(timeout_s)
         memory_mb = self.config.memory_mb if memory_mb is None else int(memory_mb)
         call_id = str(next(self._ids))
         request = self._request(call_id, code, timeout_s, memory_mb, stdin, files, fetch_files)
+        request["auto_print"] = bool(auto_print)
         pending = _Pending(concurrent.futures.Future(), timeout_s, memory_mb, time.monotonic())
         pending.future.add_done_callback(lambda f: self._on_done(f, pending, call_id))
         zygote = self._ensure_zygote()
@@ -411,13 +471,16 @@ class Sandbox:
     def _request(self, call_id, code, timeout_s, memory_mb, stdin, files, fetch_files) -> dict:
         if not isinstance(code, str):
             raise TypeError(f"code must be str, got {type(code).__name__}")
-        if not timeout_s > 0 or not memory_mb > 0:
-            raise ValueError(f"timeout_s and memory_mb must be > 0, got {timeout_s!r}, {memory_mb!r}")
+        check_timeout(timeout_s)
+        if not memory_mb > 0:
+            raise ValueError(f"memory_mb must be > 0, got {memory_mb!r}")
         if stdin is not None and not isinstance(stdin, str):
             raise TypeError(f"stdin must be str or None, got {type(stdin).__name__}")
         files = files or {}
         for path, data in files.items():
             check_relative_path(path)
+            if posixpath.normpath(path) == SCRIPT_NAME:
+                raise ValueError(f"files may not contain {SCRIPT_NAME!r}: the snippet itself runs as that file")
             if not isinstance(data, (bytes, bytearray)):
                 raise TypeError(f"files[{path!r}] must be bytes, got {type(data).__name__}")
         fetch = [check_relative_path(p) for p in fetch_files]
@@ -503,6 +566,7 @@ def build_result(reply: dict, timeout_s: float, memory_mb: int, cfg: SandboxConf
         status=status, stdout=stdout, stderr=stderr, exit_code=reply.get("exit_code"),
         signal=reply.get("signal"), wall_s=reply["wall_s"], cpu_s=reply["cpu_s"],
         peak_rss_bytes=reply.get("peak_rss_bytes"), truncated=status is ExecStatus.OUTPUT_LIMIT,
+        memory_baseline_bytes=reply.get("memory_baseline_bytes"),
         observation=observation(status, stdout, stderr, reply, timeout_s, memory_mb, cfg),
         isolation=isolation, files={k: base64.b64decode(v) for k, v in reply.get("files", {}).items()})
 

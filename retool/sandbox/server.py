@@ -11,10 +11,12 @@ Endpoints:
   (path -> base64 content, written into the call's fresh working directory),
   ``fetch_files`` (paths read back after the run and returned base64 in ``files``);
   ``compile_timeout`` and ``args`` are accepted and ignored (Python has no compile
-  step). The code runs as a script: a final bare expression is not displayed unless
-  the request sets ``auto_print`` (a retool extension, sent by our client). The response is SandboxFusion's ``RunCodeResponse`` plus a ``retool`` object
-  with the fields SandboxFusion has no place for (our status, signal, peak memory,
-  observation, ...); clients built for SandboxFusion ignore it.
+  step). The code runs as ``python main.py`` runs that file (see :mod:`retool.sandbox`):
+  a final bare expression is not displayed unless the request sets ``auto_print`` (a
+  retool extension, sent by our client). The response is SandboxFusion's
+  ``RunCodeResponse`` plus a ``retool`` object with the fields SandboxFusion has no
+  place for (our status, signal, peak memory, memory baseline, observation, ...);
+  clients built for SandboxFusion ignore it.
 - ``GET /v1/ping``: ``"pong"`` (as SandboxFusion).
 - ``GET /metrics``: the sandbox's counters and latencies since the server started, plus
   the server's own counts of rejected requests.
@@ -37,7 +39,6 @@ the server binds 127.0.0.1 unless told otherwise.
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import base64
 import binascii
@@ -63,6 +64,13 @@ log = logging.getLogger(__name__)
 SUPPORTED_LANGUAGES: tuple[str, ...] = ("python",)
 """The SandboxFusion ``language`` values this server runs."""
 
+DEFAULT_WORKERS = 64
+"""Runs executed at once by default: verl's default concurrency (64 requests in flight),
+so that under its default load no request waits in the queue. Sizing rule (see
+docs/sandbox-server.md): a client that sends C requests at once, each with run timeout
+T, and gives up after W seconds needs ``workers >= C / floor(W / T)``; verl waits
+``W = compile_timeout + run_timeout + 10`` s."""
+
 
 # ---------------------------------------------------------------- configuration
 
@@ -77,15 +85,29 @@ class ServerConfig:
     """TCP port; 0 picks a free one (the bound URL is printed and returned)."""
     sandbox: SandboxConfig | None = None
     """Executor settings (pool size, default timeout and memory limit, ...); ``None``
-    means ``SandboxConfig()``'s defaults."""
+    means ``SandboxConfig(workers=DEFAULT_WORKERS)``."""
     max_timeout_s: float = 300.0
-    """Largest ``run_timeout`` a request may ask for; more is rejected with 422."""
+    """Largest ``run_timeout`` a request may ask for; more is rejected with 422. At most
+    the sandbox's own bound, ``retool.sandbox.executor.MAX_TIMEOUT_S``."""
     max_memory_mb: int = 16384
     """Largest ``memory_limit_MB`` a request may ask for; more is rejected with 422."""
     max_request_mb: float = 64.0
     """Largest request body (code + base64 files); more is rejected with 413."""
     shutdown_timeout_s: float = 30.0
     """On SIGINT/SIGTERM, how long in-flight runs may take to finish before closing."""
+
+    def __post_init__(self) -> None:
+        from retool.sandbox.executor import check_timeout
+
+        check_timeout(self.max_timeout_s, "max_timeout_s")
+        if not self.max_memory_mb > 0 or not self.max_request_mb > 0:
+            raise ValueError("max_memory_mb and max_request_mb must be > 0")
+
+    def sandbox_config(self) -> SandboxConfig:
+        """The executor settings, with this server's default pool size."""
+        from retool.sandbox import SandboxConfig
+
+        return self.sandbox or SandboxConfig(workers=DEFAULT_WORKERS)
 
 
 # ---------------------------------------------------------------- wire models
@@ -102,7 +124,8 @@ class RunCodeRequest(BaseModel):
         None, gt=0, description="wall-clock limit in seconds; omitted -> the server default"
     )
     memory_limit_MB: int = Field(
-        -1, description="address-space limit in MiB; <= 0 -> the server default"
+        -1, description="memory the program may allocate in MiB, on top of the preloaded "
+        "baseline; <= 0 -> the server default"
     )
     stdin: str | None = Field(None, description="text fed to the program's stdin")
     compile_timeout: float = Field(10, description="accepted for compatibility; unused")
@@ -131,6 +154,7 @@ class RunArgs:
     stdin: str | None = None
     files: dict[str, bytes] = field(default_factory=dict)
     fetch_files: tuple[str, ...] = ()
+    auto_print: bool = False
 
 
 class RequestError(Exception):
@@ -194,32 +218,14 @@ def to_run_args(request: RunCodeRequest, config: ServerConfig) -> RunArgs:
             "limit_exceeded",
         )
     return RunArgs(
-        code=request.code if request.auto_print else as_script(request.code),
+        code=request.code,
         timeout_s=request.run_timeout,
         memory_mb=request.memory_limit_MB if request.memory_limit_MB > 0 else None,
         stdin=request.stdin,
         files=decode_files(request.files),
         fetch_files=tuple(_checked_path(p, ("fetch_files", i)) for i, p in enumerate(request.fetch_files)),
+        auto_print=request.auto_print,
     )
-
-
-def as_script(code: str) -> str:
-    """``code`` made to print exactly what ``python file.py`` would print.
-
-    The sandbox shows the value of a final bare expression, as a REPL does (useful for a
-    model, wrong for SandboxFusion clients that compare stdout: a last line
-    ``sys.stdout.write("5\\n")`` would also print ``2``). When the code parses and its
-    last top-level statement is an expression, a ``pass`` line is appended after it:
-    same semantics, same line numbers, nothing displayed. Code that does not parse is
-    left alone, so its SyntaxError reads as the user wrote it.
-    """
-    try:
-        body = ast.parse(code).body
-    except (SyntaxError, ValueError):
-        return code
-    if body and isinstance(body[-1], ast.Expr):
-        return code + "\npass\n"
-    return code
 
 
 def decode_files(files: dict[str, str | None]) -> dict[str, bytes]:
@@ -331,6 +337,7 @@ def _extension(result: ExecutionResult) -> dict[str, Any]:
         "truncated": result.truncated,
         "observation": result.observation,
         "isolation": list(result.isolation),
+        "memory_baseline_bytes": result.memory_baseline_bytes,
     }
 
 
@@ -355,9 +362,9 @@ def create_app(config: ServerConfig = ServerConfig()) -> web.Application:
 
 async def _sandbox_lifetime(app: web.Application):
     """Start the sandbox before accepting connections (a broken one fails here, loudly)."""
-    from retool.sandbox import Sandbox, SandboxConfig
+    from retool.sandbox import Sandbox
 
-    async with Sandbox(app[_CONFIG].sandbox or SandboxConfig()) as sandbox:
+    async with Sandbox(app[_CONFIG].sandbox_config()) as sandbox:
         isolation = await asyncio.to_thread(sandbox.start)
         log.info("sandbox ready: %d workers, isolation %s", sandbox.config.workers, ", ".join(isolation))
         app[_SANDBOX] = sandbox
@@ -394,6 +401,7 @@ async def _run(sandbox: Sandbox, args: RunArgs) -> ExecutionResult:
             stdin=args.stdin,
             files=args.files or None,
             fetch_files=args.fetch_files,
+            auto_print=args.auto_print,
         )
     except (ValueError, TypeError):
         raise
