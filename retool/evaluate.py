@@ -48,7 +48,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,6 +186,8 @@ class EvalModel:
     tokenizer: Any
     sampler: Any
     choice: ModelChoice
+    close: Callable[[], None] = lambda: None
+    """Releases what the engine holds (e.g. a sampling server it started)."""
 
 
 def load_eval_model(cfg: EvalConfig, choice: ModelChoice) -> EvalModel:
@@ -201,7 +203,7 @@ def load_eval_model(cfg: EvalConfig, choice: ModelChoice) -> EvalModel:
     loaded: EngineSampler = load_sampler(cfg.engine, SamplerRequest(
         model=choice.model, checkpoint=choice.engine_checkpoint, checkpoint_dir=choice.engine_dir,
         device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, settings=cfg.engine_settings()))
-    return EvalModel(loaded.tokenizer, loaded.sampler, choice)
+    return EvalModel(loaded.tokenizer, loaded.sampler, choice, loaded.close)
 
 
 # ---------------------------------------------------------------- seeding
@@ -347,8 +349,16 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
     counts = Counter()
     if pending:
         _check_gold_answers(dataset.path, [p for _, p in pending])
-        model = model or load_eval_model(cfg, choice)
-        counts = asyncio.run(_sample_pending(cfg, model, pending, results))
+        sandbox = cfg.start_sandbox() if cfg.mode == "retool" else None  # before the model: strict refuses early
+        try:
+            model = model or load_eval_model(cfg, choice)
+            try:
+                counts = asyncio.run(_sample_pending(cfg, model, sandbox, pending, results))
+            finally:
+                model.close()
+        finally:
+            if sandbox is not None:
+                sandbox.close()
     summary = results.finish()
     return EvalReport(results.path, results.header, summary, len(pending), resumed, counts["requests"],
                       counts["sequences"], counts["tokens"], time.monotonic() - t0)
@@ -375,11 +385,12 @@ def _check_gold_answers(dataset_path: str, problems: list) -> None:
         raise DataError(dataset_path, f"{len(bad)} gold answer(s) the grader cannot use ({listed})")
 
 
-async def _sample_pending(cfg: EvalConfig, model: EvalModel, pending: list, results: ResultsFile) -> Counter:
+async def _sample_pending(cfg: EvalConfig, model: EvalModel, sandbox: Any, pending: list,
+                          results: ResultsFile) -> Counter:
     """Roll out every pending problem, ``concurrency`` at a time; append each as it finishes."""
     from retool.log import StepProgress
 
-    renderer, rollout_config, sandbox = _rollout_parts(cfg, model)
+    renderer, rollout_config = _rollout_parts(cfg, model)
     semaphore, counts = asyncio.Semaphore(cfg.concurrency), Counter()
 
     async def one(index: int, problem: Any) -> None:
@@ -391,34 +402,27 @@ async def _sample_pending(cfg: EvalConfig, model: EvalModel, pending: list, resu
                         tok_s=counts["tokens"] / max(time.monotonic() - t0, 1e-9))
 
     t0 = time.monotonic()
-    try:
-        results.prepare()  # only now that the model, the template and the sandbox work
-        total = len(results.done) + len(pending)
-        with StepProgress(total, start=len(results.done), description="eval") as progress:
-            tasks = [asyncio.create_task(one(i, p)) for i, p in pending]
-            try:
-                await asyncio.gather(*tasks)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-    finally:
-        if sandbox is not None:
-            sandbox.close()
+    results.prepare()  # only now that the model, the template and the sandbox work
+    total = len(results.done) + len(pending)
+    with StepProgress(total, start=len(results.done), description="eval") as progress:
+        tasks = [asyncio.create_task(one(i, p)) for i, p in pending]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     return counts
 
 
-def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any, Any]:
-    """The renderer, rollout budgets and (retool mode) sandbox every problem shares."""
+def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any]:
+    """The renderer and rollout budgets every problem shares."""
     from retool.render import Renderer
 
-    tools = cfg.mode == "retool"
-    renderer = Renderer(model.tokenizer, chat_template=model.choice.chat_template, tools=tools,
+    renderer = Renderer(model.tokenizer, chat_template=model.choice.chat_template, tools=cfg.mode == "retool",
                         model_name=model.choice.model)
-    rollout_config = cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-    sandbox = cfg.start_sandbox() if tools else None
-    return renderer, rollout_config, sandbox
+    return renderer, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
 
 async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, rollout_config: Any, sandbox: Any,
