@@ -273,7 +273,11 @@ def resumed_config(cls: type[C], args: argparse.Namespace) -> C:
     saved = Path(args.resume) / "config.json"
     if not saved.is_file():
         raise ConfigError(f"--resume {args.resume}: no config.json there (not a run folder)")
-    data = json.loads(saved.read_text())
+    try:
+        data = json.loads(saved.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--resume {args.resume}: config.json is not valid JSON ({err}); restore it "
+                          "from a backup or start a new run") from None
     data["run_dir"] = str(args.resume)
     if hasattr(args, "max_steps"):
         data["max_steps"] = args.max_steps

@@ -516,6 +516,18 @@ def check_gold_answers(problems: Sequence[Problem], *,
     return {i: error.reason for i, error in enumerate(errors) if error is not None}
 
 
+def require_usable_golds(path: str | Path, problems: Sequence[Problem]) -> None:
+    """Raise :class:`DataError` naming ``path`` and the first few bad ones unless every gold
+    answer grades correct against itself (see :func:`check_gold_answers`); for ``train`` and
+    ``eval``, before any model loads."""
+    failures = check_gold_answers(problems)
+    if failures:
+        listed = "; ".join(f"{problems[i].id} {problems[i].answer[:40]!r}: {reason}"
+                           for i, reason in sorted(failures.items())[:5])
+        raise DataError(path, f"{len(failures)} gold answer(s) the grader cannot use ({listed}); "
+                              "fix or remove those rows (`retool validate-data` lists them all)")
+
+
 # ---------------------------------------------------------------- command line
 
 
