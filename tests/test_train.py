@@ -322,10 +322,13 @@ def test_presets_are_valid_train_configs(preset):
     assert cfg.max_turn_tokens < cfg.max_trajectory_tokens
 
 
-def test_packing_choices_are_the_engines():
-    import dataclasses
-
+def test_every_packing_the_flag_accepts_is_one_the_planner_runs(capsys):
     from retool import algo
 
-    field = {f.name: f for f in dataclasses.fields(TrainConfig)}["packing"]
-    assert tuple(field.metadata["choices"]) == algo.PACKINGS
+    for packing in algo.PACKINGS:
+        cfg = make_config(TrainConfig, packing=packing)
+        plan = algo.plan_micro_batches([5, 3, 8], token_budget=16, packing=cfg.packing)
+        assert sorted(i for batch in plan for i in batch) == [0, 1, 2], packing
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--packing", "zip"])
+    assert "argument --packing: invalid choice: 'zip'" in capsys.readouterr().err
