@@ -19,6 +19,8 @@ from retool.runs import latest_checkpoint, read_manifest, resolve_init_from
 from tests.tiny import tiny_model_dir
 from tests.tokenizers import qwen25_tokenizer, qwen35_tokenizer, smollm2_tokenizer
 
+pytestmark = pytest.mark.timeout(300)  # the tiny SFT run loads a model
+
 QUESTION = "What is 6 times 7?"
 CODE = 'print(6 * 7)\nprint("done")'
 CALL_JSON = '{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)\\nprint(\\"done\\")"}}'

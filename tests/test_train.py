@@ -21,6 +21,8 @@ from retool.runs import FAILPOINTS_ENV, batch_indices, latest_checkpoint, read_m
 from retool.train import TrainConfig, train
 from tests.tiny import DIGIT_QUESTION, boxed_digit_model_dir
 
+pytestmark = pytest.mark.timeout(300)  # every test here loads a tiny model; the kill-and-resume test has its own, longer limit
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -252,6 +254,7 @@ def problem_order(run: Path) -> list[list[str]]:
     return order
 
 
+@pytest.mark.timeout(900)  # five training processes, each loading the model
 def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
     reference = tmp_path / "reference"
     done = run_cli(cli_args(tmp_path, reference))

@@ -16,6 +16,8 @@ from retool.report import ReportInputError, read_jsonl
 from retool.report import view
 from retool.serialize import trajectory_from_jsonable
 
+pytestmark = pytest.mark.timeout(120)  # the viewer tests start a headless browser
+
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 TOKENIZER = FIXTURES / "tokenizer"
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
