@@ -392,14 +392,10 @@ def test_unreachable_server_raises_after_retries():
 
 
 def _cli(*argv: str) -> int:
-    import argparse
+    """``retool …`` in-process, through retool's real command line."""
+    from retool.cli import main
 
-    from retool.sandbox import cli
-
-    parser = argparse.ArgumentParser(prog="retool")
-    cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(list(argv))
-    return args.func(args)
+    return main(list(argv))
 
 
 def test_cli_run_prints_the_result_as_json(tmp_path, capsys):
