@@ -129,9 +129,31 @@ def _add_flag(parser: Any, f: dataclasses.Field, tp: Any, name: str, dest: str) 
         parser.add_argument(_flag(name), dest=dest, action=argparse.BooleanOptionalAction,
                             default=argparse.SUPPRESS, help=help_text)
         return
-    parser.add_argument(_flag(name), dest=dest, default=argparse.SUPPRESS,
-                        type=lambda s, tp=tp: _parse_value(s, tp),
+    parser.add_argument(_flag(name), dest=dest, default=argparse.SUPPRESS, type=_flag_type(tp),
                         choices=meta.get("choices"), metavar=name.upper(), help=help_text)
+
+
+def _flag_type(tp: Any) -> Any:
+    """The argparse ``type`` of a field: a bad value is reported as argparse does, with the
+    flag and the expected type ("argument --lr: expected a float, got 'abc'")."""
+    def parse(raw: str) -> Any:
+        try:
+            return _parse_value(raw, tp)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {_type_words(tp)}, got {raw!r}") from None
+    return parse
+
+
+def _type_words(tp: Any) -> str:
+    """``float | None`` → "a float (or none)"; ``tuple[str, ...]`` → "a comma-separated list of str"."""
+    base = _base_type(tp)
+    names = {int: "an integer", float: "a float", str: "a string", bool: "a boolean"}
+    if base in (tuple, list):
+        inner = typing.get_args(_strip_optional(tp))
+        words = f"a comma-separated list of {getattr(inner[0], '__name__', 'str') if inner else 'str'}"
+    else:
+        words = names.get(base, getattr(base, "__name__", str(base)))
+    return words + (" (or none)" if type(None) in typing.get_args(tp) else "")
 
 
 def _coerce(cls: type, key: str, value: Any, source: str) -> Any:
@@ -251,7 +273,11 @@ def resumed_config(cls: type[C], args: argparse.Namespace) -> C:
     saved = Path(args.resume) / "config.json"
     if not saved.is_file():
         raise ConfigError(f"--resume {args.resume}: no config.json there (not a run folder)")
-    data = json.loads(saved.read_text())
+    try:
+        data = json.loads(saved.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--resume {args.resume}: config.json is not valid JSON ({err}); restore it "
+                          "from a backup or start a new run") from None
     data["run_dir"] = str(args.resume)
     if hasattr(args, "max_steps"):
         data["max_steps"] = args.max_steps

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from retool import reward
-from retool.atomic import atomic_write_jsonl
+from retool.atomic import UnwritableOutputError, atomic_write_jsonl, writable_folder
 from retool.types import Problem
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,12 @@ DAPO_PREFIX = (
     "to the problem.\n\n"
 )
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+DAPO_SUFFIX_ZH = (
+    "\n让我们一步一步地思考。请以“Answer: \\boxed{<final_answer>}”的格式输出最终答案。"
+    "如果是选择题，请按顺序输出正确的选项，不带任何标点或空格。对于其他类型的问题，请只输出最终答案的数值。"
+)
+"""The instruction suffix of DAPO's Chinese prompts (20 rows of DAPO-Math-17k), stripped like
+the English wrapper."""
 DEV_SIZE = 50
 SEED = 42
 ID_HASH_CHARS = 12
@@ -130,12 +136,14 @@ def normalise(text: str) -> str:
 
 
 def strip_dapo_wrapper(question: str) -> tuple[str, bool]:
-    """Remove DAPO's instruction prefix and suffix; return the text and whether any was there.
+    """Remove DAPO's instruction prefix and suffix (English, or the Chinese
+    ``DAPO_SUFFIX_ZH``); return the text and whether any was there.
 
     Whitespace around the wrapper's parts may differ from ``DAPO_PREFIX``/``DAPO_SUFFIX``.
     """
     text = question.strip()
     inner = text.removeprefix(DAPO_PREFIX.strip()).removesuffix(DAPO_SUFFIX.strip())
+    inner = inner.strip().removesuffix(DAPO_SUFFIX_ZH.strip())
     return inner.strip(), inner != text
 
 
@@ -508,6 +516,18 @@ def check_gold_answers(problems: Sequence[Problem], *,
     return {i: error.reason for i, error in enumerate(errors) if error is not None}
 
 
+def require_usable_golds(path: str | Path, problems: Sequence[Problem]) -> None:
+    """Raise :class:`DataError` naming ``path`` and the first few bad ones unless every gold
+    answer grades correct against itself (see :func:`check_gold_answers`); for ``train`` and
+    ``eval``, before any model loads."""
+    failures = check_gold_answers(problems)
+    if failures:
+        listed = "; ".join(f"{problems[i].id} {problems[i].answer[:40]!r}: {reason}"
+                           for i, reason in sorted(failures.items())[:5])
+        raise DataError(path, f"{len(failures)} gold answer(s) the grader cannot use ({listed}); "
+                              "fix or remove those rows (`retool validate-data` lists them all)")
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -530,7 +550,8 @@ def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
                    "default: the hub dataset")
     p.add_argument("--bundled", action="store_true",
                    help="read the copy of DAPO-Math-17k shipped in the package (17,917 rows, one per "
-                   "original problem, wrapper already removed; no network needed)")
+                   "original problem, English wrapper already removed; the 20 Chinese prompts' "
+                   "instruction suffix is stripped here, so 'DAPO wrappers stripped' reads 20; no network needed)")
     p.add_argument("--output-dir", type=Path, required=True, help="where to write the splits")
     p.add_argument("--dev-size", type=_positive_int, default=DEV_SIZE, help="problems in dev.jsonl (default %(default)s)")
     p.add_argument("--seed", type=int, default=SEED, help="shuffle seed (default %(default)s)")
@@ -575,6 +596,7 @@ def _positive_int(text: str) -> int:
 def _run_prepare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
+        writable_folder(args.output_dir, "--output-dir")
         if args.input is not None and args.bundled:
             raise DataError(args.input, "give either --input or --bundled, not both")
         if args.input is not None:
@@ -588,7 +610,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
         fields = Fields(args.question_field, args.answer_field)
         stats = prepare_dataset(inputs, args.output_dir, fields=fields, dev_size=args.dev_size,
                                 seed=args.seed, id_prefix=args.id_prefix, skip_bad=args.skip_bad)
-    except DataError as e:
+    except (DataError, UnwritableOutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     _print_prepare(stats, inputs, args.output_dir, time.perf_counter() - start)

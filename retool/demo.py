@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retool.algo import PACKINGS
+from retool.atomic import atomic_write_text
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
 from retool.results import EvalSummary
 
@@ -174,8 +175,8 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], rl_dir
     written += plot_training(rl_dir, out / "plots")
     written.append(write_view([out / "eval" / "after-rl.jsonl"], out / "view.html",
                               tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
-    (out / "summary.json").write_text(json.dumps({k: s.to_json() for k, s in summaries.items()}, indent=2) + "\n")
-    (out / "summary.md").write_text(summary_markdown(summaries))
+    atomic_write_text(out / "summary.json", json.dumps({k: s.to_json() for k, s in summaries.items()}, indent=2) + "\n")
+    atomic_write_text(out / "summary.md", summary_markdown(summaries))
     return written
 
 

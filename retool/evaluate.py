@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.data import require_usable_golds
 from retool.engines import EngineCheckpoint, EngineChoice, EngineSampler, Requirements, SamplerRequest, check_supported
 from retool.results import (
     EvalSummary,
@@ -348,7 +349,7 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
               file=sys.stderr)
     counts = Counter()
     if pending:
-        _check_gold_answers(dataset.path, [p for _, p in pending])
+        require_usable_golds(dataset.path, [p for _, p in pending])
         sandbox = cfg.start_sandbox() if cfg.mode == "retool" else None  # before the model: strict refuses early
         try:
             model = model or load_eval_model(cfg, choice)
@@ -372,17 +373,6 @@ def _open_results(cfg: EvalConfig, path: Path, header: ResultsHeader, dataset: D
     except ResultsFileError as err:
         raise EvalError(f"{err} — fix or remove that line, choose another --output, "
                         "or pass --overwrite to discard the file") from None
-
-
-def _check_gold_answers(dataset_path: str, problems: list) -> None:
-    """Refuse, before any sampling, gold answers the grader cannot parse (a data bug)."""
-    from retool.data import DataError
-    from retool.reward import check_golds
-
-    bad = [(p, err) for p, err in zip(problems, check_golds([p.answer for p in problems])) if err is not None]
-    if bad:
-        listed = "; ".join(f"{p.id}: {err}" for p, err in bad[:5])
-        raise DataError(dataset_path, f"{len(bad)} gold answer(s) the grader cannot use ({listed})")
 
 
 async def _sample_pending(cfg: EvalConfig, model: EvalModel, sandbox: Any, pending: list,

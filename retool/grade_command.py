@@ -4,7 +4,9 @@ It streams its input in batches (``--batch-size`` lines graded together, then wr
 keeps output lines in input order, and turns each bad line — invalid JSON or UTF-8, a
 missing or mistyped field, a gold ``math_verify`` cannot parse — into an ``{"line",
 "error"}`` record, a message on stderr and exit code 1, while the other lines are still
-graded. Not here: what an answer is and how it is rewarded (:mod:`retool.reward`), and
+graded. Bad options are refused before any file is opened, and ``--output`` is written
+atomically (:mod:`retool.atomic`): a failed or interrupted run leaves an existing output
+file as it was. Input with no lines to grade is an error (exit code 1), not an empty success. Not here: what an answer is and how it is rewarded (:mod:`retool.reward`), and
 how ``math_verify`` runs (:mod:`retool.grader_pool`; this command owns one pool, sized
 by ``--workers``, for its whole run).
 """
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
+from retool.atomic import atomic_open
 from retool.grader_pool import DEFAULT_TIMEOUT_S, GraderPool
 from retool.reward import ANSWER_WINDOW_CHARS, GoldAnswerError, try_grade_many
 
@@ -40,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--input", type=Path, help="JSONL file to read (default: stdin)")
     parser.add_argument("--output", type=Path, help="JSONL file to write (default: stdout)")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-                        help="wall-clock bound of one verification (default: %(default)s)")
+                        help=f"wall-clock bound of one verification, in (0, {MAX_TIMEOUT_S:g}] seconds "
+                             "(default: %(default)s)")
     parser.add_argument("--workers", type=int, default=None,
                         help="grader processes (default: min(8, CPU count))")
     parser.add_argument("--no-fast-path", action="store_true",
@@ -50,9 +55,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run_grade_command)
 
 
-def _run_grade_command(args: argparse.Namespace) -> int:
+MAX_TIMEOUT_S = 3600.0
+"""The largest ``--timeout-s`` accepted: one verification longer than an hour is a mistake."""
+
+
+def _option_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, checked before any file is opened (``None``: nothing)."""
+    if not (math.isfinite(args.timeout_s) and 0 < args.timeout_s <= MAX_TIMEOUT_S):
+        return f"--timeout-s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {args.timeout_s:g}"
+    if args.workers is not None and args.workers < 1:
+        return f"--workers must be >= 1 (or left out for the default), got {args.workers}"
     if args.batch_size < 1:
-        raise SystemExit("retool grade: --batch-size must be >= 1")
+        return f"--batch-size must be >= 1, got {args.batch_size}"
+    if args.input is not None and not args.input.is_file():
+        return f"--input {args.input}: no such file"
+    return None
+
+
+def _run_grade_command(args: argparse.Namespace) -> int:
+    error = _option_error(args)
+    if error is not None:
+        print(f"retool grade: error: {error}", file=sys.stderr)
+        return 2
     try:
         with (
             _open_in(args.input) as source,
@@ -61,8 +85,12 @@ def _run_grade_command(args: argparse.Namespace) -> int:
         ):
             counts = _grade_stream(pool, source, sink, args.batch_size, args.timeout_s)
     except OSError as error:
-        print(f"retool grade: {error}", file=sys.stderr)
+        print(f"retool grade: error: {error}", file=sys.stderr)
         return 2
+    if counts["lines"] == 0:
+        print(f"retool grade: error: nothing was graded: {args.input or 'stdin'} holds no JSONL lines "
+              '(expected {"response": ..., "gold": ...} per line)', file=sys.stderr)
+        return 1
     print(
         f"retool grade: {counts['lines']} lines, {counts['correct']} correct, "
         f"{counts['unformatted']} without a boxed answer, {counts['grader_errors']} "
@@ -90,7 +118,8 @@ def _open_in(path: Path | None) -> IO[bytes]:
 
 
 def _open_out(path: Path | None) -> IO[str]:
-    return open(path, "w", encoding="utf-8") if path else _Borrowed(sys.stdout)  # type: ignore[return-value]
+    """An existing file is replaced only when grading finishes (:func:`retool.atomic.atomic_open`)."""
+    return atomic_open(path) if path else _Borrowed(sys.stdout)  # type: ignore[return-value]
 
 
 class _Borrowed:

@@ -153,14 +153,15 @@ _PARAMETER_RE = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 def parse_assistant(text: str, fmt: ToolCallFormat) -> ParsedTurn:
     """Split one assistant turn into its text and its tool call, if it attempted one.
 
-    A call attempt is any ``<tool_call>`` after the last ``</think>`` (reasoning is
-    not searched). Exactly one closed call with nothing but whitespace after it, naming
+    A call attempt is any ``<tool_call>`` after the first ``</think>`` (reasoning is
+    not searched; it ends at the first ``</think>``, so the text ``</think>`` inside a
+    call's code never hides the call). Exactly one closed call with nothing but whitespace after it, naming
     ``code_interpreter`` with a single non-empty ``code`` argument, is a
     :class:`~retool.types.ToolCall`; anything else that attempted a call is an
     :class:`~retool.types.InvalidToolCall` with a reason tag and a message for the
     model. ``text`` is the decoded turn without its end-of-turn token.
     """
-    search_from = text.rfind(THINK_CLOSE)
+    search_from = text.find(THINK_CLOSE)
     search_from = 0 if search_from < 0 else search_from + len(THINK_CLOSE)
     start = text.find(CALL_OPEN, search_from)
     if start < 0:

@@ -55,6 +55,10 @@ from retool.types import Trajectory
 MATCHED_HEADER_KEYS = ("model", "checkpoint", "step", "dataset_fingerprint", "mode", "val_n", "seed", "seeded",
                        "chat_template", "dtype", "sampling", "sandbox", "engine")
 """Header fields that must be equal for a run to resume (append to) an existing file."""
+COMPARED_SETTINGS = ("model", "mode", "seed", "seeded", "chat_template", "dtype", "sampling", "sandbox")
+"""Header fields two evals that ``retool compare`` pairs may differ in (tool vs text on the same
+problems is the central comparison); each difference is printed above the table. The problem
+set and the samples per problem (``val_n``) must be equal instead."""
 
 
 class ResultsFileError(ValueError):
@@ -141,8 +145,14 @@ class ResultsHeader:
 
     def differences(self, other: ResultsHeader) -> list[str]:
         """``"key: file has X, this run has Y"`` for each resume-relevant field that differs."""
-        mine, theirs, missing = _flat_matched(self), _flat_matched(other), "(not set)"
-        return [f"{key}: file has {mine.get(key, missing)!r}, this run has {theirs.get(key, missing)!r}"
+        return [f"{key}: file has {mine!r}, this run has {theirs!r}"
+                for key, mine, theirs in self.changed(other, MATCHED_HEADER_KEYS)]
+
+    def changed(self, other: ResultsHeader, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+        """``(key, mine, theirs)`` for each of ``keys`` that differs, nested settings as
+        ``sampling.top_p``; a field one header leaves out reads ``"(not set)"``."""
+        mine, theirs, missing = _flat(self, keys), _flat(other, keys), "(not set)"
+        return [(key, mine.get(key, missing), theirs.get(key, missing))
                 for key in sorted(mine.keys() | theirs.keys()) if mine.get(key, missing) != theirs.get(key, missing)]
 
 
@@ -151,10 +161,10 @@ def _settings(record: type, value: Mapping) -> Any:
     return record(**{k: v for k, v in value.items() if k in names})
 
 
-def _flat_matched(header: ResultsHeader) -> dict:
-    """The matched fields, nested settings as ``sampling.top_p`` (for readable differences)."""
+def _flat(header: ResultsHeader, keys: tuple[str, ...]) -> dict:
+    """The fields ``keys``, nested settings as ``sampling.top_p`` (for readable differences)."""
     out = {}
-    for key in MATCHED_HEADER_KEYS:
+    for key in keys:
         value = getattr(header, key)
         if key == "engine":
             value = value or "local"  # every file written before the engine was recorded

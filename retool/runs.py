@@ -119,9 +119,62 @@ def refuse_existing_run(run_dir: Path, *, resume: bool) -> None:
 
 
 def create_run(run_dir: Path, cfg: Any) -> None:
-    """Create ``run_dir`` (if needed) and write the resolved ``cfg`` to its ``config.json``."""
+    """Create ``run_dir`` (if needed) and write the resolved ``cfg`` to its ``config.json``.
+
+    Called only once every input has been checked and the model has loaded, so a bad input
+    leaves no half-made run folder and a failed ``--resume`` leaves ``config.json`` as it was.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
+
+
+PATH_FIELDS = ("train_data", "data", "model", "init_from", "chat_template")
+"""Config fields that may name a local file or folder; saved absolute (:func:`with_absolute_paths`)."""
+
+
+def with_absolute_paths(cfg: Any) -> Any:
+    """``cfg`` with every :data:`PATH_FIELDS` value that names an existing file or folder made
+    absolute, so ``--resume`` works from any directory. Names (``bundled:smollm2``, hub ids,
+    bundled data sets and templates) are kept as they are."""
+    changes = {}
+    for name in PATH_FIELDS:
+        value = getattr(cfg, name, None)
+        if not isinstance(value, str) or not value or "{" in value:
+            continue  # unset, or inline Jinja source
+        path = Path(value).expanduser()
+        if name == "chat_template" and not (path.suffix in (".jinja", ".j2") or "/" in value):
+            continue  # a bundled template's name
+        if path.exists() and not value.startswith("bundled:"):
+            changes[name] = str(path.resolve())
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def check_model_folder(model: str, flag: str = "--model") -> None:
+    """Refuse a ``model`` written as a local path (absolute, ``./``, ``../``, ``~`` or with more
+    than one ``/``) that is not a folder: a hub id is ``org/name``."""
+    path_like = model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model
+    if path_like and not Path(model).expanduser().is_dir():
+        raise ConfigError(f"{flag} {model}: no such folder; give a model folder, a Hugging Face id "
+                          "(org/name) or bundled:smollm2")
+
+
+def data_fingerprint(path: Path) -> dict[str, str]:
+    """``{"path": absolute path, "sha256": of its bytes}``: what a run records of its data file."""
+    path = Path(path).resolve()
+    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def check_same_data(run_dir: Path, record: str, fingerprint: dict[str, str]) -> None:
+    """Refuse a resume whose data file differs from the one the run started with (recorded in
+    ``RUN_DIR/record`` as :func:`data_fingerprint` wrote it; nothing recorded: nothing to compare)."""
+    saved_path = Path(run_dir) / record
+    if not saved_path.is_file():
+        return
+    saved = json.loads(saved_path.read_text())
+    if saved.get("sha256") != fingerprint["sha256"]:
+        raise ConfigError(f"{fingerprint['path']} changed since {run_dir} started (sha256 "
+                          f"{str(saved.get('sha256'))[:12]} → {fingerprint['sha256'][:12]}); a resumed run must see "
+                          f"the same data: restore the file, or start a new run with another --run-dir")
 
 
 def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) -> Path:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import sys
@@ -468,11 +467,15 @@ def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SF
 def sft(cfg: SFTConfig, *, resume: bool = False) -> Path:
     """Run (or resume) SFT as configured; return the run folder."""
     run_dir = Path(cfg.run_dir)
+    cfg = runs.with_absolute_paths(cfg)
     runs.refuse_existing_run(run_dir, resume=resume)
     dialogues = load_dialogues(cfg.data)  # data errors surface before the model loads
-    data_info = _check_data_file(run_dir, cfg.data, resume)
-    runs.create_run(run_dir, cfg)
+    runs.check_model_folder(cfg.model)
+    data_info = runs.data_fingerprint(Path(cfg.data))
+    if resume:
+        runs.check_same_data(run_dir, "sft_data.json", data_info)
     run, data = build_run(cfg, dialogues)
+    runs.create_run(run_dir, cfg)  # only now: a failed start or resume leaves the folder as it was
     _report_data(run_dir, data, data_info)
     runs.run_steps(runs.StepLoop(
         run_dir, cfg, run.total_steps, run.engine, step=lambda step: sft_step(run, step),
@@ -485,18 +488,6 @@ def sft(cfg: SFTConfig, *, resume: bool = False) -> Path:
 
 def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
     return {"loss": metrics["sft/loss"], "lr": metrics["sft/lr"]}
-
-
-def _check_data_file(run_dir: Path, data_path: str, resume: bool) -> dict[str, str]:
-    """The data file's checksum; on resume it must equal the one the run started with."""
-    digest = hashlib.sha256(Path(data_path).read_bytes()).hexdigest()
-    saved = run_dir / "sft_data.json"
-    if resume and saved.is_file():
-        before = json.loads(saved.read_text())["sha256"]
-        if before != digest:
-            raise ConfigError(f"{data_path} changed since {run_dir} started (sha256 {before[:12]} → "
-                              f"{digest[:12]}); a resumed run must see the same data")
-    return {"path": str(data_path), "sha256": digest}
 
 
 def _report_data(run_dir: Path, data: SFTData, data_info: dict[str, str]) -> None:

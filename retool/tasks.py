@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retool.atomic import atomic_write_jsonl
+from retool.atomic import UnwritableOutputError, atomic_write_jsonl, writable_folder
 from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
 from retool.types import Problem
 
@@ -341,11 +341,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run_task_data(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     try:
+        writable_folder(args.output.parent, "--output")
         if args.split == "sft":
             rows: list[dict[str, Any]] = make_sft_conversations(args.n, args.seed, kinds=kinds)
         else:
             rows = [_problem_row(p) for p in make_problems(args.n, args.seed, args.split, kinds)]
-    except ValueError as err:
+    except (ValueError, UnwritableOutputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     count = write_jsonl(args.output, rows)

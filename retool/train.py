@@ -17,7 +17,11 @@ checkpoint are dropped.
 Failures: a sampler or template error is reported with the step and problem id; a
 rollout that fails is retried ``max_retries`` times (transient service errors), then
 the run stops; a non-finite loss or gradient stops the run without applying the
-update. Bad config values are rejected before any model loads.
+update. Bad config values, a missing or empty ``--train-data``, an unusable gold answer,
+a ``--model`` folder that does not exist and, on ``--resume``, a data file that changed
+since the run started are all rejected before any model loads (:func:`check_inputs`);
+the run folder is written only once the model has loaded, so a failed start leaves no
+half-made run and a failed resume leaves ``config.json`` as it was.
 
 Not covered here: the engines themselves (:mod:`retool.engines`), multi-node
 training (the verl integration), a KL penalty or a reference model (ReTool trains
@@ -296,18 +300,58 @@ async def _rollout_groups(trainer: Trainer, problems: list, step: int, round_: i
 # ---------------------------------------------------------------- building a run
 
 
-def build_trainer(cfg: TrainConfig) -> Trainer:
-    """Load data, engine, renderer, sandbox and rollout for ``cfg``."""
+TRAIN_DATA_RECORD = "train_data.json"
+"""The run folder's record of its training data: absolute path and sha256 (:func:`runs.data_fingerprint`)."""
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What :func:`check_inputs` read and found usable."""
+
+    problems: list
+    fingerprint: dict[str, str]
+
+
+def check_inputs(cfg: TrainConfig, *, resume: bool = False) -> CheckedInputs:
+    """Check every input of a run before any model loads or any file is written: no other
+    run in the folder (unless resuming), the ``--model`` folder, the data file (present, not
+    empty, unchanged since the run started when resuming) and every gold answer.
+
+    Raises :class:`ConfigError` or :class:`retool.data.DataError`, each one line that says
+    what to fix.
+    """
+    from retool.data import DataError, read_problems, require_usable_golds
+
+    runs.refuse_existing_run(Path(cfg.run_dir), resume=resume)
+    try:
+        data = read_problems(cfg.train_data)
+    except DataError as err:
+        raise ConfigError(f"--train-data {err}; give a JSONL/parquet file of problems "
+                          "(`retool prepare-data` writes one) or a bundled set") from None
+    runs.check_model_folder(cfg.model)
+    fingerprint = runs.data_fingerprint(data.path)
+    if resume:
+        runs.check_same_data(Path(cfg.run_dir), TRAIN_DATA_RECORD, fingerprint)
+    require_usable_golds(data.path, data.problems)
+    return CheckedInputs(list(data.problems), fingerprint)
+
+
+def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
+    """Load data (unless given), engine, renderer, sandbox and rollout for ``cfg``."""
     from retool.data import load_problems
     from retool.render import Renderer
     from retool.reward import agrade
     from retool.rollout import Rollout
 
-    problems = load_problems(cfg.train_data)
+    problems = load_problems(cfg.train_data) if problems is None else problems
     tools = cfg.mode == "retool"
     sandbox = cfg.start_sandbox() if tools else None  # before the model: strict refuses early
     try:
         engine = runs.load_engine(cfg, cfg.seed)
+    except OSError as err:  # a model the engine cannot find or read: one line, not a traceback
+        if sandbox is not None:
+            sandbox.close()
+        raise ConfigError(" ".join(str(err).split())) from err
     except BaseException:
         if sandbox is not None:
             sandbox.close()
@@ -321,11 +365,15 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
     """Run (or resume) RL training as configured; return the run folder."""
+    from retool.atomic import atomic_write_json
+
     run_dir = Path(cfg.run_dir)
-    runs.refuse_existing_run(run_dir, resume=resume)
-    runs.create_run(run_dir, cfg)
-    trainer = build_trainer(cfg)
+    cfg = runs.with_absolute_paths(cfg)
+    inputs = check_inputs(cfg, resume=resume)
+    trainer = build_trainer(cfg, inputs.problems)
     try:
+        runs.create_run(run_dir, cfg)
+        atomic_write_json(run_dir / TRAIN_DATA_RECORD, {**inputs.fingerprint, "problems": len(inputs.problems)})
         runs.run_steps(runs.StepLoop(
             run_dir, cfg, cfg.max_steps, trainer.engine, step=lambda step: _step_with_trajectories(trainer, run_dir, step),
             progress_fields=_progress_fields, checkpoint_state=trainer.checkpoint_state,
@@ -368,6 +416,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_train_command(args: argparse.Namespace) -> int:
+    from retool.data import DataError
     from retool.sandbox import SandboxUnavailableError
 
     try:
@@ -376,7 +425,7 @@ def _run_train_command(args: argparse.Namespace) -> int:
         else:
             cfg = config_from_args(TrainConfig, args)
         run_dir = train(cfg, resume=bool(args.resume))
-    except (ConfigError, StepError, FileNotFoundError, SandboxUnavailableError) as err:
+    except (ConfigError, DataError, StepError, FileNotFoundError, SandboxUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"run folder: {run_dir}")

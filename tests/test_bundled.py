@@ -8,6 +8,8 @@ import pytest
 
 from retool import bundled
 
+pytestmark = pytest.mark.timeout(300)  # converting and loading the bundled SmolLM2
+
 
 def test_missing_wheel_names_the_install_command(monkeypatch):
     monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)

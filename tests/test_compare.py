@@ -87,3 +87,53 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     partial.write_text("\n".join(kept) + "\n")
     result = compare(EVAL / "base.jsonl", partial)
     assert result.problems == 3 and result.only_before == 1
+
+
+def _edited(tmp_path: Path, source: Path, name: str, edit) -> Path:
+    """A copy of an eval results file with ``edit(row)`` applied to each parsed line."""
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    out = tmp_path / name
+    out.write_text("".join(json.dumps(edit(row)) + "\n" for row in rows))
+    return out
+
+
+def _header(**changes):
+    return lambda row: {**row, **changes} if row["type"] == "header" else row
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("other-fingerprint", None, "evaluate different problem sets (dataset aime25 aaaaaaaaaaaa, 4 problems vs "
+                                "aime25 bbbbbbbbbbbb, 4 problems)"),
+    ("other-answer", lambda row: {**row, "answer": "999"} if row.get("problem_id") == "rem-2-100" else row,
+     "problem 'rem-2-100' has another answer in each"),
+    ("other-problems", lambda row: {**row, "problem_id": "renamed"} if row.get("problem_id") == "rem-2-100" else row,
+     "evaluate different problem sets: 2 problem(s) in only one of them"),
+    ("other-val-n", _header(val_n=8), "draw different numbers of samples per problem (val_n 4 vs 8)"),
+    ("fewer-samples", lambda row: {**row, "samples": row["samples"][:2]} if row["type"] == "problem" else row,
+     "draw different numbers of samples per problem (4 vs 2 for"),
+])
+def test_evals_of_different_problems_or_sample_counts_are_refused(name, edit, message, tmp_path, capsys):
+    before = EVAL / "base.jsonl"
+    if name == "other-fingerprint":
+        before = _edited(tmp_path, before, "before.jsonl", _header(dataset_fingerprint="a" * 64, dataset_problems=4))
+        edit = _header(dataset_fingerprint="b" * 64, dataset_problems=4)
+    after = _edited(tmp_path, EVAL / "step-100.jsonl", f"{name}.jsonl", edit)
+    assert main(["compare", str(before), str(after)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_legitimate_differences_are_printed_above_the_table(tmp_path, capsys):
+    sampling = {"temperature": 0.6, "top_p": 0.7, "max_trajectory_tokens": 8192}
+    after = _edited(tmp_path, EVAL / "base-text.jsonl", "text.jsonl", _header(model="other/model", sampling=sampling))
+    assert main(["compare", str(EVAL / "base.jsonl"), str(after)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table_start = next(i for i, line in enumerate(lines) if line.startswith("| metric"))
+    assert set(lines[1:table_start]) == {
+        "differs: mode: 'retool' before, 'text' after",
+        "differs: model: 'fixture/tiny' before, 'other/model' after",
+        "differs: sampling.temperature: 1.0 before, 0.6 after"}
+    assert main(["compare", str(EVAL / "base.jsonl"), str(after), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["differences"]["mode"] == {"before": "retool", "after": "text"}
+    assert main(["compare", str(EVAL / "base.jsonl"), str(EVAL / "step-100.jsonl")]) == 0
+    assert "differs:" not in capsys.readouterr().out  # same settings: nothing printed

@@ -89,3 +89,18 @@ def test_choices_rejected_by_argparse():
 def test_dict_round_trip():
     cfg = parse(["--lr", "0.5"])
     assert config_from_dict(DemoConfig, config_to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--lr", "abc"], "argument --lr: expected a float, got 'abc'"),
+    (["train", "--batch-size", "1.5"], "argument --batch-size: expected an integer, got '1.5'"),
+    (["eval", "--temperature", "hot"], "argument --temperature: expected a float, got 'hot'"),
+])
+def test_a_bad_flag_value_names_the_flag_and_the_expected_type(argv, message, capsys):
+    from retool.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "<lambda>" not in err

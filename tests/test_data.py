@@ -28,6 +28,12 @@ def run_cli(argv: list[str]) -> int:
     return main(argv)
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
@@ -119,10 +125,14 @@ def test_prepare_bundled_dapo_reproduces_spec_counts(tmp_path, capsys):
     assert run_cli(["prepare-data", "--bundled", "--output-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "read 17,917 rows" in printed and "distinct problems:           17,188" in printed
+    assert "DAPO wrappers stripped:      20" in printed  # the Chinese prompts' suffix
     assert "dropped: 12 problems" in printed
     train, dev = check_splits(tmp_path)
     assert (len(train), len(dev)) == (17_126, 50)
     assert len(read_jsonl(tmp_path / "conflicts.jsonl")) == 12
+    assert not any("请以“Answer" in r["question"] for r in train + dev)
+    for split in ("train.jsonl", "dev.jsonl", "conflicts.jsonl"):  # the normal umask, not 0600
+        assert (tmp_path / split).stat().st_mode & 0o777 == 0o666 & ~current_umask()
     if FULL_DAPO.is_file():  # the shared copy gives byte-identical splits
         run_cli(["prepare-data", "--input", str(FULL_DAPO), "--output-dir", str(tmp_path / "shared")])
         for split in ("train.jsonl", "dev.jsonl"):
@@ -160,6 +170,23 @@ def test_prepare_refuses_too_few_problems(tmp_path):
 def test_strip_dapo_wrapper():
     assert data.strip_dapo_wrapper(DAPO_PREFIX + "What is 1+1?" + DAPO_SUFFIX) == ("What is 1+1?", True)
     assert data.strip_dapo_wrapper("Solve the following equation: x=1") == ("Solve the following equation: x=1", False)
+
+
+def test_prepare_into_an_unwritable_folder_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    assert run_cli(["prepare-data", "--input", str(SAMPLE), "--output-dir", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write --output-dir") and len(err.strip().splitlines()) == 1
+    assert blocker.read_text() == "keep me"
+
+
+def test_strip_dapo_wrapper_chinese_suffix():
+    question = "求 1+1 的值。"
+    assert data.strip_dapo_wrapper(question + data.DAPO_SUFFIX_ZH) == (question, True)
+    # a question that merely mentions the format keeps its text
+    own = "请以分数形式 \\(\\frac{k}{m}\\) 作答，并给出 \\(k + m\\) 的值。"
+    assert data.strip_dapo_wrapper(own) == (own, False)
 
 
 # ---------------------------------------------------------------- the hub, offline

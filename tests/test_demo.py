@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from retool.cli import main as cli_main
 from retool.demo import STAGES, DemoConfig
 from tests.tiny import small_vocab_model_dir
+
+pytestmark = pytest.mark.timeout(900)  # the demo test runs every stage: SFT, RL and three evals
 
 TINY_ARGS = ["--quick", "--sft-dialogues", "16", "--sft-steps", "2", "--rl-problems", "8", "--rl-steps", "2",
              "--eval-problems", "2", "--eval-samples", "2", "--max-turn-tokens", "16",

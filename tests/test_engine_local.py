@@ -24,6 +24,8 @@ from retool.engines.local import decoding, hf_compat, trainer
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 from retool.types import StopReason
 
+pytestmark = pytest.mark.timeout(300)  # the local engine's tests load models
+
 VOCAB = 64
 EOS = 1
 

@@ -22,7 +22,6 @@ from retool.engines import (
     check_supported,
     run_now,
 )
-from retool.evaluate import EvalConfig
 from retool.rollout import RolloutError
 from retool.train import TrainConfig
 from retool.types import Problem
@@ -66,9 +65,10 @@ def test_saved_configs_without_a_section_still_load():
 
 
 def test_help_shows_each_section_under_its_own_heading(capsys):
-    parser = argparse.ArgumentParser()
-    add_config_args(parser, EvalConfig)
-    parser.print_help()
+    from retool.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
     out = capsys.readouterr().out
     assert "local settings:" in out and "--local-kv-cache-mb" in out
 

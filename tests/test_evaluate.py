@@ -36,6 +36,8 @@ from tests.scripted import ScriptedSampler
 from tests.tiny import tiny_model_dir
 from tests.tokenizers import qwen25_tokenizer
 
+pytestmark = pytest.mark.timeout(300)  # evals load a tiny model (one kills and reruns an eval in a subprocess)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -225,18 +227,16 @@ def test_resume_after_a_torn_line_samples_only_missing_problems(tiny, baseline, 
 
 
 CLI = """
-import argparse, asyncio, sys
+import asyncio, sys
 from retool import evaluate
+from retool.cli import main
 # A slower sampler (0.5 s per request) so the test can kill the eval between problems.
 fast = evaluate.ProblemSampler.sample
 async def slow(self, *args):
     await asyncio.sleep(0.5)
     return await fast(self, *args)
 evaluate.ProblemSampler.sample = slow
-p = argparse.ArgumentParser(prog="retool")
-evaluate.register(p.add_subparsers())
-a = p.parse_args(sys.argv[1:])
-sys.exit(a.func(a))
+sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -310,14 +310,9 @@ def test_checkpoint_eval_loads_the_adapter_and_the_runs_template(tiny, baseline,
 
 
 def test_cli_reports_a_missing_checkpoint_clearly(tmp_path, capsys):
-    import argparse
+    from retool.cli import main
 
-    from retool.evaluate import register
-
-    parser = argparse.ArgumentParser(prog="retool")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["eval", "--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "o.jsonl")])
-    assert args.func(args) == 2
+    assert main(["eval", "--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "o.jsonl")]) == 2
     assert "no such folder" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
 

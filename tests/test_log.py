@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from retool.log import MetricsLogger, SinkUnavailable, StepProgress, check_sinks, read_metrics
@@ -68,19 +71,62 @@ def test_tensorboard_sink_writes_events(tmp_path):
 
 def test_wandb_offline_run_records_metrics(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
+    pytest.importorskip("swanlab")  # its W&B importer reads the offline log back
+    from wandb.proto import wandb_internal_pb2
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     with MetricsLogger(tmp_path, sinks=("jsonl", "wandb"), run_name="t", config={"lr": 1.0}) as log:
         log.log(1, {"reward/mean": 0.5})
-    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+        log.log(2, {"reward/mean": 0.75})
+    (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    for _ in range(100):  # wandb's service may still be writing the log when finish() returns
+        records = [wandb_internal_pb2.Record.FromString(raw)
+                   for raw in _datastore_records(path, "swanlab.converter.wb.wbdatastore", "WBDataStoreReader")]
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            break
+        time.sleep(0.1)
+    rows = []
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            rows.append((items["_step"], items["reward/mean"]))
+    assert rows == [(1, 0.5), (2, 0.75)], (kinds, path.stat().st_size)
 
 
 def test_swanlab_offline_run_records_metrics(tmp_path, monkeypatch):
     pytest.importorskip("swanlab")
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+
     monkeypatch.setenv("SWANLAB_MODE", "offline")
     with MetricsLogger(tmp_path, sinks=("jsonl", "swanlab"), run_name="t") as log:
         log.log(1, {"reward/mean": 0.5})
-    assert any((tmp_path / "swanlog").rglob("*"))
+        log.log(2, {"reward/mean": 0.75})
+    (path,) = (tmp_path / "swanlog").glob("run-*/run-*.swanlab")
+    rows = []
+    for raw in _datastore_records(path, "swanlab.sdk.internal.core_python.store", "DataStoreReader"):
+        record = Record()
+        record.ParseFromString(raw)
+        if record.HasField("scalar") and record.scalar.key == "reward/mean":
+            rows.append((record.scalar.step, record.scalar.value.number))
+    assert rows == [(1, 0.5), (2, 0.75)]
+
+
+def _datastore_records(path, module: str, reader: str) -> list[bytes]:
+    """Every record of a W&B / SwanLab offline log (LevelDB log format), read back with the
+    reader swanlab ships (its W&B importer reads ``.wandb`` files)."""
+    import importlib
+
+    store = getattr(importlib.import_module(module), reader)()
+    records = []
+    store.open(path)
+    try:
+        while (raw := store.scan()) is not None:
+            records.append(raw)
+    finally:
+        store.close()
+    return records
 
 
 def test_progress_prints_plain_lines_off_terminal(capsys):

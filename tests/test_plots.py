@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -18,13 +17,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_cli(argv: list[str]) -> int:
-    """``retool …`` in-process (through retool.cli once the lead registers the module)."""
-    if "retool.report.plots" in cli.COMMAND_MODULES:
-        return cli.main(argv)
-    parser = argparse.ArgumentParser(prog="retool")
-    plots.register(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """``retool …`` in-process, through retool's real command line."""
+    return cli.main(argv)
 
 
 def _assert_images(paths: list[Path]) -> None:
@@ -95,6 +89,17 @@ def test_no_matching_results_is_a_clear_error(eval_dir, tmp_path, capsys):
         plots.plot_checkpoints(eval_dir, tmp_path, dataset="math500")
     assert run_cli(["plot", "checkpoints", str(tmp_path / "missing")]) == 1
     assert "not a folder of eval results" in capsys.readouterr().err
+
+
+def test_unwritable_output_folder_is_one_line(eval_dir, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    for kind, source in (("checkpoints", eval_dir), ("training", FIXTURES / "run")):
+        assert run_cli(["plot", kind, str(source), "--out", str(blocker / "plots")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot write --out") and len(err.strip().splitlines()) == 1
+    assert blocker.read_text() == "keep me"
+    assert not (FIXTURES / "run" / "plots").exists()
 
 
 def test_corrupt_eval_line_names_file_and_line(eval_dir, tmp_path):

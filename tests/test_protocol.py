@@ -165,6 +165,14 @@ def test_calls_inside_reasoning_are_not_calls(fmt, make):
     assert parse_assistant(after, fmt).call.code == "print(2)"
 
 
+@pytest.mark.parametrize("fmt, make", [(HERMES, hermes_call), (XML, xml_call)])
+def test_think_close_inside_code_does_not_hide_the_call(fmt, make):
+    code = 'print("</think>")'
+    for text in (f"<think>\nplan\n</think>\n\n{make(code)}", f"plan\n</think>\n{make(code)}"):
+        turn = parse_assistant(text, fmt)
+        assert turn.attempted_call and turn.call.code == code, text
+
+
 # ---------------------------------------------------------------- parsing: adversarial
 
 ADVERSARIAL = {

@@ -11,7 +11,6 @@ reward the seed's numbers were measured with.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import io
@@ -21,12 +20,11 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from retool import grade_command, grader_pool, reward
+from retool import grader_pool, reward
 from retool.grader_pool import GraderPool
 from retool.reward import GoldAnswerError, extract_boxed
 
@@ -182,11 +180,14 @@ def slow_pool():
         yield grader
 
 
-def test_table_is_big_enough():
-    per_category = Counter(row[0] for row in TABLE)
-    assert len(TABLE) >= 60
-    assert min(per_category.values()) >= 4, per_category
-    assert len(per_category) == 18
+def test_correct_table_rows_are_wrong_against_another_gold(pool):
+    """The table's "correct" verdicts are not a grader that says yes to anything: each
+    response it grades correct is wrong (and still formatted) against a different gold."""
+    rows = [row for row in TABLE if row[3]]
+    grades = reward.grade_many([r[1] for r in rows], ["987654321"] * len(rows), pool=pool)
+    wrong = [f"{row[0]}: {row[1][-60:]!r}" for row, g in zip(rows, grades)
+             if g.correct or not g.formatted or g.reward != -1.0]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_table_verdicts(pool):
@@ -353,12 +354,12 @@ def test_closed_pool_refuses_work_and_reaps_workers():
 
 
 def _run_cli(argv, stdin_text=None, monkeypatch=None):
-    parser = argparse.ArgumentParser()
-    grade_command.register(parser.add_subparsers())
-    args = parser.parse_args(["grade", *argv])
+    """``retool grade …`` through retool's real command line."""
+    from retool.cli import main
+
     if stdin_text is not None:
         monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
-    return args.func(args)
+    return main(["grade", *argv])
 
 
 def test_cli_grades_file_in_order_and_reports_bad_lines(tmp_path, capsys):
@@ -399,3 +400,38 @@ def test_cli_reads_stdin_writes_stdout(monkeypatch, capsys):
     assert _run_cli(["--batch-size", "2"], stdin_text=text, monkeypatch=monkeypatch) == 0
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["correct"] for r in out] == [False, False, False, True, False]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timeout-s", "0"], "--timeout-s must be a number of seconds in (0, 3600], got 0"),
+    (["--timeout-s", "-1"], "--timeout-s must be a number of seconds in (0, 3600], got -1"),
+    (["--timeout-s", "nan"], "--timeout-s must be a number of seconds in (0, 3600], got nan"),
+    (["--timeout-s", "inf"], "--timeout-s must be a number of seconds in (0, 3600], got inf"),
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_cli_bad_options_leave_the_output_untouched(flags, message, tmp_path, capsys):
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"response": B("1"), "gold": "1"}) + "\n")
+    target.write_text("earlier results\n")
+    assert _run_cli(["--input", str(source), "--output", str(target), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"retool grade: error: {message}") and len(err.strip().splitlines()) == 1
+    assert target.read_text() == "earlier results\n"
+
+
+def test_cli_missing_input_leaves_the_output_untouched(tmp_path, capsys):
+    target = tmp_path / "out.jsonl"
+    target.write_text("earlier results\n")
+    assert _run_cli(["--input", str(tmp_path / "nope.jsonl"), "--output", str(target)]) == 2
+    assert "no such file" in capsys.readouterr().err and target.read_text() == "earlier results\n"
+
+
+def test_cli_empty_input_says_nothing_was_graded(tmp_path, monkeypatch, capsys):
+    source = tmp_path / "empty.jsonl"
+    source.write_text("\n\n")
+    assert _run_cli(["--input", str(source)]) == 1
+    assert "nothing was graded" in capsys.readouterr().err
+    assert _run_cli([], stdin_text="", monkeypatch=monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert "nothing was graded: stdin holds no JSONL lines" in err and len(err.strip().splitlines()) == 1

@@ -44,6 +44,44 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]
 
 
+def _kill_before_rename(monkeypatch):
+    """Make every atomic write die just before its rename, as a kill at that moment would."""
+    import retool.atomic
+
+    def killed(src, dst):
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(retool.atomic.os, "replace", killed)
+
+
+def test_config_view_and_demo_summaries_survive_a_kill_mid_write(tmp_path, monkeypatch):
+    """config.json, sft_data.json (atomic_write_json), view.html and the demo's summary files
+    are rewritten atomically: a kill during the write leaves the previous content whole."""
+    from retool import demo
+    from retool.config import save_config
+    from retool.report import view
+    from retool.sft import SFTConfig
+
+    for name in ("config.json", "view.html", "summary.json", "summary.md"):
+        (tmp_path / name).write_text(f"previous {name}")
+    monkeypatch.setattr("retool.report.plots.plot_checkpoints", lambda *a, **k: [])
+    monkeypatch.setattr("retool.report.plots.plot_training", lambda *a, **k: [])
+    monkeypatch.setattr("retool.report.view.write_view", lambda *a, **k: tmp_path / "view.html")
+    _kill_before_rename(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        save_config(SFTConfig(), tmp_path / "config.json")
+    with pytest.raises(KeyboardInterrupt):
+        demo.report(demo.DemoConfig(), tmp_path, {}, tmp_path)
+    monkeypatch.undo()
+    _kill_before_rename(monkeypatch)
+    fixtures = Path(__file__).parent / "fixtures" / "report" / "run"
+    with pytest.raises(KeyboardInterrupt):
+        view.write_view([fixtures], tmp_path / "view.html")
+    for name in ("config.json", "view.html", "summary.json", "summary.md"):
+        assert (tmp_path / name).read_text() == f"previous {name}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "summary.json", "summary.md", "view.html"]
+
+
 def test_jsonl_counts_rows_keeps_unicode_and_compresses(tmp_path):
     assert atomic_write_jsonl(tmp_path / "a.jsonl", [{"q": "π"}, {"q": "x"}]) == 2
     assert (tmp_path / "a.jsonl").read_text(encoding="utf-8") == '{"q": "π"}\n{"q": "x"}\n'

@@ -319,18 +319,38 @@ time.sleep(0.3)
 
 
 def test_cannot_signal_the_trainer_or_the_warm_parent(sb):
+    """The snippet really runs and really tries: SIGTERM, SIGKILL and SIGSTOP to the trainer's
+    and the warm parent's PIDs, to every process it can see in its own /proc, and to -1; it
+    reports each outcome. None may reach the trainer (which would notice a SIGTERM) or the
+    warm parent. (Process group 0 is left out: that is the snippet itself.)"""
     zygote_pid = sb._zygote.proc.pid
     code = f"""
 import os, signal
-for target in ({os.getpid()}, {zygote_pid}, 1, 0, -1):
-    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
+me = os.getpid()
+visible = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
+print("visible", *visible)
+for target in ({os.getpid()}, {zygote_pid}, *visible, -1):
+    outcomes = []
+    for sig in (signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):
         try:
             os.kill(target, sig)
-        except OSError:
-            pass
+            outcomes.append("sent")
+        except OSError as err:
+            outcomes.append(type(err).__name__)
+    print(target, *outcomes)
 print("survived")
 """
-    run(sb, code)
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        res = run(sb, code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    lines = {line.split()[0]: line.split()[1:] for line in res.stdout.splitlines()}
+    assert res.ok and "survived" in lines, res.observation  # the snippet ran to its end
+    for pid in (os.getpid(), zygote_pid):
+        assert len(lines[str(pid)]) == 3 and "sent" not in lines[str(pid)], res.stdout
+    assert received == [], "a signal from the sandbox reached the trainer"
     assert sb._zygote.proc.poll() is None and sb.metrics(reset=False)["sandbox/worker_restarts"] == 0
     assert run(sb, "print('still serving')").stdout == "still serving\n"
 

@@ -44,6 +44,8 @@ from retool.sandbox.server import (
 )
 from retool.types import ExecStatus, ExecutionResult
 
+pytestmark = pytest.mark.timeout(120)  # these tests start sandbox servers
+
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = SummaryMapping(Success="ok", Failed="failed", RunFailed="run_failed", RunTimeout="run_timeout")
 

@@ -3,12 +3,12 @@ and a tiny-model run whose checkpoint ``retool train --init-from`` resolves and 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
 from retool import sft
+from retool.cli import main as cli_main
 from retool.algo import make_datum
 from retool.config import ConfigError
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
@@ -18,6 +18,8 @@ from retool.render import Renderer
 from retool.runs import latest_checkpoint, read_manifest, resolve_init_from
 from tests.tiny import tiny_model_dir
 from tests.tokenizers import qwen25_tokenizer, qwen35_tokenizer, smollm2_tokenizer
+
+pytestmark = pytest.mark.timeout(300)  # the tiny SFT run loads a model
 
 QUESTION = "What is 6 times 7?"
 CODE = 'print(6 * 7)\nprint("done")'
@@ -226,10 +228,9 @@ def test_learning_rate_schedules_by_hand():
 # ---------------------------------------------------------------- a tiny run
 
 
-def _cli():
-    parser = argparse.ArgumentParser()
-    sft.register(parser.add_subparsers())
-    return parser
+def run_cli(argv: list[str]) -> int:
+    """``retool …`` in-process, through retool's real command line."""
+    return cli_main(argv)
 
 
 def test_tiny_sft_run_lowers_the_loss_and_rl_can_start_from_it(tmp_path, capsys):
@@ -239,8 +240,7 @@ def test_tiny_sft_run_lowers_the_loss_and_rl_can_start_from_it(tmp_path, capsys)
     flags = ["sft", "--model", str(tiny_model_dir()), "--chat-template", "hermes", "--data", str(data),
              "--run-dir", str(run_dir), "--batch-size", "2", "--max-steps", "3", "--save-every", "2",
              "--lora-rank", "8", "--lora-alpha", "16", "--lr", "0.02"]
-    args = _cli().parse_args(flags)
-    assert args.func(args) == 0
+    assert run_cli(flags) == 0
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["sft/loss"] < rows[0]["sft/loss"]
@@ -257,26 +257,24 @@ def test_tiny_sft_run_lowers_the_loss_and_rl_can_start_from_it(tmp_path, capsys)
     assert trained.forward_backward(datums, "cross_entropy").metrics["train/loss"] < rows[0]["sft/loss"] - 0.1
 
     # resume: extend the run by one step; the saved config and data are used
-    args = _cli().parse_args(["sft", "--resume", str(run_dir), "--max-steps", "4"])
-    assert args.func(args) == 0
+    assert run_cli(["sft", "--resume", str(run_dir), "--max-steps", "4"]) == 0
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     assert latest_checkpoint(run_dir)[0] == 4
 
+    config_before = (run_dir / "config.json").read_bytes()
     data.write_text(json.dumps(openai_row()) + "\n")
-    args = _cli().parse_args(["sft", "--resume", str(run_dir), "--max-steps", "5"])
-    assert args.func(args) == 2
+    assert run_cli(["sft", "--resume", str(run_dir), "--max-steps", "5"]) == 2
     assert "changed since" in capsys.readouterr().err
-    args = _cli().parse_args(flags)
-    assert args.func(args) == 2
+    assert (run_dir / "config.json").read_bytes() == config_before  # a failed resume changes nothing
+    assert run_cli(flags) == 2
     assert "already holds a run" in capsys.readouterr().err
 
 
 def test_bad_data_fails_before_the_model_loads(tmp_path, capsys):
     data = tmp_path / "sft.jsonl"
     data.write_text(json.dumps(_edit(2, role="bot")) + "\n")
-    args = _cli().parse_args(["sft", "--model", str(tmp_path / "no-such-model"), "--data", str(data),
-                              "--run-dir", str(tmp_path / "run")])
-    assert args.func(args) == 2
+    assert run_cli(["sft", "--model", str(tmp_path / "no-such-model"), "--data", str(data),
+                              "--run-dir", str(tmp_path / "run")]) == 2
     assert f"{data}:1: message 2: unknown role 'bot'" in capsys.readouterr().err
 
 

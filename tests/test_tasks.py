@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 
 import pytest
 
@@ -124,15 +124,31 @@ def test_a_generator_bug_is_caught_by_the_sandbox_check():
 
 
 def test_cli_writes_dialogues_and_loadable_problems(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    tasks.register(parser.add_subparsers())
+    from retool.cli import main
+
     for split, n in (("sft", 3), ("test", 5)):
         out = tmp_path / f"{split}.jsonl"
-        args = parser.parse_args(["task-data", "--split", split, "--n", str(n), "--output", str(out)])
-        assert args.func(args) == 0
+        assert main(["task-data", "--split", split, "--n", str(n), "--output", str(out)]) == 0
         assert len(out.read_text().splitlines()) == n
+        assert out.stat().st_mode & 0o777 == 0o666 & ~_umask()  # the normal umask, not 0600
     problems = load_problems(tmp_path / "test.jsonl")
     assert [p.id for p in problems] == [p.id for p in tasks.make_problems(5, 0, "test")]
-    args = parser.parse_args(["task-data", "--kinds", "nope", "--output", str(tmp_path / "x.jsonl")])
-    assert args.func(args) == 2
+    assert main(["task-data", "--kinds", "nope", "--output", str(tmp_path / "x.jsonl")]) == 2
     assert "unknown problem kind" in capsys.readouterr().err
+
+
+def test_cli_unwritable_output_is_one_line(tmp_path, capsys):
+    from retool.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    assert main(["task-data", "--split", "test", "--n", "2", "--output", str(blocker / "x.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write") and len(err.strip().splitlines()) == 1
+    assert blocker.read_text() == "keep me"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

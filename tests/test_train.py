@@ -21,6 +21,8 @@ from retool.runs import FAILPOINTS_ENV, batch_indices, latest_checkpoint, read_m
 from retool.train import TrainConfig, train
 from tests.tiny import DIGIT_QUESTION, boxed_digit_model_dir
 
+pytestmark = pytest.mark.timeout(300)  # every test here loads a tiny model; the kill-and-resume test has its own, longer limit
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -54,6 +56,73 @@ def test_bad_config_is_rejected_before_any_model_loads(flag, value, message, cap
     code = cli_main(["train", "--model", str(tmp_path / "does-not-exist"), flag, value])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def _no_model_loads(monkeypatch):
+    from retool import runs
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(runs, "load_training_client", refuse)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing data", "error: --train-data {tmp}/nope.jsonl: no such file"),
+    ("empty data", "error: --train-data {tmp}/empty.jsonl: holds no rows"),
+    ("missing model", "error: --model {tmp}/no-model: no such folder"),
+    ("bad golds", "error: {tmp}/golds.jsonl: 2 gold answer(s) the grader cannot use"),
+])
+def test_bad_inputs_are_one_line_before_any_model_loads_and_leave_no_run(case, message, tmp_path, capsys,
+                                                                          monkeypatch):
+    _no_model_loads(monkeypatch)
+    (tmp_path / "empty.jsonl").write_text("")
+    golds = tmp_path / "golds.jsonl"
+    golds.write_text("".join(json.dumps({"id": f"g{i}", "question": "q", "answer": a}) + "\n"
+                             for i, a in enumerate(["2", "$", "\\frac{1}{2"])))
+    data = {"missing data": "nope.jsonl", "empty data": "empty.jsonl", "bad golds": "golds.jsonl"}.get(case)
+    model = tmp_path / "no-model" if case == "missing model" else boxed_digit_model_dir()
+    argv = ["train", "--model", str(model), "--chat-template", "hermes", "--run-dir", str(tmp_path / "run"),
+            "--train-data", str(tmp_path / data) if data else str(digit_problems(tmp_path / "ok.jsonl"))]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(tmp=tmp_path)) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()  # no half-made run folder
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_resume_from_elsewhere_and_refuse_changed_data_without_touching_the_run(tmp_path, capsys, monkeypatch):
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(start)
+    digit_problems(start / "train.jsonl", n=3)
+    flags = ["train", "--model", str(boxed_digit_model_dir()), "--chat-template", "hermes", "--mode", "text",
+             "--train-data", "train.jsonl", "--run-dir", "run", "--batch-size", "1", "--group-size", "2",
+             "--max-steps", "1", "--max-turn-tokens", "8", "--max-trajectory-tokens", "400", "--lora-rank", "2",
+             "--sandbox-workers", "1"]
+    assert cli_main(flags) == 0
+    saved = json.loads((start / "run" / "config.json").read_text())
+    assert saved["train_data"] == str(start / "train.jsonl")  # absolute, so resume works from anywhere
+    record = json.loads((start / "run" / "train_data.json").read_text())
+    assert record["path"] == str(start / "train.jsonl") and len(record["sha256"]) == 64
+
+    monkeypatch.chdir(elsewhere)
+    assert cli_main(["train", "--resume", str(start / "run"), "--max-steps", "2"]) == 0
+    assert [r["step"] for r in read_metrics(start / "run" / "metrics.jsonl")] == [1, 2]
+    capsys.readouterr()
+
+    run_files = {p: p.read_bytes() for p in (start / "run").rglob("*") if p.is_file()}
+    digit_problems(start / "train.jsonl", n=4)  # the data changed under the run
+    assert cli_main(["train", "--resume", str(start / "run"), "--max-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl changed since" in err and "a resumed run must see the same data" in err
+    assert len(err.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in (start / "run").rglob("*") if p.is_file()} == run_files
+    (start / "train.jsonl").unlink()
+    assert cli_main(["train", "--resume", str(start / "run"), "--max-steps", "3"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert (start / "run" / "config.json").read_bytes() == run_files[start / "run" / "config.json"]
 
 
 def test_presets_parse_and_validate():
@@ -185,6 +254,7 @@ def problem_order(run: Path) -> list[list[str]]:
     return order
 
 
+@pytest.mark.timeout(900)  # five training processes, each loading the model
 def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
     reference = tmp_path / "reference"
     done = run_cli(cli_args(tmp_path, reference))
@@ -345,10 +415,13 @@ def test_presets_are_valid_train_configs(preset):
     assert cfg.max_turn_tokens < cfg.max_trajectory_tokens
 
 
-def test_packing_choices_are_the_engines():
-    import dataclasses
-
+def test_every_packing_the_flag_accepts_is_one_the_planner_runs(capsys):
     from retool import algo
 
-    field = {f.name: f for f in dataclasses.fields(TrainConfig)}["packing"]
-    assert tuple(field.metadata["choices"]) == algo.PACKINGS
+    for packing in algo.PACKINGS:
+        cfg = make_config(TrainConfig, packing=packing)
+        plan = algo.plan_micro_batches([5, 3, 8], token_budget=16, packing=cfg.packing)
+        assert sorted(i for batch in plan for i in batch) == [0, 1, 2], packing
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--packing", "zip"])
+    assert "argument --packing: invalid choice: 'zip'" in capsys.readouterr().err

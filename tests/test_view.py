@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -17,6 +16,8 @@ from retool.report import ReportInputError, read_jsonl
 from retool.report import view
 from retool.serialize import trajectory_from_jsonable
 
+pytestmark = pytest.mark.timeout(120)  # the viewer tests start a headless browser
+
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 TOKENIZER = FIXTURES / "tokenizer"
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
@@ -24,13 +25,8 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 def run_cli(argv: list[str]) -> int:
-    """``retool …`` in-process (through retool.cli once the lead registers the module)."""
-    if "retool.report.view" in cli.COMMAND_MODULES:
-        return cli.main(argv)
-    parser = argparse.ArgumentParser(prog="retool")
-    view.register(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """``retool …`` in-process, through retool's real command line."""
+    return cli.main(argv)
 
 
 def _run_trajectories() -> list:
@@ -116,6 +112,15 @@ def test_default_output_paths_and_limit(tmp_path, capsys):
     assert run_cli(["view", str(source), "--limit", "0"]) == 2
     assert run_cli(["view", str(tmp_path / "nothing.jsonl")]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+def test_unwritable_output_folder_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    assert run_cli(["view", str(FIXTURES / "run"), "-o", str(blocker / "sub" / "view.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write --out") and "is a file, not a folder" in err
+    assert len(err.strip().splitlines()) == 1 and blocker.read_text() == "keep me"
 
 
 # ---------------------------------------------------------------- real browser

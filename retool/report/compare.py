@@ -14,8 +14,13 @@ attempts), as the training metric ``rollout/valid_tool_call_rate`` defines it (b
 :class:`retool.stats.TrajectoryStats`), with a paired, problem-clustered s.e.
 (:func:`retool.stats.paired_ratio_difference`; none when a side made no call attempt).
 
-Only problems present in both files are compared; how many were left out is printed.
-Interrupted evals (no summary line yet) are compared on the problems they finished.
+Two evals of different problem sets (another dataset fingerprint, a problem whose question
+or answer differs, or, between two finished evals, a problem only one has) or with different
+samples per problem (``val_n``) are refused with what differs. Different models, modes and
+sampling or sandbox settings are legitimate — tool vs text on the same problems is the
+central comparison — and each difference is printed above the table
+(:data:`retool.results.COMPARED_SETTINGS`). Interrupted evals (no summary line yet) are
+compared on the problems both finished; how many were left out is printed.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retool.report import ReportInputError, read_eval_results
-from retool.results import ProblemResult
+from retool.results import COMPARED_SETTINGS, EvalResults, ProblemResult
 from retool.stats import TrajectoryStats, paired_difference, paired_ratio_difference, trajectory_stats
 
 PAIRED_METRICS = {"accuracy": "correct_rate", "format": "format_rate", "used_tool": "used_tool_rate",
@@ -71,6 +76,8 @@ class Comparison:
     only_before: int
     only_after: int
     metrics: tuple[MetricComparison, ...]
+    differences: tuple[tuple[str, object, object], ...] = ()
+    """``(setting, before, after)`` for each legitimate difference of the two evals' settings."""
 
     def metric(self, name: str) -> MetricComparison:
         return next(m for m in self.metrics if m.name == name)
@@ -82,6 +89,7 @@ def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
     problems_before = {p.problem_id: p for p in before.problems}
     problems_after = {p.problem_id: p for p in after.problems}
     common = [pid for pid in problems_before if pid in problems_after]
+    _refuse_different_problems(before, after, common)
     if not common:
         raise ReportInputError(f"{before_path} and {after_path} share no problem")
     stats_before = [_stats(problems_before[pid]) for pid in common]
@@ -89,7 +97,40 @@ def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
     metrics = [_paired(name, figure, stats_before, stats_after) for name, figure in PAIRED_METRICS.items()]
     metrics.append(_valid_tool_call_rate(stats_before, stats_after))
     return Comparison(Path(before_path), Path(after_path), len(common), len(problems_before) - len(common),
-                      len(problems_after) - len(common), tuple(metrics))
+                      len(problems_after) - len(common), tuple(metrics),
+                      tuple(before.header.changed(after.header, COMPARED_SETTINGS)))
+
+
+def _refuse_different_problems(before: EvalResults, after: EvalResults, common: list[str]) -> None:
+    """Raise :class:`ReportInputError` saying what differs when the two evals do not pair up:
+    another problem set or another number of samples per problem."""
+    what = f"{before.path} and {after.path}"
+    hb, ha = before.header, after.header
+    if hb.dataset_fingerprint and ha.dataset_fingerprint and hb.dataset_fingerprint != ha.dataset_fingerprint:
+        raise ReportInputError(f"{what} evaluate different problem sets (dataset {hb.dataset} "
+                               f"{hb.dataset_fingerprint[:12]}, {hb.dataset_problems} problems vs {ha.dataset} "
+                               f"{ha.dataset_fingerprint[:12]}, {ha.dataset_problems} problems); compare evals "
+                               "of the same dataset")
+    by_id_before = {p.problem_id: p for p in before.problems}
+    by_id_after = {p.problem_id: p for p in after.problems}
+    for pid in common:
+        pb, pa = by_id_before[pid], by_id_after[pid]
+        if (pb.question, pb.answer) != (pa.question, pa.answer):
+            field = "question" if pb.question != pa.question else "answer"
+            raise ReportInputError(f"{what} evaluate different problem sets: problem {pid!r} has another "
+                                   f"{field} in each; compare evals of the same dataset")
+    only = by_id_before.keys() ^ by_id_after.keys()
+    if before.summary is not None and after.summary is not None and only:
+        raise ReportInputError(f"{what} evaluate different problem sets: {len(only)} problem(s) in only one "
+                               f"of them (e.g. {sorted(only)[0]!r}); compare evals of the same dataset")
+    if hb.val_n is not None and ha.val_n is not None and hb.val_n != ha.val_n:
+        raise ReportInputError(f"{what} draw different numbers of samples per problem (val_n {hb.val_n} vs "
+                               f"{ha.val_n}); compare evals run with the same --val-n")
+    for pid in common:
+        nb, na = len(by_id_before[pid].samples), len(by_id_after[pid].samples)
+        if nb != na:
+            raise ReportInputError(f"{what} draw different numbers of samples per problem ({nb} vs {na} "
+                                   f"for {pid!r}); compare evals run with the same --val-n")
 
 
 def _stats(problem: ProblemResult) -> TrajectoryStats:
@@ -148,6 +189,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps({"before": str(result.before), "after": str(result.after), "problems": result.problems,
+                          "differences": {key: {"before": b, "after": a} for key, b, a in result.differences},
                           "metrics": {m.name: {"before": m.before, "after": m.after, "difference": m.difference,
                                                "stderr": m.stderr, "z": m.z, "significant": m.significant}
                                       for m in result.metrics}}, indent=2))
@@ -155,5 +197,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     print(f"{result.before} -> {result.after}: {result.problems} common problems"
           + (f" ({result.only_before} only before, {result.only_after} only after)"
              if result.only_before or result.only_after else ""))
+    for key, before, after in result.differences:
+        print(f"differs: {key}: {before!r} before, {after!r} after")
     print(format_table(result))
     return 0

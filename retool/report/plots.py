@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
+from retool.atomic import UnwritableOutputError, atomic_open, writable_folder
 from retool.report import ReportInputError, read_eval_results, read_jsonl
 from retool.results import EvalResults, is_results_file, summarize
 
@@ -251,7 +252,8 @@ def _save(fig, stem: Path) -> list[Path]:
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "retool"}):
         for ext in FORMATS:
             path = stem.with_suffix(f".{ext}")
-            fig.savefig(path, dpi=130, metadata=_METADATA[ext])
+            with atomic_open(path, "wb") as f:
+                fig.savefig(f, format=ext, dpi=130, metadata=_METADATA[ext])
             paths.append(path)
     return paths
 
@@ -297,16 +299,22 @@ def register(subparsers) -> None:
 
 
 def _run_checkpoints(args: argparse.Namespace) -> int:
-    return _report(lambda: plot_checkpoints(args.results_dir, args.out or args.results_dir / "plots",
-                                            dataset=args.dataset, mode=args.mode))
+    out = args.out or args.results_dir / "plots"
+    return _report(out, lambda: plot_checkpoints(args.results_dir, out, dataset=args.dataset, mode=args.mode))
 
 
 def _run_training(args: argparse.Namespace) -> int:
     run_dir = args.run if args.run.is_dir() else args.run.parent
-    return _report(lambda: plot_training(args.run, args.out or run_dir / "plots"))
+    out = args.out or run_dir / "plots"
+    return _report(out, lambda: plot_training(args.run, out))
 
 
-def _report(draw) -> int:
+def _report(out: Path, draw) -> int:
+    try:
+        writable_folder(out, "--out")
+    except UnwritableOutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         paths = draw()
     except ReportInputError as err:

@@ -34,6 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from retool.atomic import UnwritableOutputError, atomic_write_text, writable_folder
 from retool.report import ReportInputError, read_eval_results, read_jsonl
 from retool.results import EvalResults, is_results_file
 from retool.serialize import trajectory_from_jsonable
@@ -246,7 +247,7 @@ def write_view(paths: list[Path], out: Path, *, tokenizer_name: str | None = Non
     tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name else None
     data = page_data(items, sources, tokenizer, note)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(data, title or f"retool trajectories: {paths[0].name}"), encoding="utf-8")
+    atomic_write_text(out, render_html(data, title or f"retool trajectories: {paths[0].name}"))
     return out
 
 
@@ -306,9 +307,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         print("error: --limit must be at least 1", file=sys.stderr)
         return 2
+    out = args.out or default_out(args.inputs[0])
     try:
-        out = write_view(args.inputs, args.out or default_out(args.inputs[0]),
-                         tokenizer_name=args.tokenizer, limit=args.limit, title=args.title)
+        writable_folder(out.parent, "--out")
+    except UnwritableOutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        out = write_view(args.inputs, out, tokenizer_name=args.tokenizer, limit=args.limit, title=args.title)
     except ReportInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
