@@ -466,10 +466,10 @@ def service_client(flavour: Flavour, base_url: str | None = None) -> Any:
     """The SDK's ``ServiceClient``; the SDK reads the API key from its environment."""
     sdk = flavour.sdk()
     if flavour is TINKER:
-        return _create(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(base_url=base_url))
+        return _call(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(base_url=base_url), retryable=False)
     if base_url:
         sdk.configure(base_url=base_url)
-    return _create(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient())
+    return _call(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(), retryable=False)
 
 
 def _engine_json(path: str | Path) -> dict[str, Any]:
