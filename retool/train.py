@@ -137,6 +137,8 @@ class Trainer:
     rollout: Any
     problems: list
     sandbox: Any
+    cost: Any = None
+    """A :class:`retool.cost.CostMeter` when the engine's settings name a price table."""
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {
         "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0})
 
@@ -257,6 +259,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     from retool.rollout import Rollout
     from retool.sandbox import Sandbox
 
+    cost = _cost_meter(cfg)  # a bad price table fails before anything loads
     problems = load_problems(cfg.train_data)
     engine = runs.load_engine(cfg, cfg.seed)
     tools = cfg.mode == "retool"
@@ -264,7 +267,17 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     sandbox = Sandbox(cfg.sandbox_config()) if tools else None
     rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
-    return Trainer(cfg, engine, rollout, problems, sandbox)
+    return Trainer(cfg, engine, rollout, problems, sandbox, cost=cost)
+
+
+def _cost_meter(cfg: TrainConfig) -> Any:
+    """The cost hook: a meter when the engine's settings name a price table, else ``None``."""
+    settings = cfg.engine_settings()
+    if getattr(settings, "price_table", None) is None:
+        return None
+    from retool.cost import CostMeter, load_prices
+
+    return CostMeter(load_prices(settings.price_table, cfg.engine, cfg.model), settings.max_cost)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
@@ -277,7 +290,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
         runs.run_steps(runs.StepLoop(
             run_dir, cfg, cfg.max_steps, trainer.engine, step=lambda step: _step_with_trajectories(trainer, run_dir, step),
             progress_fields=_progress_fields, checkpoint_state=trainer.checkpoint_state,
-            restore_state=trainer.restore_state), resume=resume)
+            restore_state=trainer.restore_state, stop=trainer.cost.stop_reason if trainer.cost else None),
+            resume=resume)
     finally:
         if trainer.sandbox is not None:
             trainer.sandbox.close()
@@ -287,14 +301,19 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
 def _step_with_trajectories(trainer: Trainer, run_dir: Path, step: int) -> dict[str, float]:
     """One step; its trajectories go to the run folder when ``save_trajectories`` is on."""
     metrics, groups = train_step(trainer, step)
+    if trainer.cost is not None:  # the cost hook (service engines with a price table)
+        metrics.update(trainer.cost.charge(metrics, trainer.totals))
     if trainer.config.save_trajectories:
         runs.save_trajectories(run_dir, step, groups)
     return metrics
 
 
 def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
-    return {"reward": metrics["reward/mean"], "correct": metrics["reward/correct"],
-            "tok_s": metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9)}
+    fields = {"reward": metrics["reward/mean"], "correct": metrics["reward/correct"],
+              "tok_s": metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9)}
+    if "cost/total" in metrics:
+        fields["usd"] = metrics["cost/total"]
+    return fields
 
 
 # ---------------------------------------------------------------- CLI

@@ -397,3 +397,55 @@ def test_live_denominator_probe_and_two_steps(tmp_path):
     out = client.forward_backward(datums, "cross_entropy")
     assert out.metrics["train/tokens"] == sum(d.num_trained for d in datums)
     client.optim_step(AdamParams(learning_rate=0.0))
+
+
+# ---------------------------------------------------------------- cost
+
+
+def test_price_tables_give_the_step_cost(tmp_path):
+    from retool.config import ConfigError
+    from retool.cost import Prices, load_prices
+
+    table = tmp_path / "prices.toml"
+    table.write_text('[tinker]\nprefill = 1.0\nsample = 2.0\ntrain = 3.0\n[tinker."m"]\ntrain = 5.0\n')
+    assert load_prices(table, "tinker", "other") == Prices(1.0, 2.0, 3.0)
+    prices = load_prices(table, "tinker", "m")
+    assert prices == Prices(1.0, 2.0, 5.0)
+    step = {"tokens/prefill": 1e6, "tokens/sampled": 2e6, "tokens/trained": 1e5}
+    assert prices.step_cost(step) == pytest.approx(1.0 + 4.0 + 0.5)
+    with pytest.raises(ConfigError, match=r"no \[pytrio\] table"):
+        load_prices(table, "pytrio", "m")
+    table.write_text('[tinker]\nprefil = 1.0\n')
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_prices(table, "tinker", "m")
+    assert load_prices(REPO / "configs" / "prices" / "example.toml", "tinker", "Qwen/Qwen3.5-4B") == Prices()
+
+
+def test_max_cost_stops_cleanly_after_a_checkpoint(tmp_path, monkeypatch, capsys):
+    from retool.log import read_metrics
+    from retool.runs import latest_checkpoint
+
+    install(FakeService(tmp_path / "service", "pytrio"), monkeypatch)
+    table = tmp_path / "prices.toml"
+    table.write_text("[pytrio]\nprefill = 100.0\nsample = 1000.0\ntrain = 1000.0\n")
+    run = tmp_path / "run"
+    args = train_args(tmp_path, run, "pytrio", steps=5) + ["--save-every", "10", "--pytrio-price-table", str(table),
+                                                           "--pytrio-max-cost", "0.3"]
+    assert cli_main(args) == 0, capsys.readouterr().err
+    rows = read_metrics(run / "metrics.jsonl")
+    assert 1 <= len(rows) < 5
+    last = rows[-1]
+    assert last["cost/total"] == pytest.approx(sum(r["cost/step"] for r in rows))
+    assert last["cost/step"] == pytest.approx((last["tokens/prefill"] * 100 + last["tokens/sampled"] * 1000
+                                               + last["tokens/trained"] * 1000) / 1e6)
+    assert last["cost/total"] <= 0.3 < last["cost/total"] + last["cost/step"]
+    assert latest_checkpoint(run)[0] == len(rows)  # checkpointed at the stop
+    assert "would pass --max-cost" in capsys.readouterr().err
+
+
+def test_docs_show_the_service_settings():
+    from retool.config import markdown_table
+    from retool.engines import ServiceSettings
+
+    docs = (REPO / "docs" / "engines.md").read_text()
+    assert markdown_table(ServiceSettings, "tinker_") in docs and markdown_table(ServiceSettings, "pytrio_") in docs
