@@ -449,3 +449,30 @@ def test_docs_show_the_service_settings():
 
     docs = (REPO / "docs" / "engines.md").read_text()
     assert markdown_table(ServiceSettings, "tinker_") in docs and markdown_table(ServiceSettings, "pytrio_") in docs
+
+
+# ---------------------------------------------------------------- SFT on the service, RL from it
+
+
+def test_sft_on_the_service_then_rl_starts_from_it(tmp_path, monkeypatch, capsys):
+    from retool.log import read_metrics
+    from tests.test_sft import openai_row
+
+    service = FakeService(tmp_path / "service", "tinker")
+    install(service, monkeypatch)
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps(openai_row()) + "\n")
+    sft_run = tmp_path / "sft"
+    assert cli_main(["sft", "--engine", "tinker", "--model", model(), "--chat-template", "hermes", "--data", str(data),
+                     "--run-dir", str(sft_run), "--batch-size", "1", "--max-steps", "3", "--save-every", "3",
+                     "--lora-rank", "4", "--lr", "0.02"]) == 0, capsys.readouterr().err
+    losses = [r["sft/loss"] for r in read_metrics(sft_run / "metrics.jsonl")]
+    assert losses[-1] < losses[0]
+    sft_weights = service.training_clients[-1].local.params
+    rl_run = tmp_path / "rl"
+    assert cli_main(train_args(tmp_path, rl_run, "tinker", steps=1) + ["--init-from", str(sft_run)]) == 0, \
+        capsys.readouterr().err
+    assert service.calls["create_training_client_from_state"] == 1
+    rl_start = service.training_clients[-1]
+    assert rl_start.local.optim_steps == 1  # weights from the SFT run, a fresh optimizer
+    assert len(rl_start.grads) == 1 and len(sft_weights) == len(rl_start.local.params)
