@@ -291,7 +291,8 @@ class FakeTrainer:
         if self.service.flavour == "tinker":
             import tinker
 
-            cls = tinker.types.SaveWeightsResponse if kind == "weights" else tinker.types.SaveWeightsForSamplerResponse
+            cls = {"weights": tinker.types.SaveWeightsResponse, "sampler_weights": tinker.types.SaveWeightsForSamplerResponse,
+                   "external_weights": tinker.types.SaveWeightsExternalResponse}[kind]
             return cls(path=path)
         import pytrio
 
@@ -363,6 +364,31 @@ class TinkerTrainingClient:
 
     def save_weights_for_sampler(self, name, ttl_seconds=None, user_metadata=None):
         return self._t.submit("save_weights_for_sampler", self._t.save, "sampler_weights", name)
+
+    def save_weights_external(self, name, ttl_seconds=None, age_encryption_recipients=None):
+        return self._t.submit("save_weights_external", self._t.save, "external_weights", name)
+
+
+class TinkerRestClient:
+    """``tinker.RestClient``: signed URLs (here ``file://``) for exported weights."""
+
+    service: FakeService
+
+    def __init__(self, _holder=None, *, base_url=None, api_key=None):
+        pass
+
+    def get_external_weights_urls(self, tinker_path):
+        import datetime
+
+        import tinker
+
+        try:
+            adapter = self.service.folder(tinker_path) / "adapter"
+        except Exception as err:
+            return self.service.future(error=err)
+        urls = {f.name: f.resolve().as_uri() for f in adapter.iterdir() if f.is_file()}
+        expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+        return self.service.future(tinker.types.ExternalWeightsUrlsResponse(urls=urls, expires=expires))
 
 
 class TinkerSamplingClient:
@@ -458,6 +484,46 @@ class PytrioServiceClient:
     def create_training_client_from_state_with_optimizer(self, path):
         return PytrioTrainingClient(self.service.trainer_from_state(path, True))
 
+    def create_rest_client(self):
+        rest = PytrioRestClient()
+        rest.service = self.service
+        return rest
+
+
+class PytrioRestClient:
+    """``pytrio.RestClient``: the account's checkpoints, downloaded as tar archives."""
+
+    service: FakeService
+
+    def list_user_checkpoints(self, limit=100, offset=0):
+        import datetime
+
+        import pytrio
+
+        saved = sorted((self.service.root / "sampler_weights").iterdir()) if (self.service.root / "sampler_weights").is_dir() else []
+        page = [pytrio.types.Checkpoint(checkpoint_id=f"ckpt-{f.name}", checkpoint_type="sampler",
+                                        time=datetime.datetime.now(datetime.timezone.utc),
+                                        path=self.service.path("sampler_weights", f.name))
+                for f in saved[offset:offset + limit]]
+        done: Future = Future()
+        done.set_result(pytrio.types.CheckpointsListResponse(checkpoints=page))
+        return done
+
+    def download_checkpoint(self, checkpoint_id, destination_path, *, resume=True):
+        import tarfile
+
+        import pytrio
+
+        adapter = self.service.root / "sampler_weights" / checkpoint_id.removeprefix("ckpt-") / "adapter"
+        with tarfile.open(destination_path, "w:gz") as tar:
+            tar.add(adapter, arcname=checkpoint_id)
+        size = Path(destination_path).stat().st_size
+        done: Future = Future()
+        done.set_result(pytrio.types.CheckpointDownloadResult(checkpoint_id=checkpoint_id, path=str(destination_path),
+                                                             bytes_written=size, file_size_bytes=size,
+                                                             status_code=200, resumed=False))
+        return done
+
 
 FAKES = {"tinker": (TinkerServiceClient, TinkerTrainingClient, TinkerSamplingClient),
          "pytrio": (PytrioServiceClient, PytrioTrainingClient, PytrioSamplingClient)}
@@ -470,10 +536,14 @@ def install(service: FakeService, monkeypatch: Any = None) -> type:
 
     sdk = importlib.import_module(service.flavour)
     cls = type(f"Fake{service.flavour.title()}ServiceClient", (FAKES[service.flavour][0],), {"service": service})
-    if monkeypatch is not None:
-        monkeypatch.setattr(sdk, "ServiceClient", cls)
-    else:
-        sdk.ServiceClient = cls
+    replace = {"ServiceClient": cls}
+    if service.flavour == "tinker":
+        replace["RestClient"] = type("FakeTinkerRestClient", (TinkerRestClient,), {"service": service})
+    for name, value in replace.items():
+        if monkeypatch is not None:
+            monkeypatch.setattr(sdk, name, value)
+        else:
+            setattr(sdk, name, value)
     return cls
 
 

@@ -127,10 +127,13 @@ def test_the_fake_clients_have_the_real_sdk_signatures(flavour):
     import importlib
 
     sdk = importlib.import_module(flavour)
-    real = (sdk.ServiceClient, sdk.TrainingClient, sdk.SamplingClient)
-    for fake_cls, real_cls in zip(FAKES[flavour], real):
+    from tests import fake_tinker
+
+    real = (sdk.ServiceClient, sdk.TrainingClient, sdk.SamplingClient, sdk.RestClient)
+    fakes = (*FAKES[flavour], getattr(fake_tinker, f"{flavour.title()}RestClient"))
+    for fake_cls, real_cls in zip(fakes, real):
         for name, method in vars(fake_cls).items():
-            if name.startswith("_") and not (name == "__init__" and fake_cls is FAKES[flavour][0]):
+            if name.startswith("_") and not (name == "__init__" and fake_cls in (fakes[0], fakes[3])):
                 continue
             if not callable(method):
                 continue
@@ -476,3 +479,27 @@ def test_sft_on_the_service_then_rl_starts_from_it(tmp_path, monkeypatch, capsys
     rl_start = service.training_clients[-1]
     assert rl_start.local.optim_steps == 1  # weights from the SFT run, a fresh optimizer
     assert len(rl_start.grads) == 1 and len(sft_weights) == len(rl_start.local.params)
+
+
+# ---------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_export_downloads_a_peft_folder_the_local_engine_loads(flavour, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    service = FakeService(tmp_path / "service", flavour)
+    install(service, monkeypatch)
+    run = tmp_path / "run"
+    assert cli_main(train_args(tmp_path, run, flavour, steps=1)) == 0, capsys.readouterr().err
+    out = tmp_path / "adapter"
+    assert cli_main(["export", str(run), "--output", str(out)]) == 0, capsys.readouterr().err
+    assert (out / "adapter_config.json").is_file()
+    trained = service.training_clients[-1].local
+    exported = load_file(out / "adapter_model.safetensors")
+    local = LocalTrainingClient(LocalEngineConfig(model=model(), lora_rank=4, lora_alpha=FAKE_LORA_ALPHA,
+                                                  init_from=str(out)))
+    assert len(exported) == len(trained.params)
+    for a, b in zip(local.params, trained.params):
+        torch.testing.assert_close(a, b)
+    assert cli_main(["export", str(run), "--output", str(out)]) == 2  # never overwrites

@@ -540,3 +540,94 @@ def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
     pool = ThreadPoolExecutor(settings.sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
     client = ServiceSamplingClient(flavour, _sampling_client(flavour, service, request.model, path), pool, _Counters())
     return EngineSampler(load_tokenizer(request.model), client, close=lambda: pool.shutdown(wait=False))
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path, base_url: str | None = None) -> Path:
+    """Download the adapter of a ``save_state`` folder's checkpoint as a PEFT folder.
+
+    Tinker: a training client from the saved weights writes them in the external
+    (Hugging Face) format (``save_weights_external``) and ``RestClient`` hands out one
+    signed URL per file. PyTRIO: the sampler checkpoint is looked up among the user's
+    checkpoints and downloaded as one archive (tar or zip), which is unpacked. Either way
+    the folder must end up holding ``adapter_config.json`` and ``adapter_model.safetensors``.
+    """
+    import tempfile
+
+    _read_checkpoint(flavour, engine_dir)
+    meta = _engine_json(engine_dir)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    counters = _Counters()
+    service = service_client(flavour, base_url)
+    if flavour is TINKER:
+        trainer = _create(flavour, counters, "create_training_client_from_state",
+                          lambda: service.create_training_client_from_state(meta["weights"]))
+        name = f"retool-export-{uuid.uuid4().hex[:8]}"
+        path = _call(flavour, counters, "save_weights_external",
+                     lambda: trainer.save_weights_external(name).result().path)
+        rest = flavour.sdk().RestClient(base_url=base_url)
+        urls = _call(flavour, counters, "get_external_weights_urls",
+                     lambda: rest.get_external_weights_urls(path).result().urls)
+        for relative, url in urls.items():
+            _download(url, output / relative)
+    else:
+        rest = service.create_rest_client()
+        checkpoint_id = _pytrio_checkpoint_id(flavour, rest, meta["sampler_weights"])
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = Path(tmp) / "checkpoint"
+            _call(flavour, counters, "download_checkpoint",
+                  lambda: rest.download_checkpoint(checkpoint_id, archive).result())
+            _unpack(archive, output)
+    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (output / f).is_file()]
+    if missing:
+        raise RuntimeError(f"engine {flavour.name}: the downloaded checkpoint in {output} has no {', '.join(missing)}; "
+                           f"it holds {sorted(p.name for p in output.iterdir())}")
+    return output
+
+
+def _download(url: str, target: Path) -> None:
+    import shutil
+    import urllib.request
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with urllib.request.urlopen(url) as response, open(target, "wb") as f:  # noqa: S310 - the service's signed URL
+        shutil.copyfileobj(response, f)
+
+
+def _pytrio_checkpoint_id(flavour: Flavour, rest: Any, path: str, page: int = 100) -> str:
+    offset = 0
+    while True:
+        listing = _call(flavour, _Counters(), "list_user_checkpoints",
+                        lambda: rest.list_user_checkpoints(limit=page, offset=offset).result())
+        for checkpoint in listing.checkpoints:
+            if checkpoint.path == path:
+                return checkpoint.checkpoint_id
+        if len(listing.checkpoints) < page:
+            raise RuntimeError(f"engine {flavour.name}: no checkpoint {path} among this account's checkpoints "
+                               "(expired or deleted?)")
+        offset += page
+
+
+def _unpack(archive: Path, output: Path) -> None:
+    """Unpack a tar or zip archive into ``output``, flattening a single top folder."""
+    import shutil
+    import tarfile
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if tarfile.is_tarfile(archive):
+            with tarfile.open(archive) as tar:
+                tar.extractall(tmp, filter="data")
+        elif zipfile.is_zipfile(archive):
+            with zipfile.ZipFile(archive) as z:
+                z.extractall(tmp)
+        else:
+            raise RuntimeError(f"the downloaded checkpoint {archive.name} is neither a tar nor a zip archive")
+        found = sorted(Path(tmp).rglob("adapter_config.json"))
+        source = found[0].parent if found else Path(tmp)
+        for item in source.iterdir():
+            shutil.move(str(item), output / item.name)
