@@ -292,15 +292,26 @@ def test_retool_train_and_eval_run_on_the_fake_service(flavour, tmp_path, monkey
         assert out.is_file()
 
 
-def test_an_authentication_error_stops_with_one_clear_line(tmp_path, monkeypatch, capsys):
-    service = FakeService(tmp_path / "service", "tinker")
-    install(service, monkeypatch)
-    service.fail("create_lora_training_client", 401)
-    secret = "tml-planted-secret-key-0123456789"
-    monkeypatch.setenv("TINKER_API_KEY", secret)
-    assert cli_main(train_args(tmp_path, tmp_path / "run", "tinker")) == 2
+def test_an_unknown_model_stops_with_one_clear_line(tmp_path, monkeypatch, capsys):
+    install(FakeService(tmp_path / "service", "tinker"), monkeypatch)
+    args = train_args(tmp_path, tmp_path / "run", "tinker")
+    args[args.index("--model") + 1] = str(boxed_digit_model_dir().parent / "no-such-model")
+    assert cli_main(args) != 0
     err = capsys.readouterr().err
-    assert "refused the credentials" in err and "TINKER_API_KEY" in err and secret not in err
+    assert "no-such-model" in err and len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+
+
+@pytest.mark.parametrize("flavour, where", [("tinker", "create_lora_training_client"), ("pytrio", "login")])
+def test_an_authentication_error_stops_with_one_clear_line(flavour, where, tmp_path, monkeypatch, capsys):
+    service = FakeService(tmp_path / "service", flavour)
+    install(service, monkeypatch)
+    service.fail(where, 401)
+    secret = "tml-planted-secret-key-0123456789"
+    key_env = adapter.FLAVOURS[flavour].key_env
+    monkeypatch.setenv(key_env, secret)
+    assert cli_main(train_args(tmp_path, tmp_path / "run", flavour)) == 2
+    err = capsys.readouterr().err
+    assert "refused the credentials" in err and key_env in err and secret not in err
     assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
 
 

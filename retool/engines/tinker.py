@@ -444,10 +444,14 @@ def _check_data(data: Sequence[Datum], loss_fn: str) -> float:
 
 
 def _create(flavour: Flavour, counters: _Counters, what: str, fn: Callable[[], Any]) -> Any:
-    """Call a ``create_*`` method: Tinker's return futures, PyTRIO's clients."""
-    result = _call(flavour, counters, what, fn, retryable=False)
-    if flavour.create_returns_future:
-        result = _call(flavour, counters, what, result.result, retryable=False)
+    """Call a ``create_*`` method (Tinker's return futures, PyTRIO's clients); a failure
+    (an unknown model, a missing checkpoint) stops the run with one line."""
+    try:
+        result = _call(flavour, counters, what, fn, retryable=False)
+        if flavour.create_returns_future:
+            result = _call(flavour, counters, what, result.result, retryable=False)
+    except RuntimeError as err:
+        raise ServiceError(str(err)) from None
     return result
 
 
