@@ -432,6 +432,7 @@ class TinkerServiceClient:
 
     def create_sampling_client(self, model_path=None, base_model=None, retry_config=None,
                                record_stability_info=False):
+        type(self).last_retry_config = retry_config
         return self._later(lambda: TinkerSamplingClient(self.service.sampler(model_path, base_model)))
 
 

@@ -329,6 +329,15 @@ def test_transient_sampling_failures_are_retried_and_counted(status, tmp_path, m
     assert service.calls["optim_step"] == 1  # never re-sent
 
 
+def test_the_sdks_own_retries_are_configured_not_wrapped(tmp_path, monkeypatch):
+    fake = install(FakeService(tmp_path / "service", "tinker"), monkeypatch)
+    client = adapter.create_training_client("tinker", model=model(), lora_rank=4, retry_timeout_s=90.0)
+    client.forward_backward(rl_datums(1, 0), "ppo", PPO)
+    client.optim_step(AdamParams())
+    client.save_weights_for_sampler()
+    assert fake.last_retry_config.progress_timeout == 90.0
+
+
 def test_a_planted_api_key_leaves_no_trace(tmp_path, monkeypatch, capsys):
     secret = "tml-planted-secret-key-9876543210"
     monkeypatch.setenv("TINKER_API_KEY", secret)

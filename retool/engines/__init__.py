@@ -81,6 +81,8 @@ class ServiceSettings:
     base_url: str | None = option(None, "service URL; none = the SDK's own environment variable "
                                         "(TINKER_BASE_URL / PYTRIO_BASE_URL) or its default")
     sample_concurrency: int = option(64, "most sample requests in flight at once")
+    retry_timeout_s: float | None = option(None, "how long the SDK keeps retrying a request that makes no progress "
+                                                 "before it fails (its own retries; none = the SDK's default)")
     price_table: str | None = option(None, "TOML price table, your own USD per million tokens (configs/prices/); "
                                            "adds cost/step and cost/total; none = no cost metrics")
     max_cost: float | None = option(None, "stop cleanly, after a checkpoint, before another step would pass "
@@ -88,6 +90,8 @@ class ServiceSettings:
 
     def validate(self) -> None:
         require(self.sample_concurrency >= 1, f"sample_concurrency must be >= 1, got {self.sample_concurrency}")
+        require(self.retry_timeout_s is None or self.retry_timeout_s > 0,
+                f"retry_timeout_s must be > 0, got {self.retry_timeout_s}")
         require(self.max_cost is None or self.max_cost > 0, f"max_cost must be > 0, got {self.max_cost}")
         require(self.max_cost is None or self.price_table is not None, "max_cost needs a price_table")
 

@@ -37,7 +37,8 @@ are in flight. The metrics the local engine reports (``train/loss``,
 here from the logprobs the service returns, with ``retool.algo``'s losses.
 
 **Faults.** The SDKs retry transient failures themselves (Tinker with its progress
-timeout, PyTRIO with ``pytrio.configure`` retries); the adapter adds no second layer.
+timeout, PyTRIO with ``pytrio.configure`` retries; ``retry_timeout_s`` sets both); the
+adapter adds no second layer.
 What still fails is counted (``engine/errors``) and, when it may pass on a retry (a
 timeout, 408/429/5xx), raised as ``TransientEngineError`` so the trainer retries the
 rollout (``engine/retries``). An ``optim_step`` is never re-sent. An authentication
@@ -317,10 +318,11 @@ class ServiceTrainingClient:
     """Our ``TrainingClient`` over a service's SDK training client (module docstring)."""
 
     def __init__(self, flavour: Flavour, service: Any, sdk_client: Any, model: str, lora_rank: int,
-                 tokenizer: Any, sample_concurrency: int = 64, optim_steps: int = 0) -> None:
+                 tokenizer: Any, sample_concurrency: int = 64, retry_timeout_s: float | None = None) -> None:
         self.flavour, self.service, self.sdk_client = flavour, service, sdk_client
+        self.retry_timeout_s = retry_timeout_s
         self.model, self.lora_rank, self.tokenizer = model, lora_rank, tokenizer
-        self.optim_steps = optim_steps
+        self.optim_steps = 0
         self.counters = _Counters()
         self._sample_pool = ThreadPoolExecutor(sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
         self._result_pool = ThreadPoolExecutor(2, thread_name_prefix=f"{flavour.name}-result")
@@ -394,8 +396,8 @@ class ServiceTrainingClient:
         name = name or f"retool-sampler-{self.optim_steps:06d}-{uuid.uuid4().hex[:8]}"
         path = _call(self.flavour, self.counters, "save_weights_for_sampler",
                      lambda: self.sdk_client.save_weights_for_sampler(name).result().path)
-        return ServiceSamplingClient(self.flavour, _sampling_client(self.flavour, self.service, self.model, path),
-                                     self._sample_pool, self.counters)
+        sdk_sampler = _sampling_client(self.flavour, self.service, self.model, path, self.retry_timeout_s)
+        return ServiceSamplingClient(self.flavour, sdk_sampler, self._sample_pool, self.counters)
 
     def save_state(self, path: str | Path) -> Path:
         """Save the service state (weights + Adam moments) and sampler weights; write
@@ -455,20 +457,29 @@ def _create(flavour: Flavour, counters: _Counters, what: str, fn: Callable[[], A
     return result
 
 
-def _sampling_client(flavour: Flavour, service: Any, model: str, path: str | None) -> Any:
+def _sampling_client(flavour: Flavour, service: Any, model: str, path: str | None,
+                     retry_timeout_s: float | None = None) -> Any:
     """A sampling client on saved weights ``path`` (or the base model): the two SDKs take
-    ``model_path``/``base_model`` in opposite orders, so both go by keyword."""
+    ``model_path``/``base_model`` in opposite orders, so both go by keyword. Tinker's
+    retries are configured per sampling client (``RetryConfig``), PyTRIO's per process
+    (:func:`service_client`)."""
     counters = _Counters()
     if flavour is TINKER:
-        kwargs = {"model_path": path} if path else {"base_model": model}
+        kwargs: dict[str, Any] = {"model_path": path} if path else {"base_model": model}
+        if retry_timeout_s is not None:
+            from tinker.lib.retry_handler import RetryConfig
+
+            kwargs["retry_config"] = RetryConfig(progress_timeout=retry_timeout_s)
         return _create(flavour, counters, "create_sampling_client", lambda: service.create_sampling_client(**kwargs))
     return _create(flavour, counters, "create_sampling_client",
                    lambda: service.create_sampling_client(base_model=model, model_path=path))
 
 
-def service_client(flavour: Flavour, base_url: str | None = None) -> Any:
+def service_client(flavour: Flavour, base_url: str | None = None, retry_timeout_s: float | None = None) -> Any:
     """The SDK's ``ServiceClient``; the SDK reads the API key from its environment."""
     sdk = flavour.sdk()
+    if flavour is PYTRIO and retry_timeout_s is not None:
+        sdk.configure(training_retry_timeout_seconds=retry_timeout_s, sampling_retry_timeout_seconds=retry_timeout_s)
     if flavour is TINKER:
         return _call(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(base_url=base_url), retryable=False)
     if base_url:
@@ -503,11 +514,11 @@ def load_tokenizer(model: str) -> Any:
 
 def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_rank: int = 32, seed: int | None = None,
                            base_url: str | None = None, init_from: str | None = None,
-                           sample_concurrency: int = 64) -> ServiceTrainingClient:
+                           sample_concurrency: int = 64, retry_timeout_s: float | None = None) -> ServiceTrainingClient:
     """A training client on the service: a fresh LoRA adapter on ``model``, or the weights
     (not the optimizer) of the checkpoint folder ``init_from``."""
     flavour = FLAVOURS[flavour] if isinstance(flavour, str) else flavour
-    service = service_client(flavour, base_url)
+    service = service_client(flavour, base_url, retry_timeout_s)
     counters = _Counters()
     if init_from:
         checkpoint = _read_checkpoint(flavour, init_from)
@@ -518,7 +529,7 @@ def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_
                              lambda: service.create_lora_training_client(base_model=model, rank=lora_rank, seed=seed,
                                                                          train_unembed=False))
     return ServiceTrainingClient(flavour, service, sdk_client, model, lora_rank, load_tokenizer(model),
-                                 sample_concurrency)
+                                 sample_concurrency, retry_timeout_s)
 
 
 def training_client(cfg: Any, seed: int, init_from: str | None, flavour: Flavour = TINKER) -> ServiceTrainingClient:
@@ -528,7 +539,8 @@ def training_client(cfg: Any, seed: int, init_from: str | None, flavour: Flavour
     settings = getattr(cfg, flavour.name)
     return create_training_client(flavour, model=cfg.model, lora_rank=cfg.lora_rank, seed=seed,
                                   base_url=settings.base_url, init_from=init_from,
-                                  sample_concurrency=settings.sample_concurrency)
+                                  sample_concurrency=settings.sample_concurrency,
+                                  retry_timeout_s=settings.retry_timeout_s)
 
 
 def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
@@ -536,13 +548,14 @@ def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
     from retool.engines import EngineSampler, ServiceSettings
 
     settings = request.settings or ServiceSettings()
-    service = service_client(flavour, settings.base_url)
+    service = service_client(flavour, settings.base_url, settings.retry_timeout_s)
     path = None
     if request.checkpoint is not None:
         _read_checkpoint(flavour, request.checkpoint_dir)
         path = _engine_json(request.checkpoint_dir)["sampler_weights"]
     pool = ThreadPoolExecutor(settings.sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
-    client = ServiceSamplingClient(flavour, _sampling_client(flavour, service, request.model, path), pool, _Counters())
+    sdk_sampler = _sampling_client(flavour, service, request.model, path, settings.retry_timeout_s)
+    client = ServiceSamplingClient(flavour, sdk_sampler, pool, _Counters())
     return EngineSampler(load_tokenizer(request.model), client, close=lambda: pool.shutdown(wait=False))
 
 
