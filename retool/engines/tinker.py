@@ -44,6 +44,9 @@ timeout, 408/429/5xx), raised as ``TransientEngineError`` so the trainer retries
 rollout (``engine/retries``). An ``optim_step`` is never re-sent. An authentication
 error or an unknown model stops the run at once with one line. Inputs are checked for
 non-finite values before anything is sent, so a poisoned batch never reaches the service.
+Because ``optim_step`` is sent before ``forward_backward`` has answered, a step that fails
+on the service may have been applied there; the run then stops and ``--resume`` restores
+the service state of the last checkpoint, so no half-applied step survives a resume.
 
 **Checkpoints.** ``save_state`` asks the service to save its state (weights and Adam
 moments) and sampler weights, and writes only ``engine.json`` with both service paths;
@@ -200,10 +203,10 @@ def loss_metrics(data: Sequence[Datum], logprobs_D: Sequence[Sequence[float]], l
     """The local engine's ``train/*`` metrics, from the logprobs the service returned."""
     import torch
 
-    trained = [(lp, d) for lp_N, d in zip(logprobs_D, data) for lp in [lp_N]]
     weights_N = torch.tensor([w for d in data for w in d.weights_N], dtype=torch.float64)
     mask_N = weights_N != 0
-    logprobs_N = torch.tensor([lp if w else 0.0 for lp_N, d in trained for lp, w in zip(lp_N, d.weights_N)],
+    # an untrained target's logprob is meaningless (PyTRIO: an ignored -100 target): 0 there
+    logprobs_N = torch.tensor([lp if w else 0.0 for lp_N, d in zip(logprobs_D, data) for lp, w in zip(lp_N, d.weights_N)],
                               dtype=torch.float64)
     inputs = algo.LossInputs()
     if loss_fn in algo.RL_LOSSES:
