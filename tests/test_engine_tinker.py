@@ -208,6 +208,53 @@ def test_two_steps_equal_the_local_engine_in_loss_gradient_weights_and_adam_mome
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
+def test_two_train_steps_equal_the_local_engines_on_the_same_trajectories(flavour, tmp_path, monkeypatch):
+    """``retool.train.train_step`` twice on each engine, both fed the same trajectories
+    (the local engine's step-1 rollout; step 2 is off-policy, so PPO clips): the same
+    loss, clip fraction and gradients."""
+    import asyncio
+
+    from retool.train import build_trainer, train_step
+    from tests.test_train import tiny_config
+
+    service = FakeService(tmp_path / "service", flavour)
+    install(service, monkeypatch)
+    common = dict(lora_rank=4, lora_alpha=FAKE_LORA_ALPHA, seed=3, max_steps=2, lr=1e-2)
+    local = build_trainer(tiny_config(tmp_path, run_dir=str(tmp_path / "l"), **common))
+    remote = build_trainer(tiny_config(tmp_path, engine=flavour, run_dir=str(tmp_path / "r"), **common))
+    groups = asyncio.run(local.rollout.groups(local.problems[:2], 4))
+
+    async def same_groups(problems, group_size):
+        return [list(g) for g in groups]
+
+    local_grads = []
+    real_submit = local.engine.submit_optim_step
+
+    def submit_and_record(adam):
+        local_grads.append([p.grad.detach().clone() for p in local.engine.params])
+        return real_submit(adam)
+
+    monkeypatch.setattr(local.engine, "submit_optim_step", submit_and_record)
+    for trainer in (local, remote):
+        trainer.rollout.groups = same_groups
+    for step in (1, 2):
+        ours, _ = train_step(remote, step)
+        theirs, _ = train_step(local, step)
+        for key in ("train/loss", "train/clip_frac", "train/approx_kl", "train/tokens"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (step, key)  # step 1: ~0
+        grad_rel = rel(service.training_clients[-1].grads[-1], local_grads[-1])
+        norm = service.training_clients[-1].grad_norms[-1]
+        print(f"\ntrain_step parity {flavour} step {step}: loss {ours['train/loss']:.6g} vs {theirs['train/loss']:.6g}, "
+              f"clip_frac {ours['train/clip_frac']:.4g} vs {theirs['train/clip_frac']:.4g}, grad_rel {grad_rel:.1e}, "
+              f"grad_norm {norm:.6g} vs {theirs['train/grad_norm']:.6g}")
+        assert grad_rel < 1e-5
+        assert norm == pytest.approx(theirs["train/grad_norm"], rel=1e-5)
+    for trainer in (local, remote):
+        if trainer.sandbox is not None:
+            trainer.sandbox.close()
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_a_mis_scaled_loss_would_be_caught(flavour, tmp_path, monkeypatch):
     """The other flavour's reduction on this service gives a different gradient: the
     parity check is not blind to a sum-versus-mean mistake."""
