@@ -363,6 +363,7 @@ class TinkerTrainingClient:
         return self._t.submit("save_state", self._t.save, "weights", name)
 
     def save_weights_for_sampler(self, name, ttl_seconds=None, user_metadata=None):
+        assert ttl_seconds is None or 3600 <= ttl_seconds <= 10 * 365 * 86400, "Tinker's documented TTL range"
         return self._t.submit("save_weights_for_sampler", self._t.save, "sampler_weights", name)
 
     def save_weights_external(self, name, ttl_seconds=None, age_encryption_recipients=None):

@@ -96,6 +96,9 @@ IGNORE_TARGET = -100
 
 STATE_FORMAT = 1
 
+SAMPLER_TTL_S = 24 * 3600
+"""Lifetime asked for the per-step sampler weights (checkpoints are kept: no TTL)."""
+
 
 @dataclass(frozen=True)
 class Flavour:
@@ -398,7 +401,7 @@ class ServiceTrainingClient:
         """Save the current weights for sampling and return a fresh client on them."""
         name = name or f"retool-sampler-{self.optim_steps:06d}-{uuid.uuid4().hex[:8]}"
         path = _call(self.flavour, self.counters, "save_weights_for_sampler",
-                     lambda: self.sdk_client.save_weights_for_sampler(name).result().path)
+                     lambda: self.sdk_client.save_weights_for_sampler(name, ttl_seconds=SAMPLER_TTL_S).result().path)
         sdk_sampler = _sampling_client(self.flavour, self.service, self.model, path, self.retry_timeout_s)
         return ServiceSamplingClient(self.flavour, sdk_sampler, self._sample_pool, self.counters)
 
