@@ -143,7 +143,7 @@ def test_the_fake_clients_have_the_real_sdk_signatures(flavour):
 
 
 def test_importing_the_registry_imports_no_sdk():
-    code = "import sys, retool.engines, retool.train; print('tinker' in sys.modules or 'pytrio' in sys.modules)"
+    code = "import sys, retool.engines, retool.train, retool.cli; retool.cli.build_parser(); print('tinker' in sys.modules or 'pytrio' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "False"
@@ -423,19 +423,20 @@ def final_service_state(run: Path, service_root: Path, step: int) -> dict:
     return torch.load(folder / "optimizer.pt", weights_only=True), folder
 
 
-def test_sigkill_mid_step_then_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_sigkill_mid_step_then_resume_is_exact(flavour, tmp_path):
     from retool.log import read_metrics
     from safetensors.torch import load_file
 
     service = tmp_path / "service"
     reference = tmp_path / "reference"
-    done = run_fake_cli(service, "tinker", train_args(tmp_path, reference, "tinker", steps=3))
+    done = run_fake_cli(service, flavour, train_args(tmp_path, reference, flavour, steps=3))
     assert done.returncode == 0, done.stderr[-2000:]
     crashed = tmp_path / "crashed"
-    first = run_fake_cli(service, "tinker", train_args(tmp_path, crashed, "tinker", steps=3),
+    first = run_fake_cli(service, flavour, train_args(tmp_path, crashed, flavour, steps=3),
                          failpoints="after_rollout@2")
     assert first.returncode == -9, first.stderr[-2000:]
-    second = run_fake_cli(service, "tinker", ["train", "--resume", str(crashed)])
+    second = run_fake_cli(service, flavour, ["train", "--resume", str(crashed)])
     assert second.returncode == 0, second.stderr[-2000:]
     assert [r["step"] for r in read_metrics(crashed / "metrics.jsonl")] == [1, 2, 3]
     ref_rows, rows = read_metrics(reference / "metrics.jsonl"), read_metrics(crashed / "metrics.jsonl")
