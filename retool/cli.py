@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.sft",
     "retool.train",
     "retool.evaluate",
+    "retool.export",
     "retool.demo",
     "retool.report.compare",
     "retool.report.plots",

@@ -439,6 +439,9 @@ class StepLoop:
     restore_state: Callable[[TrainerState], None]
     """Put a resumed checkpoint's trainer state (its totals) back."""
     description: str = "train"
+    stop: Callable[[Mapping[str, float]], str | None] | None = None
+    """Why to end the run after this step (e.g. its cost budget), or ``None`` to go on;
+    the run then checkpoints and ends cleanly."""
 
 
 def run_steps(loop: StepLoop, *, resume: bool) -> None:
@@ -456,9 +459,13 @@ def run_steps(loop: StepLoop, *, resume: bool) -> None:
         for step in range(start + 1, loop.last_step + 1):
             metrics = loop.step(step)
             logger.log(step, metrics)
-            if step % cfg.save_every == 0 or step == loop.last_step:
+            reason = loop.stop(metrics) if loop.stop is not None else None
+            if step % cfg.save_every == 0 or step == loop.last_step or reason:
                 save_checkpoint(run_dir, loop.engine, loop.checkpoint_state(step))
             progress.update(step, **loop.progress_fields(metrics))
+            if reason:
+                print(f"step {step}: {reason}", file=sys.stderr)
+                break
 
 
 def _restore(loop: StepLoop) -> int:

@@ -442,8 +442,9 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
     fb, opt = fb_future.result(), opt_future.result()
     trained = float(sum(d.num_trained for d in batch))
     run.totals["tokens/trained_total"] += trained
-    return {
-        "sft/loss": fb.metrics["train/loss"], "sft/grad_norm": opt.metrics["train/grad_norm"], "sft/lr": lr,
+    grad_norm = {"sft/grad_norm": opt.metrics["train/grad_norm"]} if "train/grad_norm" in opt.metrics else {}
+    return {  # a service engine reports no gradient norm unless its service does
+        "sft/loss": fb.metrics["train/loss"], **grad_norm, "sft/lr": lr,
         "sft/epoch": step * cfg.batch_size / len(run.datums), "sft/sequences": float(len(batch)),
         "tokens/trained": trained, "tokens/sequence": float(sum(d.num_tokens for d in batch)),
         **run.totals, "time/step": time.monotonic() - t0,

@@ -142,6 +142,8 @@ class Trainer:
     rollout: Any
     problems: list
     sandbox: Any
+    cost: Any = None
+    """A :class:`retool.cost.CostMeter` when the engine's settings name a price table."""
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {
         "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0})
     store: runs.GroupStore | None = None
@@ -343,6 +345,7 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
     from retool.reward import agrade
     from retool.rollout import Rollout
 
+    cost = _cost_meter(cfg)  # a bad price table fails before anything loads
     problems = load_problems(cfg.train_data) if problems is None else problems
     tools = cfg.mode == "retool"
     sandbox = cfg.start_sandbox() if tools else None  # before the model: strict refuses early
@@ -360,7 +363,17 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
     rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
-    return Trainer(cfg, engine, rollout, problems, sandbox, store=store)
+    return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost)
+
+
+def _cost_meter(cfg: TrainConfig) -> Any:
+    """The cost hook: a meter when the engine's settings name a price table, else ``None``."""
+    settings = cfg.engine_settings()
+    if getattr(settings, "price_table", None) is None:
+        return None
+    from retool.cost import CostMeter, load_prices
+
+    return CostMeter(load_prices(settings.price_table, cfg.engine, cfg.model), settings.max_cost)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
@@ -377,7 +390,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
         runs.run_steps(runs.StepLoop(
             run_dir, cfg, cfg.max_steps, trainer.engine, step=lambda step: _step_with_trajectories(trainer, run_dir, step),
             progress_fields=_progress_fields, checkpoint_state=trainer.checkpoint_state,
-            restore_state=trainer.restore_state), resume=resume)
+            restore_state=trainer.restore_state, stop=trainer.cost.stop_reason if trainer.cost else None),
+            resume=resume)
     finally:
         if trainer.sandbox is not None:
             trainer.sandbox.close()
@@ -387,6 +401,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
 def _step_with_trajectories(trainer: Trainer, run_dir: Path, step: int) -> dict[str, float]:
     """One step; its trajectories go to the run folder when ``save_trajectories`` is on."""
     metrics, groups = train_step(trainer, step)
+    if trainer.cost is not None:  # the cost hook (service engines with a price table)
+        metrics.update(trainer.cost.charge(metrics, trainer.totals))
     if trainer.config.save_trajectories:
         runs.save_trajectories(run_dir, step, groups)
     if trainer.store is not None:
@@ -395,8 +411,11 @@ def _step_with_trajectories(trainer: Trainer, run_dir: Path, step: int) -> dict[
 
 
 def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
-    return {"reward": metrics["reward/mean"], "correct": metrics["reward/correct"],
-            "tok_s": metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9)}
+    fields = {"reward": metrics["reward/mean"], "correct": metrics["reward/correct"],
+              "tok_s": metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9)}
+    if "cost/total" in metrics:
+        fields["usd"] = metrics["cost/total"]
+    return fields
 
 
 # ---------------------------------------------------------------- CLI

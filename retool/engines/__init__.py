@@ -18,7 +18,8 @@ An engine module provides ``create_training_client(**options)`` (its own options
 :class:`EngineSampler`).
 
 Engines: ``local`` — PyTorch + transformers + PEFT on the CPU or one GPU
-(``retool.engines.local``).
+(``retool.engines.local``); ``tinker`` and ``pytrio`` — a Tinker-compatible training
+service through its official SDK (``retool.engines.tinker``, one adapter, two flavours).
 
 Each engine's settings are one small section of the command's config (a frozen
 dataclass, e.g. :class:`LocalSettings`): ``--local-*`` flags shown under their own
@@ -71,6 +72,30 @@ class LocalSettings:
         require(self.kv_cache_mb >= 0, f"local_kv_cache_mb must be >= 0, got {self.kv_cache_mb}")
 
 
+@dataclass(frozen=True)
+class ServiceSettings:
+    """Settings of a Tinker-compatible service (``--tinker-*`` / ``--pytrio-*``; ``[tinker]`` /
+    ``[pytrio]`` in a preset). The API key is never a setting: the SDK reads it from its
+    own environment variable (``TINKER_API_KEY`` / ``PYTRIO_API_KEY``)."""
+
+    base_url: str | None = option(None, "service URL; none = the SDK's own environment variable "
+                                        "(TINKER_BASE_URL / PYTRIO_BASE_URL) or its default")
+    sample_concurrency: int = option(64, "most sample requests in flight at once")
+    retry_timeout_s: float | None = option(None, "how long the SDK keeps retrying a request that makes no progress "
+                                                 "before it fails (its own retries; none = the SDK's default)")
+    price_table: str | None = option(None, "TOML price table, your own USD per million tokens (configs/prices/); "
+                                           "adds cost/step and cost/total; none = no cost metrics")
+    max_cost: float | None = option(None, "stop cleanly, after a checkpoint, before another step would pass "
+                                          "this many USD of cost/total (needs price_table)")
+
+    def validate(self) -> None:
+        require(self.sample_concurrency >= 1, f"sample_concurrency must be >= 1, got {self.sample_concurrency}")
+        require(self.retry_timeout_s is None or self.retry_timeout_s > 0,
+                f"retry_timeout_s must be > 0, got {self.retry_timeout_s}")
+        require(self.max_cost is None or self.max_cost > 0, f"max_cost must be > 0, got {self.max_cost}")
+        require(self.max_cost is None or self.price_table is not None, "max_cost needs a price_table")
+
+
 # ---------------------------------------------------------------- the registry
 
 
@@ -91,6 +116,20 @@ ENGINES: dict[str, EngineSpec] = {
         module="retool.engines.local",
         summary="PyTorch + transformers + PEFT on the CPU or one GPU",
         capabilities=Capabilities(packings=PACKINGS),
+    ),
+    "tinker": EngineSpec(
+        module="retool.engines.tinker",
+        summary="Tinker's training service through its SDK (LoRA; the service samples and trains)",
+        capabilities=Capabilities(full_finetune=False, dual_clip=False, train_top_p=False,
+                                  train_temperature=False),
+        install="pip install 'retool-rl[tinker]'",
+    ),
+    "pytrio": EngineSpec(
+        module="retool.engines.pytrio",
+        summary="PyTRIO, a Tinker-compatible training service, through its SDK (LoRA)",
+        capabilities=Capabilities(full_finetune=False, dual_clip=False, train_top_p=False,
+                                  train_temperature=False),
+        install="pip install 'retool-rl[pytrio]'",
     ),
 }
 """Engine name → :class:`EngineSpec`."""
@@ -123,6 +162,8 @@ class EngineChoice:
 
     engine: str = option("local", "training/sampling engine (see docs/engines.md)", choices=ENGINE_NAMES)
     local: LocalSettings = option(LocalSettings(), "settings of the local engine (--engine local)")
+    tinker: ServiceSettings = option(ServiceSettings(), "settings of the Tinker service (--engine tinker)")
+    pytrio: ServiceSettings = option(ServiceSettings(), "settings of the PyTRIO service (--engine pytrio)")
 
     def engine_settings(self) -> Any:
         """The settings section of the chosen engine."""
@@ -280,7 +321,8 @@ def load_sampler(engine: str, request: SamplerRequest) -> EngineSampler:
 __all__ = [
     "ENGINES", "ENGINE_NAMES", "AdamParams", "Capabilities", "EngineCheckpoint", "EngineChoice", "EngineSampler",
     "EngineSpec", "ForwardBackwardOutput", "LocalSettings", "ModelConfig", "OptimStepOutput", "Requirements",
-    "SampleResult", "SampledSequence", "SamplerRequest", "SamplingClient", "SamplingParams", "TrainingClient",
+    "SampleResult", "SampledSequence", "SamplerRequest", "SamplingClient", "SamplingParams", "ServiceSettings",
+    "TrainingClient",
     "TransientEngineError", "capabilities_table", "check_supported", "create_training_client", "engine_spec",
     "load_sampler", "load_training_client", "run_now",
 ]

@@ -1,0 +1,656 @@
+"""The ``tinker`` and ``pytrio`` engines: train and sample on a Tinker-compatible service.
+
+One adapter, two flavours (:data:`TINKER`, :data:`PYTRIO`), each over its official SDK
+(``tinker`` 0.38, ``pytrio`` 0.2), imported only when that engine is chosen. The
+service samples, runs forward/backward and applies Adam; this process runs the
+rollouts, the sandbox and the grader, exactly as with the local engine.
+
+**The loss.** Ours is the token mean over the trained tokens of one ``forward_backward``
+call (interpreter tokens weigh 0). The services differ:
+
+- Tinker documents ``ppo``/``importance_sampling``/``cross_entropy`` as a token *sum*
+  with no weight input for the RL losses (a masked token gets advantage 0). The adapter
+  sends advantages (cross-entropy: weights) multiplied by ``weight / N``, ``N`` the
+  call's trained tokens: the service's sum is then our mean, token by token (PPO's clip
+  decision does not depend on the advantage's scale), so the gradient is the local
+  engine's.
+- PyTRIO does not document it. Its 0.2.9 client counts whole-batch totals
+  (``total_active_tokens``: targets that are not ``-100``) before it micro-batches,
+  sends them with every chunk and reports ``loss_mean = loss_sum / token_count``, so
+  its server divides the summed loss by the active-token count of the call
+  (*inferred* from the client code, not documented). The adapter therefore sends
+  unscaled advantages and marks untrained targets ``-100``; weights must be 0 or 1.
+  ``tests/test_engine_tinker.py::test_live_denominator_probe`` checks the inference
+  against the live service when a key is present.
+
+Both: no dual-clip, no temperature input (a training temperature must be 1), LoRA only
+(all linear layers; the service's own alpha), top-p < 1 only in evaluation (neither
+SDK documents its logprobs as taken before the nucleus filter). These are declared in
+the registry's ``Capabilities`` and refused before anything loads.
+
+**On-policy, overlapped.** ``save_weights_for_sampler`` saves the current weights and
+returns a fresh sampling client (the trainer asks for one every step);
+``submit_forward_backward`` and ``submit_optim_step`` hand both calls to the SDK before
+either finishes (the SDK orders them); ``sample`` calls run in a thread pool, so many
+are in flight. The metrics the local engine reports (``train/loss``,
+``train/sampler_logprob_diff``, ``train/approx_kl``, ``train/clip_frac``) are computed
+here from the logprobs the service returns, with ``retool.algo``'s losses.
+
+**Faults.** The SDKs retry transient failures themselves (Tinker with its progress
+timeout, PyTRIO with ``pytrio.configure`` retries; ``retry_timeout_s`` sets both); the
+adapter adds no second layer.
+What still fails is counted (``engine/errors``) and, when it may pass on a retry (a
+timeout, 408/429/5xx), raised as ``TransientEngineError`` so the trainer retries the
+rollout (``engine/retries``). An ``optim_step`` is never re-sent. An authentication
+error or an unknown model stops the run at once with one line. Inputs are checked for
+non-finite values before anything is sent, so a poisoned batch never reaches the service.
+Because ``optim_step`` is sent before ``forward_backward`` has answered, a step that fails
+on the service may have been applied there; the run then stops and ``--resume`` restores
+the service state of the last checkpoint, so no half-applied step survives a resume.
+
+**Checkpoints.** ``save_state`` asks the service to save its state (weights and Adam
+moments) and sampler weights, and writes only ``engine.json`` with both service paths;
+``load_state`` replaces the SDK training client by one created from that state with
+its optimizer (Tinker 0.38 deprecates ``TrainingClient.load_state``; both SDKs offer
+``create_training_client_from_state_with_optimizer``).
+
+**Secrets.** The API key is read by the SDK from its environment variable; the adapter
+never reads it except to scrub it from error messages.
+
+Not covered: full fine-tuning, custom losses, the services' other losses (cispo, dro,
+...), images, stop strings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+import os
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retool import algo
+from retool.atomic import atomic_write_json
+from retool.config import ConfigError
+from retool.engines.base import (
+    ENGINE_STATE_FILE,
+    AdamParams,
+    EngineCheckpoint,
+    ForwardBackwardOutput,
+    OptimStepOutput,
+    SampledSequence,
+    SampleResult,
+    SamplingParams,
+    TransientEngineError,
+)
+from retool.types import Datum, StopReason
+
+IGNORE_TARGET = -100
+"""PyTRIO's target id for a position that is neither trained nor counted."""
+
+STATE_FORMAT = 1
+
+SAMPLER_TTL_S = 24 * 3600
+"""Lifetime asked for the per-step sampler weights (checkpoints are kept: no TTL)."""
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """What differs between the two SDKs (checked in their 0.38.0 / 0.2.9 wheels)."""
+
+    name: str
+    """The engine name and the SDK's package name."""
+    key_env: str
+    url_env: str
+    token_sum: bool
+    """The service sums the loss over tokens (Tinker, documented); else it divides by the
+    call's active targets (PyTRIO, inferred from its client)."""
+    create_returns_future: bool
+    """``ServiceClient.create_*`` return futures (Tinker) rather than clients (PyTRIO)."""
+
+    def sdk(self) -> Any:
+        try:
+            return importlib.import_module(self.name)
+        except ImportError as err:
+            raise ConfigError(f"engine {self.name} needs its SDK ({err}); install it with: "
+                              f"pip install 'retool-rl[{self.name}]'") from None
+
+    def types(self) -> Any:
+        self.sdk()
+        return importlib.import_module(f"{self.name}.types")
+
+
+TINKER = Flavour("tinker", "TINKER_API_KEY", "TINKER_BASE_URL", token_sum=True, create_returns_future=True)
+PYTRIO = Flavour("pytrio", "PYTRIO_API_KEY", "PYTRIO_BASE_URL", token_sum=False, create_returns_future=False)
+FLAVOURS = {f.name: f for f in (TINKER, PYTRIO)}
+
+
+# ---------------------------------------------------------------- conversions (pure)
+
+
+def sdk_datum(flavour: Flavour, datum: Datum, loss_fn: str, total_weight: float) -> Any:
+    """Our :class:`~retool.types.Datum` as the SDK's ``Datum`` for ``loss_fn``, scaled so
+    that the service's reduction of the call gives our token mean (module docstring)."""
+    import numpy as np
+
+    t = flavour.types()
+    weights_N = datum.weights_N
+    targets_N = list(datum.target_tokens_N)
+    if flavour.token_sum:
+        scale_N = [w / total_weight for w in weights_N]
+    else:
+        if any(w not in (0.0, 1.0) for w in weights_N):
+            raise ValueError(f"engine {flavour.name} takes loss weights of 0 or 1 only")
+        targets_N = [tok if w else IGNORE_TARGET for tok, w in zip(targets_N, weights_N)]
+        scale_N = list(weights_N)
+    inputs: dict[str, Any] = {"target_tokens": np.asarray(targets_N, dtype=np.int64)}
+    if loss_fn == "cross_entropy":
+        inputs["weights"] = np.asarray(scale_N, dtype=np.float32)
+    else:
+        inputs["logprobs"] = np.asarray(datum.sampler_logprobs_N, dtype=np.float32)
+        inputs["advantages"] = np.asarray([a * s for a, s in zip(datum.advantages_N, scale_N)], dtype=np.float32)
+    return t.Datum(model_input=t.ModelInput.from_ints(list(datum.input_tokens_N)),
+                   loss_fn_inputs={k: t.TensorData.from_numpy(v) for k, v in inputs.items()})
+
+
+def sdk_loss_config(loss_fn: str, config: Mapping[str, float]) -> dict[str, float] | None:
+    """The ``loss_fn_config`` the service takes: PPO's clip bounds, nothing else."""
+    if loss_fn != "ppo":
+        return None
+    return {"clip_low_threshold": config["clip_low_threshold"], "clip_high_threshold": config["clip_high_threshold"]}
+
+
+def sdk_sampling_params(flavour: Flavour, params: SamplingParams) -> Any:
+    """Ours as the SDK's ``SamplingParams``: top_k "off" is 0 here, -1 there; no stop
+    ids means the model's end-of-sequence tokens (``stop=None``)."""
+    return flavour.types().SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed,
+        stop=list(params.stop_token_ids) if params.stop_token_ids else None)
+
+
+def sdk_adam_params(flavour: Flavour, adam: AdamParams) -> Any:
+    """Ours as the SDK's ``AdamParams``: ``eps`` always passed (their default is 1e-12,
+    ours 1e-8); ``grad_clip_norm`` "off" is ``None`` here, 0 there."""
+    return flavour.types().AdamParams(learning_rate=adam.learning_rate, beta1=adam.beta1, beta2=adam.beta2,
+                                      eps=adam.eps, weight_decay=adam.weight_decay,
+                                      grad_clip_norm=adam.grad_clip_norm or 0.0)
+
+
+def from_sdk_sequence(tokens: Sequence[int], logprobs: Sequence[float] | None, stop_reason: str) -> SampledSequence:
+    """One sampled sequence in our terms; the stop token stays in ``tokens`` (both SDKs
+    return it, as our contract wants)."""
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise ValueError("the service returned a sequence without one logprob per token")
+    reason = StopReason.LENGTH if str(stop_reason) in ("length", "max_tokens") else StopReason.STOP
+    return SampledSequence(tuple(int(t) for t in tokens), tuple(float(lp) for lp in logprobs), reason)
+
+
+def from_sdk_sample_response(response: Any) -> SampleResult:
+    return SampleResult(tuple(from_sdk_sequence(s.tokens, s.logprobs, s.stop_reason) for s in response.sequences))
+
+
+def target_logprobs(output: Any) -> tuple[tuple[float, ...], ...]:
+    """Per datum, the trainer's logprob of every target from a ``ForwardBackwardOutput``."""
+    return tuple(tuple(float(v) for v in o["logprobs"].tolist()) for o in output.loss_fn_outputs)
+
+
+def loss_metrics(data: Sequence[Datum], logprobs_D: Sequence[Sequence[float]], loss_fn: str,
+                 config: Mapping[str, float]) -> dict[str, float]:
+    """The local engine's ``train/*`` metrics, from the logprobs the service returned."""
+    import torch
+
+    weights_N = torch.tensor([w for d in data for w in d.weights_N], dtype=torch.float64)
+    mask_N = weights_N != 0
+    # an untrained target's logprob is meaningless (PyTRIO: an ignored -100 target): 0 there
+    logprobs_N = torch.tensor([lp if w else 0.0 for lp_N, d in zip(logprobs_D, data) for lp, w in zip(lp_N, d.weights_N)],
+                              dtype=torch.float64)
+    inputs = algo.LossInputs()
+    if loss_fn in algo.RL_LOSSES:
+        inputs = algo.LossInputs(torch.tensor([v for d in data for v in d.sampler_logprobs_N], dtype=torch.float64),
+                                 torch.tensor([v for d in data for v in d.advantages_N], dtype=torch.float64))
+    terms = algo.LOSSES[loss_fn](logprobs_N, inputs, config)
+    tokens = int(mask_N.sum())
+    out = {"train/loss": float(algo.token_mean(terms.loss_N, weights_N)), "train/tokens": float(tokens),
+           "train/sequences": float(len(data)), "train/micro_batches": 1.0}
+    if inputs.sampler_logprobs_N is not None:
+        diff_N = (logprobs_N - inputs.sampler_logprobs_N)[mask_N]
+        out["train/sampler_logprob_diff"] = float(diff_N.abs().sum()) / tokens
+        out["train/approx_kl"] = float((diff_N.exp() - 1 - diff_N).sum()) / tokens
+    if terms.clipped_N is not None:
+        out["train/clip_frac"] = float((terms.clipped_N & mask_N).sum()) / tokens
+    return out
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ServiceError(ConfigError):
+    """The service refused the run itself (authentication, an unknown model): stop at once."""
+
+
+def _scrub(flavour: Flavour, text: str) -> str:
+    key = os.environ.get(flavour.key_env, "")
+    return text.replace(key, "***") if len(key) >= 4 else text
+
+
+def _kind(err: BaseException) -> str:
+    """``auth``, ``transient`` or ``other``, from the SDK exception's class and status."""
+    name = type(err).__name__
+    status = getattr(err, "status_code", 0) or 0
+    if status in (401, 403) or name in ("AuthenticationError", "PermissionDeniedError", "AuthError"):
+        return "auth"
+    if (status in (408, 429) or status >= 500 or isinstance(err, (TimeoutError, ConnectionError))
+            or name in ("APIConnectionError", "APITimeoutError") or getattr(err, "retryable", False)):
+        return "transient"
+    return "other"
+
+
+@dataclass
+class _Counters:
+    errors: int = 0
+    retries: int = 0
+
+    def __post_init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def take(self) -> dict[str, float]:
+        with self.lock:
+            out = {"engine/errors": float(self.errors), "engine/retries": float(self.retries)}
+            self.errors = self.retries = 0
+        return out
+
+
+def _translate(flavour: Flavour, counters: _Counters, what: str, err: BaseException,
+               retryable: bool = True) -> BaseException:
+    """The exception the trainer sees for an SDK failure (counted in ``engine/errors``)."""
+    kind = _kind(err)
+    message = _scrub(flavour, f"engine {flavour.name}: {what} failed ({type(err).__name__}: {err})")
+    with counters.lock:
+        counters.errors += 1
+        if kind == "transient" and retryable:
+            counters.retries += 1
+    if kind == "auth":
+        return ServiceError(_scrub(flavour, f"engine {flavour.name}: the service refused the credentials "
+                                             f"({type(err).__name__}); set {flavour.key_env} to a valid API key"))
+    if kind == "transient" and retryable:
+        return TransientEngineError(message)
+    return RuntimeError(message)
+
+
+def _call(flavour: Flavour, counters: _Counters, what: str, fn: Callable[[], Any], retryable: bool = True) -> Any:
+    try:
+        return fn()
+    except (ConfigError, ValueError, FloatingPointError):
+        raise
+    except Exception as err:
+        raise _translate(flavour, counters, what, err, retryable) from None
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class ServiceSamplingClient:
+    """A service sampling client with fixed weights, behind our ``SamplingClient``."""
+
+    def __init__(self, flavour: Flavour, sdk_client: Any, pool: ThreadPoolExecutor, counters: _Counters) -> None:
+        self.flavour, self.sdk_client, self._pool, self._counters = flavour, sdk_client, pool, counters
+
+    async def sample(self, prompt_tokens: Sequence[int], num_samples: int,
+                     sampling_params: SamplingParams) -> SampleResult:
+        t = self.flavour.types()
+        prompt = t.ModelInput.from_ints([int(x) for x in prompt_tokens])
+        params = sdk_sampling_params(self.flavour, sampling_params)
+        response = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._sample_blocking, prompt, num_samples, params)
+        return from_sdk_sample_response(response)
+
+    def _sample_blocking(self, prompt: Any, num_samples: int, params: Any) -> Any:
+        return _call(self.flavour, self._counters, "sample",
+                     lambda: self.sdk_client.sample(prompt=prompt, num_samples=num_samples,
+                                                    sampling_params=params).result())
+
+
+# ---------------------------------------------------------------- training
+
+
+class ServiceTrainingClient:
+    """Our ``TrainingClient`` over a service's SDK training client (module docstring)."""
+
+    def __init__(self, flavour: Flavour, service: Any, sdk_client: Any, model: str, lora_rank: int,
+                 tokenizer: Any, sample_concurrency: int = 64, retry_timeout_s: float | None = None) -> None:
+        self.flavour, self.service, self.sdk_client = flavour, service, sdk_client
+        self.retry_timeout_s = retry_timeout_s
+        self.model, self.lora_rank, self.tokenizer = model, lora_rank, tokenizer
+        self.optim_steps = 0
+        self.counters = _Counters()
+        self._sample_pool = ThreadPoolExecutor(sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
+        self._result_pool = ThreadPoolExecutor(2, thread_name_prefix=f"{flavour.name}-result")
+        self._pending_gradient = False
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ------------------------------------------------------------ forward/backward and optim
+
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str,
+                         loss_fn_config: Mapping[str, float] | None = None) -> ForwardBackwardOutput:
+        return self.submit_forward_backward(data, loss_fn, loss_fn_config).result()
+
+    def optim_step(self, adam_params: AdamParams = AdamParams()) -> OptimStepOutput:
+        return self.submit_optim_step(adam_params).result()
+
+    def submit_forward_backward(self, data: Sequence[Datum], loss_fn: str,
+                                loss_fn_config: Mapping[str, float] | None = None) -> Future[ForwardBackwardOutput]:
+        """Check, convert and send the whole batch in one SDK call; the future converts
+        the answer and computes the metrics."""
+        config = algo.loss_config(loss_fn, loss_fn_config)
+        if config["temperature"] != 1.0:
+            raise ValueError(f"engine {self.flavour.name} trains at temperature 1 only (it takes no temperature)")
+        if config.get("dual_clip"):
+            raise ValueError(f"engine {self.flavour.name} has no PPO dual-clip")
+        total_weight = _check_data(data, loss_fn)
+        sdk_data = [sdk_datum(self.flavour, d, loss_fn, total_weight) for d in data]
+        sdk_future = _call(self.flavour, self.counters, "forward_backward",
+                           lambda: self.sdk_client.forward_backward(sdk_data, loss_fn, sdk_loss_config(loss_fn, config)),
+                           retryable=False)
+        self._pending_gradient = True
+        return self._result_pool.submit(self._finish_forward_backward, sdk_future, data, loss_fn, config)
+
+    def _finish_forward_backward(self, sdk_future: Any, data: Sequence[Datum], loss_fn: str,
+                                 config: Mapping[str, float]) -> ForwardBackwardOutput:
+        output = _call(self.flavour, self.counters, "forward_backward", sdk_future.result, retryable=False)
+        logprobs_D = target_logprobs(output)
+        if [len(lp) for lp in logprobs_D] != [d.num_tokens for d in data]:
+            raise RuntimeError(f"engine {self.flavour.name}: forward_backward returned logprobs of the wrong shape")
+        metrics = loss_metrics(data, logprobs_D, loss_fn, config)
+        if not math.isfinite(metrics["train/loss"]):
+            raise FloatingPointError(f"non-finite loss {metrics['train/loss']} from the service")
+        return ForwardBackwardOutput(logprobs_D, metrics)
+
+    def submit_optim_step(self, adam_params: AdamParams) -> Future[OptimStepOutput]:
+        """Send one optimizer step (never re-sent: a failure may have been applied)."""
+        if not self._pending_gradient:
+            raise RuntimeError("optim_step called without a preceding forward_backward")
+        self._pending_gradient = False
+        sdk_future = _call(self.flavour, self.counters, "optim_step",
+                           lambda: self.sdk_client.optim_step(sdk_adam_params(self.flavour, adam_params)),
+                           retryable=False)
+        return self._result_pool.submit(self._finish_optim_step, sdk_future, adam_params)
+
+    def _finish_optim_step(self, sdk_future: Any, adam_params: AdamParams) -> OptimStepOutput:
+        response = _call(self.flavour, self.counters, "optim_step (it may or may not have been applied)",
+                         sdk_future.result, retryable=False)
+        self.optim_steps += 1
+        metrics = {"train/lr": adam_params.learning_rate, "train/optim_steps": float(self.optim_steps)}
+        for key, value in (response.metrics or {}).items():
+            if key.split(":")[0].endswith("grad_norm"):
+                metrics["train/grad_norm"] = float(value)
+        metrics.update(self.counters.take())
+        return OptimStepOutput(metrics)
+
+    # ------------------------------------------------------------ sampling and checkpoints
+
+    def save_weights_for_sampler(self, name: str | None = None) -> ServiceSamplingClient:
+        """Save the current weights for sampling and return a fresh client on them."""
+        name = name or f"retool-sampler-{self.optim_steps:06d}-{uuid.uuid4().hex[:8]}"
+        path = _call(self.flavour, self.counters, "save_weights_for_sampler",
+                     lambda: self.sdk_client.save_weights_for_sampler(name, ttl_seconds=SAMPLER_TTL_S).result().path)
+        sdk_sampler = _sampling_client(self.flavour, self.service, self.model, path, self.retry_timeout_s)
+        return ServiceSamplingClient(self.flavour, sdk_sampler, self._sample_pool, self.counters)
+
+    def save_state(self, path: str | Path) -> Path:
+        """Save the service state (weights + Adam moments) and sampler weights; write
+        ``engine.json`` pointing at both. Nothing else is stored locally."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"retool-{self.optim_steps:06d}-{uuid.uuid4().hex[:8]}"
+        state = _call(self.flavour, self.counters, "save_state", lambda: self.sdk_client.save_state(name).result().path)
+        sampler = _call(self.flavour, self.counters, "save_weights_for_sampler",
+                        lambda: self.sdk_client.save_weights_for_sampler(name + "-sampler").result().path)
+        atomic_write_json(folder / ENGINE_STATE_FILE, {
+            "format": STATE_FORMAT, "engine": self.flavour.name, "model": self.model, "weights": state,
+            "optimizer": state, "sampler_weights": sampler, "full_finetune": False,
+            "lora": {"rank": self.lora_rank, "targets": "all-linear"}, "optim_steps": self.optim_steps})
+        return folder
+
+    def load_state(self, path: str | Path) -> None:
+        """Continue from a ``save_state`` folder: a new SDK training client created from
+        the service state with its optimizer (the SDKs' replacement of ``load_state``)."""
+        checkpoint = _read_checkpoint(self.flavour, path)
+        self.sdk_client = _create(self.flavour, self.counters, "create_training_client_from_state_with_optimizer",
+                                  lambda: self.service.create_training_client_from_state_with_optimizer(
+                                      checkpoint.optimizer))
+        self.optim_steps = int(_engine_json(path).get("optim_steps", 0))
+        self._pending_gradient = False
+
+
+def _check_data(data: Sequence[Datum], loss_fn: str) -> float:
+    """Reject what the service would choke on, before sending: returns the trained weight."""
+    if not data:
+        raise ValueError("forward_backward needs at least one datum")
+    for i, d in enumerate(data):
+        fields = [d.weights_N] + ([d.sampler_logprobs_N, d.advantages_N] if loss_fn in algo.RL_LOSSES else [])
+        if any(len(f) != d.num_tokens for f in fields):
+            raise ValueError(f"datum {i}: every per-token field needs {d.num_tokens} entries")
+        if not all(math.isfinite(v) for f in fields for v in f):
+            raise FloatingPointError(f"datum {i} has a non-finite weight, sampler logprob or advantage; "
+                                     "nothing was sent to the service")
+    total_weight = sum(sum(d.weights_N) for d in data)
+    if not total_weight > 0:
+        raise ValueError("no datum has a trained token (all weights are 0)")
+    return total_weight
+
+
+# ---------------------------------------------------------------- building clients
+
+
+def _create(flavour: Flavour, counters: _Counters, what: str, fn: Callable[[], Any]) -> Any:
+    """Call a ``create_*`` method (Tinker's return futures, PyTRIO's clients); a failure
+    (an unknown model, a missing checkpoint) stops the run with one line."""
+    try:
+        result = _call(flavour, counters, what, fn, retryable=False)
+        if flavour.create_returns_future:
+            result = _call(flavour, counters, what, result.result, retryable=False)
+    except RuntimeError as err:
+        raise ServiceError(str(err)) from None
+    return result
+
+
+def _sampling_client(flavour: Flavour, service: Any, model: str, path: str | None,
+                     retry_timeout_s: float | None = None) -> Any:
+    """A sampling client on saved weights ``path`` (or the base model): the two SDKs take
+    ``model_path``/``base_model`` in opposite orders, so both go by keyword. Tinker's
+    retries are configured per sampling client (``RetryConfig``), PyTRIO's per process
+    (:func:`service_client`)."""
+    counters = _Counters()
+    if flavour is TINKER:
+        kwargs: dict[str, Any] = {"model_path": path} if path else {"base_model": model}
+        if retry_timeout_s is not None:
+            from tinker.lib.retry_handler import RetryConfig
+
+            kwargs["retry_config"] = RetryConfig(progress_timeout=retry_timeout_s)
+        return _create(flavour, counters, "create_sampling_client", lambda: service.create_sampling_client(**kwargs))
+    return _create(flavour, counters, "create_sampling_client",
+                   lambda: service.create_sampling_client(base_model=model, model_path=path))
+
+
+def service_client(flavour: Flavour, base_url: str | None = None, retry_timeout_s: float | None = None) -> Any:
+    """The SDK's ``ServiceClient``; the SDK reads the API key from its environment."""
+    sdk = flavour.sdk()
+    if flavour is PYTRIO and retry_timeout_s is not None:
+        sdk.configure(training_retry_timeout_seconds=retry_timeout_s, sampling_retry_timeout_seconds=retry_timeout_s)
+    if flavour is TINKER:
+        return _call(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(base_url=base_url), retryable=False)
+    if base_url:
+        sdk.configure(base_url=base_url)
+    return _call(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(), retryable=False)
+
+
+def _engine_json(path: str | Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((Path(path) / ENGINE_STATE_FILE).read_text())
+
+
+def _read_checkpoint(flavour: Flavour, path: str | Path) -> EngineCheckpoint:
+    checkpoint = EngineCheckpoint.read(path)
+    if checkpoint.engine != flavour.name:
+        raise ConfigError(f"{path} was written by the {checkpoint.engine} engine, not {flavour.name}")
+    return checkpoint
+
+
+def load_tokenizer(model: str) -> Any:
+    """The model's Hugging Face tokenizer, loaded here (the service holds the model)."""
+    from transformers import AutoTokenizer
+
+    from retool.bundled import resolve_model_name
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(model))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_rank: int = 32, seed: int | None = None,
+                           base_url: str | None = None, init_from: str | None = None,
+                           sample_concurrency: int = 64, retry_timeout_s: float | None = None) -> ServiceTrainingClient:
+    """A training client on the service: a fresh LoRA adapter on ``model``, or the weights
+    (not the optimizer) of the checkpoint folder ``init_from``."""
+    flavour = FLAVOURS[flavour] if isinstance(flavour, str) else flavour
+    service = service_client(flavour, base_url, retry_timeout_s)
+    counters = _Counters()
+    if init_from:
+        checkpoint = _read_checkpoint(flavour, init_from)
+        sdk_client = _create(flavour, counters, "create_training_client_from_state",
+                             lambda: service.create_training_client_from_state(checkpoint.weights))
+    else:
+        sdk_client = _create(flavour, counters, f"create_lora_training_client({model})",
+                             lambda: service.create_lora_training_client(base_model=model, rank=lora_rank, seed=seed,
+                                                                         train_unembed=False))
+    return ServiceTrainingClient(flavour, service, sdk_client, model, lora_rank, load_tokenizer(model),
+                                 sample_concurrency, retry_timeout_s)
+
+
+def training_client(cfg: Any, seed: int, init_from: str | None, flavour: Flavour = TINKER) -> ServiceTrainingClient:
+    """The training client a ``retool train``/``retool sft`` config describes."""
+    if cfg.lora_targets != "all-linear":
+        raise ConfigError(f"engine {flavour.name} trains every linear layer: leave --lora-targets all-linear")
+    settings = getattr(cfg, flavour.name)
+    return create_training_client(flavour, model=cfg.model, lora_rank=cfg.lora_rank, seed=seed,
+                                  base_url=settings.base_url, init_from=init_from,
+                                  sample_concurrency=settings.sample_concurrency,
+                                  retry_timeout_s=settings.retry_timeout_s)
+
+
+def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
+    """A sampler only, for ``retool eval``: the base model, or a checkpoint's sampler weights."""
+    from retool.engines import EngineSampler, ServiceSettings
+
+    settings = request.settings or ServiceSettings()
+    service = service_client(flavour, settings.base_url, settings.retry_timeout_s)
+    path = None
+    if request.checkpoint is not None:
+        _read_checkpoint(flavour, request.checkpoint_dir)
+        path = _engine_json(request.checkpoint_dir)["sampler_weights"]
+    pool = ThreadPoolExecutor(settings.sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
+    sdk_sampler = _sampling_client(flavour, service, request.model, path, settings.retry_timeout_s)
+    client = ServiceSamplingClient(flavour, sdk_sampler, pool, _Counters())
+    return EngineSampler(load_tokenizer(request.model), client, close=lambda: pool.shutdown(wait=False))
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path, base_url: str | None = None) -> Path:
+    """Download the adapter of a ``save_state`` folder's checkpoint as a PEFT folder.
+
+    Tinker: a training client from the saved weights writes them in the external
+    (Hugging Face) format (``save_weights_external``) and ``RestClient`` hands out one
+    signed URL per file. PyTRIO: the sampler checkpoint is looked up among the user's
+    checkpoints and downloaded as one archive (tar or zip), which is unpacked. Either way
+    the folder must end up holding ``adapter_config.json`` and ``adapter_model.safetensors``.
+    """
+    import tempfile
+
+    _read_checkpoint(flavour, engine_dir)
+    meta = _engine_json(engine_dir)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    counters = _Counters()
+    service = service_client(flavour, base_url)
+    if flavour is TINKER:
+        trainer = _create(flavour, counters, "create_training_client_from_state",
+                          lambda: service.create_training_client_from_state(meta["weights"]))
+        name = f"retool-export-{uuid.uuid4().hex[:8]}"
+        path = _call(flavour, counters, "save_weights_external",
+                     lambda: trainer.save_weights_external(name).result().path)
+        rest = flavour.sdk().RestClient(base_url=base_url)
+        urls = _call(flavour, counters, "get_external_weights_urls",
+                     lambda: rest.get_external_weights_urls(path).result().urls)
+        for relative, url in urls.items():
+            _download(url, output / relative)
+    else:
+        rest = service.create_rest_client()
+        checkpoint_id = _pytrio_checkpoint_id(flavour, rest, meta["sampler_weights"])
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = Path(tmp) / "checkpoint"
+            _call(flavour, counters, "download_checkpoint",
+                  lambda: rest.download_checkpoint(checkpoint_id, archive).result())
+            _unpack(archive, output)
+    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (output / f).is_file()]
+    if missing:
+        raise RuntimeError(f"engine {flavour.name}: the downloaded checkpoint in {output} has no {', '.join(missing)}; "
+                           f"it holds {sorted(p.name for p in output.iterdir())}")
+    return output
+
+
+def _download(url: str, target: Path) -> None:
+    import shutil
+    import urllib.request
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with urllib.request.urlopen(url) as response, open(target, "wb") as f:  # noqa: S310 - the service's signed URL
+        shutil.copyfileobj(response, f)
+
+
+def _pytrio_checkpoint_id(flavour: Flavour, rest: Any, path: str, page: int = 100) -> str:
+    offset = 0
+    while True:
+        listing = _call(flavour, _Counters(), "list_user_checkpoints",
+                        lambda: rest.list_user_checkpoints(limit=page, offset=offset).result())
+        for checkpoint in listing.checkpoints:
+            if checkpoint.path == path:
+                return checkpoint.checkpoint_id
+        if len(listing.checkpoints) < page:
+            raise RuntimeError(f"engine {flavour.name}: no checkpoint {path} among this account's checkpoints "
+                               "(expired or deleted?)")
+        offset += page
+
+
+def _unpack(archive: Path, output: Path) -> None:
+    """Unpack a tar or zip archive into ``output``, flattening a single top folder."""
+    import shutil
+    import tarfile
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if tarfile.is_tarfile(archive):
+            with tarfile.open(archive) as tar:
+                tar.extractall(tmp, filter="data")
+        elif zipfile.is_zipfile(archive):
+            with zipfile.ZipFile(archive) as z:
+                z.extractall(tmp)
+        else:
+            raise RuntimeError(f"the downloaded checkpoint {archive.name} is neither a tar nor a zip archive")
+        found = sorted(Path(tmp).rglob("adapter_config.json"))
+        source = found[0].parent if found else Path(tmp)
+        for item in source.iterdir():
+            shutil.move(str(item), output / item.name)
