@@ -190,8 +190,6 @@ class FakeTrainer:
     # ------------------------------------------------------------ the service's computations
 
     def forward_backward(self, data: list, loss_fn: str, config: dict | None) -> Any:
-        import torch
-
         from retool.engines.local.model import model_mode
 
         self.service.requests.append(("forward_backward", (data, loss_fn, config)))
