@@ -43,6 +43,7 @@ from retool.sandbox.server import (
     to_run_args,
 )
 from retool.types import ExecStatus, ExecutionResult
+from tests.snippets import FAST_IO_TEMPLATE
 
 pytestmark = pytest.mark.timeout(120)  # these tests start sandbox servers
 
@@ -361,36 +362,7 @@ def verl(tmp_path_factory, pytestconfig):
 
 
 A_PLUS_B = "a, b = map(int, input().split())\nprint(a + b)"
-FAST_IO_SUM = """
-import os, sys
-from io import BytesIO, IOBase
-class FastIO(IOBase):
-    newlines = 0
-    def __init__(self, file):
-        self._fd = file.fileno()
-        self.buffer = BytesIO()
-        self.writable = "x" in file.mode or "r" not in file.mode
-        self.write = self.buffer.write if self.writable else None
-    def readline(self):
-        while self.newlines == 0:
-            b = os.read(self._fd, max(os.fstat(self._fd).st_size, 8192))
-            self.newlines = b.count(b"\\n") + (not b)
-            ptr = self.buffer.tell()
-            self.buffer.seek(0, 2), self.buffer.write(b), self.buffer.seek(ptr)
-        self.newlines -= 1
-        return self.buffer.readline()
-    def flush(self):
-        if self.writable:
-            os.write(self._fd, self.buffer.getvalue())
-            self.buffer.truncate(0), self.buffer.seek(0)
-class IOWrapper(IOBase):
-    def __init__(self, file):
-        self.buffer = FastIO(file)
-        self.flush = self.buffer.flush
-        self.write = lambda s: self.buffer.write(s.encode("ascii"))
-        self.readline = lambda: self.buffer.readline().decode("ascii")
-sys.stdin, sys.stdout = IOWrapper(sys.stdin), IOWrapper(sys.stdout)
-a, b = map(int, sys.stdin.readline().split())
+FAST_IO_SUM = FAST_IO_TEMPLATE + """a, b = map(int, sys.stdin.readline().split())
 print(a + b)
 """
 VERL_CASES = {  # name: (generation, in_outs, timeout, expected verdicts)
