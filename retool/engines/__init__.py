@@ -111,6 +111,10 @@ class EngineSpec:
     """What to run when the module's own dependencies are missing."""
 
 
+SERVICE_CAPABILITIES = Capabilities(full_finetune=False, dual_clip=False, train_top_p=False, train_temperature=False)
+"""A Tinker-style service: LoRA only, no dual-clip, no temperature input, and logprobs it
+does not document as taken before top-p, so no top-p < 1 in training."""
+
 ENGINES: dict[str, EngineSpec] = {
     "local": EngineSpec(
         module="retool.engines.local",
@@ -120,15 +124,13 @@ ENGINES: dict[str, EngineSpec] = {
     "tinker": EngineSpec(
         module="retool.engines.tinker",
         summary="Tinker's training service through its SDK (LoRA; the service samples and trains)",
-        capabilities=Capabilities(full_finetune=False, dual_clip=False, train_top_p=False,
-                                  train_temperature=False),
+        capabilities=SERVICE_CAPABILITIES,
         install="pip install 'retool-rl[tinker]'",
     ),
     "pytrio": EngineSpec(
         module="retool.engines.pytrio",
         summary="PyTRIO, a Tinker-compatible training service, through its SDK (LoRA)",
-        capabilities=Capabilities(full_finetune=False, dual_clip=False, train_top_p=False,
-                                  train_temperature=False),
+        capabilities=SERVICE_CAPABILITIES,
         install="pip install 'retool-rl[pytrio]'",
     ),
 }
