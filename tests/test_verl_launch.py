@@ -119,3 +119,11 @@ def test_sampler_aborted_is_transient_and_missing_logprobs_is_an_error():
         asyncio.run(ServerManagerSampler(FakeServer([5], "aborted")).sample([1], 1, params))
     with pytest.raises(RuntimeError, match="calculate_log_probs"):
         asyncio.run(ServerManagerSampler(FakeServer([5], logprobs=False)).sample([1], 1, params))
+
+
+def test_docs_list_every_verl_flag():
+    from retool.config import markdown_table
+    from retool.integrations.verl.launch import VerlSettings
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "verl.md"
+    assert markdown_table(VerlSettings) in docs.read_text()

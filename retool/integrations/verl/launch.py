@@ -45,8 +45,9 @@ OFF = 1e9
 
 
 @dataclass
-class VerlConfig(TrainConfig):
-    """``retool train``'s settings plus where and how verl runs them."""
+class VerlSettings:
+    """Where and how verl runs a ReTool run (the flags ``retool verl-config`` adds to
+    ``retool train``'s; ``docs/verl.md`` lists them)."""
 
     out: str = option("verl-launch", "launch folder to write")
     val_data: str = option("aime25", "validation problems (bundled set or file)")
@@ -63,6 +64,15 @@ class VerlConfig(TrainConfig):
     agent_workers: int = option(8, "verl agent-loop workers (each holds one sandbox)")
     sandbox_url: str | None = option(None, "a `retool sandbox serve` URL; none = a warm sandbox in each worker")
     project: str = option("retool", "project name for verl's loggers")
+
+
+@dataclass
+class VerlConfig(VerlSettings, TrainConfig):
+    """``retool train``'s settings (model, data, batch and group, budgets, optimiser,
+    adapter, clip, steps, seed) plus :class:`VerlSettings`. The local engine's own
+    settings (device, dtype, packing, the ``local`` section) do not apply to verl and are
+    ignored; ``micro_batch_tokens`` becomes ``ppo_max_token_len_per_gpu`` (at least one
+    whole sequence)."""
 
     def validate(self) -> None:
         for name in ("batch_size", "group_size", "max_steps", "save_every", "val_samples", "test_every", "nnodes",
