@@ -77,7 +77,7 @@ def make_loop(tokenizer, server, *, response_length=4096, **settings):
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 1024,
                                                              "response_length": response_length}},
                             "data": {"apply_chat_template_kwargs": {}}})
-    settings.setdefault("sandbox_timeout_s", 5.0)
+    settings.setdefault("sandbox_timeout_s", 30.0)  # generous: a loaded CI machine
     settings.setdefault("sandbox_workers", 2)
     return RetoolAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer,
                            processor=None, dataset_cls=None, data_config=DictConfigWrap(cfg.data),
@@ -102,7 +102,7 @@ def run_loop(tokenizer, script, params=TRAIN_PARAMS, **settings):
 def retool_rollout(tokenizer, script, sandbox, **config):
     """retool's own rollout of the same script (the reference the loop must equal)."""
     rollout = Rollout(Renderer(tokenizer), ScriptedSampler(tokenizer, [script]), sandbox, agrade,
-                      RolloutConfig(sandbox_timeout_s=5.0, **config))
+                      RolloutConfig(sandbox_timeout_s=30.0, **config))
     return asyncio.run(rollout.group(PROBLEM, 1))[0]
 
 
@@ -247,3 +247,29 @@ def test_row_without_gold_answer_is_a_data_bug():
 
     with pytest.raises(ValueError, match="ground_truth"):
         asyncio.run(go())
+
+
+def test_built_from_the_generated_yaml_the_way_verls_worker_builds_it(tmp_path):
+    import hydra
+    from verl.experimental.agent_loop.agent_loop import ToolListWrap
+
+    from retool.config import make_config
+    from retool.integrations.verl.launch import VerlConfig, agent_loop_yaml
+
+    (tmp_path / "agent_loop.yaml").write_text(agent_loop_yaml(make_config(VerlConfig, max_code_calls=3,
+                                                                          sandbox_timeout_s=30.0, sandbox_workers=2)))
+    (entry,) = OmegaConf.load(tmp_path / "agent_loop.yaml")
+    tok = qwen25_tokenizer()
+    server = ScriptedServerManager(tok, [hermes_call("print(6*7)"), "\\boxed{42}"])
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 1024, "response_length": 8192}},
+                            "data": {"apply_chat_template_kwargs": {}}})
+
+    async def go():
+        loop = hydra.utils.instantiate(config=entry, trainer_config=DictConfigWrap(config=cfg), server_manager=server,
+                                       tokenizer=tok, processor=None, hf_model_type="qwen2", dataset_cls=None,
+                                       data_config=DictConfigWrap(cfg.data), tools=ToolListWrap([]))
+        assert isinstance(loop, RetoolAgentLoop) and loop.settings.max_code_calls == 3
+        return await loop.run(dict(TRAIN_PARAMS), **row())
+
+    out = asyncio.run(go())
+    assert out.reward_score == 1.0 and out.extra_fields["reward_extra_info"]["sandbox/count_ok"] == 1.0
