@@ -62,7 +62,8 @@ def test_command_writes_the_launch_folder(tmp_path, capsys):
     (["--loss", "importance_sampling"], "PPO-clip"),
     (["--refill-rounds", "2"], "dynamic sampling"),
     (["--gpus-per-node", "8", "--tensor-parallel", "3"], "divide"),
-    (["--val-top-p", "0"], "top_p"),
+    (["--val-top-p", "0"], "val_top_p"),
+    (["--temperature", "0"], "temperature must be > 0"),
 ])
 def test_settings_verl_would_run_differently_are_refused(tmp_path, capsys, flags, message):
     assert main(["verl-config", "--train-data", tiny_train(tmp_path), "--out", str(tmp_path / "o"), *flags]) == 2

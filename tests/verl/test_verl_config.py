@@ -171,13 +171,15 @@ def test_parquet_loads_with_verls_dataset_and_carries_agent_name(launched):
 
 def test_seed_preset_and_full_finetune_sglang(tmp_path):
     cfg = make_config(VerlConfig, train_data=tiny_train(tmp_path), out=str(tmp_path / "out"), full_finetune=True,
-                      rollout_engine="sglang", max_steps=20, save_every=5, gradient_checkpointing=True)
+                      rollout_engine="sglang", max_steps=20, save_every=5, gradient_checkpointing=True,
+                      val_temperature=0.0)
     c = compose_verl(run_sh_overrides(write_launch_folder(cfg)))
     assert validate(c) == []  # full fine-tuning: no LoRA rank to check
     assert c.actor_rollout_ref.model.lora_rank == 0
     assert c.actor_rollout_ref.rollout.name == "sglang"
     assert (c.trainer.total_training_steps, c.trainer.save_freq) == (20, 5)
     assert c.actor_rollout_ref.model.enable_gradient_checkpointing is True
+    assert c.actor_rollout_ref.rollout.val_kwargs.do_sample is False  # val temperature 0 = greedy
 
 
 def test_command_line_with_the_repos_preset(tmp_path):

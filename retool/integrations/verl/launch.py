@@ -84,8 +84,9 @@ class VerlConfig(VerlSettings, TrainConfig):
         require(0 < self.clip_low <= 1 <= self.clip_high, "need 0 < clip_low <= 1 <= clip_high")
         require(self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 (or none)")
         require(self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "invalid Adam settings")
-        for t, p in ((self.temperature, self.top_p), (self.val_temperature, self.val_top_p)):
-            require(t >= 0 and 0 < p <= 1, "temperatures must be >= 0 and top_p in (0, 1]")
+        require(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
+        require(self.val_temperature >= 0 and 0 < self.val_top_p <= 1,
+                "val_temperature must be >= 0 (0 = greedy) and val_top_p in (0, 1]")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         require(self.gpus_per_node % self.tensor_parallel == 0, "tensor_parallel must divide gpus_per_node")
         require(self.mode == "retool", "verl runs retool mode only (the agent loop always declares the tool)")
@@ -162,7 +163,7 @@ def overrides(cfg: VerlConfig, folder: str, train_rows: int) -> list[tuple[str, 
         ("actor_rollout_ref.rollout.val_kwargs.temperature", cfg.val_temperature),
         ("actor_rollout_ref.rollout.val_kwargs.top_p", cfg.val_top_p),
         ("actor_rollout_ref.rollout.val_kwargs.top_k", -1),
-        ("actor_rollout_ref.rollout.val_kwargs.do_sample", True),
+        ("actor_rollout_ref.rollout.val_kwargs.do_sample", cfg.val_temperature > 0),
         ("actor_rollout_ref.rollout.agent.num_workers", cfg.agent_workers),
         ("actor_rollout_ref.rollout.agent.default_agent_loop", "retool"),
         ("actor_rollout_ref.rollout.agent.agent_loop_config_path", f"{folder}/agent_loop.yaml"),
