@@ -105,6 +105,8 @@ class RetoolAgentLoop(AgentLoopBase):
     """A verl agent loop that runs one ReTool trajectory with retool's rollout."""
 
     def __init__(self, *args: Any, name: str = AGENT_NAME, **kwargs: Any) -> None:
+        # ``name`` is the YAML entry's own key, handed over by hydra.instantiate; the
+        # entry's other keys are LoopSettings fields; the rest is AgentLoopBase's.
         fields = set(LoopSettings.__dataclass_fields__)
         settings = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
         super().__init__(*args, **kwargs)
@@ -114,6 +116,7 @@ class RetoolAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         problem = problem_from_row(row)
         renderer = shared_renderer(self.tokenizer, self.settings)
+        # The prompt's length sets the budget (rendered again inside the rollout: same tokens).
         prompt_len = len(renderer.prompt_tokens(build_messages(problem.question, tools=True)))
         grading = _TimedGrader()
         rollout = Rollout(renderer, ServerManagerSampler(self.server_manager), shared_sandbox(self.settings),
