@@ -157,6 +157,7 @@ def test_tool_call_result_and_boxed_answer():
     assert info["rollout/trajectory_tokens"] == len(out.prompt_ids) + len(out.response_ids)
     assert info["rollout/sampled_tokens"] == sum(out.response_mask)
     assert out.extra_fields["turn_scores"] == [] and out.extra_fields["tool_rewards"] == []
+    assert out.extra_fields["tool_call_counts"] == 1  # verl's own tool_call_counts/* training metric
     # One sticky request id per trajectory; verl's sampling settings reach every request.
     assert len(server.calls) == 2 and len({c["request_id"] for c in server.calls}) == 1
     im_end = tok.convert_tokens_to_ids("<|im_end|>")

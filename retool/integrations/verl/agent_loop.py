@@ -21,7 +21,9 @@ What verl receives (``AgentLoopOutput``):
 - ``metrics``: verl's timing record (generation, tool calls, grading seconds).
 - ``extra_fields["reward_extra_info"]``: per-trajectory figures under retool's metric
   names (``reward/correct``, ``rollout/code_calls``, ``rollout/stop/length``,
-  ``sandbox/latency_mean`` …) with the same keys on every row, as verl requires.
+  ``sandbox/latency_mean`` …) with the same keys on every row, as verl requires; and
+  ``extra_fields["tool_call_counts"]`` (code calls run), which verl's own training
+  metrics aggregate (``tool_call_counts/{min,max,mean}``).
 
 Per process (one verl agent-loop worker), the renderer and the sandbox are built once
 and shared by every trajectory: an in-process warm sandbox (``sandbox_workers``
@@ -182,7 +184,8 @@ def to_output(trajectory: Trajectory, rollout_s: float, grading_s: float) -> Age
         prompt_ids=list(trajectory.tokens_T[:p]), response_ids=list(trajectory.tokens_T[p:]),
         response_mask=list(trajectory.mask_T[p:]), response_logprobs=list(trajectory.logprobs_T[p:]),
         reward_score=trajectory.grade.reward, num_turns=num_turns(trajectory), metrics=metrics,
-        extra_fields={"reward_extra_info": trajectory_metrics(trajectory), "turn_scores": [], "tool_rewards": []})
+        extra_fields={"reward_extra_info": trajectory_metrics(trajectory), "turn_scores": [], "tool_rewards": [],
+                      "tool_call_counts": trajectory.num_code_calls})
 
 
 def num_turns(trajectory: Trajectory) -> int:
