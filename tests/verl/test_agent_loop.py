@@ -274,3 +274,37 @@ def test_built_from_the_generated_yaml_the_way_verls_worker_builds_it(tmp_path):
 
     out = asyncio.run(go())
     assert out.reward_score == 1.0 and out.extra_fields["reward_extra_info"]["sandbox/count_ok"] == 1.0
+
+
+def test_verls_worker_postprocessing_batches_the_outputs():
+    """verl's own AgentLoopWorker post-processing (padding, rm_scores, non-tensor batch and
+    metrics) on a batch of two loop outputs: a correct tool trajectory and a cut one."""
+    import numpy as np
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    tok = qwen25_tokenizer()
+    good, _ = run_loop(tok, [hermes_call("print(6*7)"), "So \\boxed{42}."])
+    cut, _ = run_loop(tok, ["[traj 0] " + "let me think " * 30], max_turn_tokens=16)
+    worker = object.__new__(AgentLoopWorker)  # only the post-processing state, no Ray actor
+    worker.rollout_config = OmegaConf.create({"prompt_length": 1024, "response_length": 4096})
+    worker.tokenizer, worker.processor, worker.mm_processor_kwargs = tok, None, {}
+    worker.reward_loop_worker_handles, worker.distillation_enabled = None, False
+
+    async def go():
+        return [await worker._agent_loop_postprocess(o, False, **row()) for o in (good, cut)]
+
+    batch = worker._postprocess(asyncio.run(go()), input_non_tensor_batch=None, validate=False)
+    assert batch.batch["responses"].shape == (2, 4096) and batch.batch["prompts"].shape == (2, 1024)
+    for i, out in enumerate((good, cut)):
+        n = len(out.response_ids)
+        assert batch.batch["responses"][i, :n].tolist() == out.response_ids
+        assert batch.batch["response_mask"][i, :n].tolist() == out.response_mask
+        assert batch.batch["response_mask"][i, n:].sum() == 0
+        assert batch.batch["rollout_log_probs"][i, :n].tolist() == pytest.approx(out.response_logprobs)
+        assert batch.batch["rm_scores"][i].sum().item() == out.reward_score  # on the last response token
+        assert batch.batch["rm_scores"][i, n - 1].item() == out.reward_score
+    assert batch.non_tensor_batch["__num_turns__"].tolist() == [4, 2]
+    assert batch.non_tensor_batch["rollout/stop/length"].tolist() == [0.0, 1.0]
+    assert batch.non_tensor_batch["sandbox/count_ok"].tolist() == [1.0, 0.0]
+    assert np.array(batch.non_tensor_batch["tool_call_counts"], dtype=float).mean() == 0.5
+    assert "reward/correct" in batch.meta_info["reward_extra_keys"]
