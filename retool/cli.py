@@ -29,6 +29,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.report.compare",
     "retool.report.plots",
     "retool.report.view",
+    "retool.integrations.verl.launch",
 )
 """Modules that register subcommands, in the order ``--help`` lists them."""
 

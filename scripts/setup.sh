@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+if [ "${1:-}" = "--verl" ]; then
+  exec bash scripts/setup_verl.sh
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
