@@ -26,13 +26,15 @@ from retool.types import StopReason
 from tests.fake_tinker import FAKE_LORA_ALPHA, FAKES, FakeService, install
 from tests.tiny import DIGIT_QUESTION, boxed_digit_model_dir
 
-pytest.importorskip("tinker")
-pytest.importorskip("pytrio")
+import pytrio  # noqa: E402  -- the test extra pins both SDKs: missing, these tests fail, never skip
+import tinker  # noqa: E402
 
 from retool.engines import tinker as adapter  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FLAVOURS = ("tinker", "pytrio")
+pytestmark = pytest.mark.timeout(300)  # tiny models load; the kill-and-resume tests run subprocesses
+SDKS = {"tinker": tinker, "pytrio": pytrio}
+FLAVOURS = tuple(SDKS)
 PPO = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
 
 

@@ -22,6 +22,7 @@ MIN_VERL_TESTS = 19
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~1-2 min of verl tests in a subprocess (the default limit is 60 s)
 def test_verl_suite_passes_in_its_own_environment():
     if not VERL_PYTHON.exists():
         reason = f"{VERL_PYTHON.parent.parent} is missing: run `bash scripts/setup.sh --verl`"
