@@ -29,6 +29,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.report.compare",
     "retool.report.plots",
     "retool.report.view",
+    "retool.regrade",
+    "retool.replay",
 )
 """Modules that register subcommands, in the order ``--help`` lists them."""
 
