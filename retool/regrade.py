@@ -63,6 +63,8 @@ class Regraded:
     """What Average@k averages over: the problem (eval) or the step's group (run)."""
     before: Grade
     after: Grade
+    gold: str = ""
+    """The gold answer graded against now."""
 
     @property
     def flipped(self) -> bool:
@@ -148,7 +150,7 @@ def regrade_results(source: Path, output: Path, golds: dict[str, str] | None = N
     if results.summary is not None:
         rows.append(summarize([p.samples for p in _dataset_order(problems)]).to_json())
     _write_jsonl(output, rows)
-    items = [Regraded(w, p.problem_id, old.grade, new.grade)
+    items = [Regraded(w, p.problem_id, old.grade, new.grade, answers[p.problem_id])
              for w, (p, n, old), new in zip(where, flat, (t for p in problems for t in p.samples))]
     return RegradeReport(source, (output,), tuple(items))
 
@@ -238,8 +240,8 @@ def _regrade_file(path: Path, golds: dict[str, str], pool) -> tuple[list[dict], 
     out = [{**row, "trajectory": to_jsonable(dataclasses.replace(t, grade=g)),
             "original_grade": to_jsonable(t.grade), "regraded_from": str(path.resolve())}
            for row, t, g in zip(rows, trajectories, grades)]
-    items = [Regraded(f"{w} (problem {t.problem_id})", f"{r.get('step')}/{r.get('group')}", t.grade, g)
-             for w, r, t, g in zip(where, rows, trajectories, grades)]
+    items = [Regraded(f"{w} (problem {t.problem_id})", f"{r.get('step')}/{r.get('group')}", t.grade, g, gold)
+             for w, r, t, g, gold in zip(where, rows, trajectories, grades, answers)]
     return out, items
 
 
@@ -248,6 +250,7 @@ def _regrade_file(path: Path, golds: dict[str, str], pool) -> tuple[list[dict], 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(path, "wb", compress=path.name.endswith(".gz")) as f:
             for row in rows:
                 f.write((json.dumps(row) + "\n").encode())
@@ -255,8 +258,9 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
         raise RegradeError(f"cannot write {path}: {err}") from None
 
 
-def print_report(report: RegradeReport, out=sys.stdout) -> None:
+def print_report(report: RegradeReport, out=None) -> None:
     """What changed: each verdict flip, then counts and Average@k before → after."""
+    out = out or sys.stdout
     for note in report.notes:
         print(note, file=out)
     flips = report.flips
@@ -265,7 +269,7 @@ def print_report(report: RegradeReport, out=sys.stdout) -> None:
     print(f"verdict flips: {len(flips)}", file=out)
     for item in flips:
         print(f"  {item.where}: {verdict(item.before)} → {verdict(item.after)} "
-              f"(answer {item.before.answer!r} → {item.after.answer!r})", file=out)
+              f"(answer {item.before.answer!r} → {item.after.answer!r}, gold {item.gold!r})", file=out)
     for name, attr in (("correct", "correct"), ("formatted", "formatted")):
         print(f"{name}: {report.count('before', attr)} → {report.count('after', attr)}", file=out)
     print(f"Average@k: {report.average('before'):.4f} → {report.average('after'):.4f}", file=out)

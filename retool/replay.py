@@ -196,8 +196,9 @@ def run_replay(items: list[Recorded], limits: Limits, **config_overrides) -> lis
 # ---------------------------------------------------------------- printing
 
 
-def print_calls(item: Recorded, calls: list[CallReplay], out=sys.stdout) -> None:
+def print_calls(item: Recorded, calls: list[CallReplay], out=None) -> None:
     """Call by call: status recorded → replayed, and whether the output is identical."""
+    out = out or sys.stdout
     print(f"{item.where} (problem {item.trajectory.problem_id}): {len(calls)} code call(s)", file=out)
     for call in calls:
         verdict = "reproduces" if call.reproduces else "DIFFERS"
@@ -219,8 +220,9 @@ def _first_difference(a: str, b: str) -> tuple[str, str]:
     return a[:200], b[:200]
 
 
-def print_summary(source: Path, calls: list[CallReplay], trajectories: int, out=sys.stdout) -> None:
+def print_summary(source: Path, calls: list[CallReplay], trajectories: int, out=None) -> None:
     """How many calls reproduce; the others by status change, the first few by place."""
+    out = out or sys.stdout
     failing = [c for c in calls if not c.reproduces]
     print(f"{source}: {len(calls)} code calls in {trajectories} trajectories; "
           f"{len(calls) - len(failing)} reproduce, {len(failing)} do not", file=out)
