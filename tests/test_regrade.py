@@ -161,3 +161,21 @@ def test_final_text_is_what_the_rollout_graded():
     assert final_text(traj("p", "4", Grade(-1.0, False, False), call_last=True)) == ""
     assert final_text(traj("p", "4", RIGHT, call_last=True)).endswith("\\boxed{4}")
     assert to_jsonable(RIGHT)["answer"] == "4"
+
+
+def test_view_shows_both_verdicts_of_a_regraded_file(tmp_path, capsys):
+    from retool.report import view
+
+    source = results_file(tmp_path / "eval.jsonl")
+    assert main(["regrade", str(source), "--data", str(data_file(tmp_path / "d.jsonl", {"p1": "5", "p2": "4"}))]) == 0
+    items, _ = view.load_items([tmp_path / "eval.regraded.jsonl"])
+    rows = view.page_data(items, [])["items"]
+    assert [(r["orig"]["correct"], r["correct"]) for r in rows] == [(True, False), (False, True), (True, True),
+                                                                    (False, True)]
+    run = make_run(tmp_path, {"p1": "5", "p2": "7"})
+    assert main(["regrade", str(run)]) == 0
+    rows = view.page_data(view.load_items([run / "regraded"])[0], [])["items"]
+    assert [(r["orig"]["correct"], r["correct"]) for r in rows] == [(True, False), (False, True), (False, False)]
+    source.unlink()  # the original is gone: the regraded file still shows, with a note
+    items, _ = view.load_items([tmp_path / "eval.regraded.jsonl"])
+    assert all(i.original is None for i in items) and "cannot be read" in capsys.readouterr().err
