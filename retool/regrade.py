@@ -223,7 +223,7 @@ def _read_golds(data: str) -> dict[str, str]:
     try:
         return {p.id: p.answer for p in read_problems(data).problems}
     except (DataError, OSError) as err:
-        raise RegradeError(f"--train-data {data}: {err}") from None
+        raise RegradeError(f"gold answers from {data}: {err}") from None
 
 
 def _regrade_file(path: Path, golds: dict[str, str], pool) -> tuple[list[dict], list[Regraded]]:
