@@ -95,6 +95,16 @@ class RegradeReport:
         return sum(sum(v) / len(v) for v in groups.values()) / len(groups) if groups else 0.0
 
 
+@dataclass(frozen=True)
+class Golds:
+    """The gold answers of a data file, by problem id, and what an eval header records of it."""
+
+    path: str
+    answers: dict[str, str]
+    fingerprint: str
+    """:func:`retool.data.problems_fingerprint` of the whole file."""
+
+
 def verdict(grade: Grade) -> str:
     """``correct``, ``incorrect``, ``no answer`` or ``grader error``."""
     if grade.correct:
@@ -130,8 +140,9 @@ def grade_again(trajectories: Sequence[Trajectory], golds: Sequence[str], where:
 # ---------------------------------------------------------------- eval results files
 
 
-def regrade_results(source: Path, output: Path, golds: dict[str, str] | None = None, pool=None) -> RegradeReport:
-    """Grade an eval results file again into ``output`` (see the module docstring)."""
+def regrade_results(source: Path, output: Path, golds: Golds | None = None, pool=None) -> RegradeReport:
+    """Grade an eval results file again into ``output`` (see the module docstring); with
+    ``golds``, the header names that data file (path, fingerprint, problem count)."""
     try:
         results = read_results(source)
     except ResultsFileError as err:
@@ -146,6 +157,9 @@ def regrade_results(source: Path, output: Path, golds: dict[str, str] | None = N
                                     samples=tuple(dataclasses.replace(t, grade=next(grades)) for t in p.samples))
                 for p in results.problems]
     header = dataclasses.replace(results.header, regraded_from=str(source.resolve()))
+    if golds is not None:
+        header = dataclasses.replace(header, dataset_path=golds.path, dataset_fingerprint=golds.fingerprint,
+                                     dataset_problems=len(golds.answers))
     rows = [header.to_json(), *(p.to_json() for p in problems)]
     if results.summary is not None:
         rows.append(summarize([p.samples for p in _dataset_order(problems)]).to_json())
@@ -159,12 +173,12 @@ def _dataset_order(problems: list[ProblemResult]) -> list[ProblemResult]:
     return sorted(problems, key=lambda p: (p.index is None, p.index or 0))
 
 
-def _gold(golds: dict[str, str] | None, problem_id: str, recorded: str) -> str:
+def _gold(golds: Golds | None, problem_id: str, recorded: str) -> str:
     if golds is None:
         return recorded
-    if problem_id not in golds:
-        raise RegradeError(f"problem {problem_id!r} is not in the data file: pass the data the answers were sampled for")
-    return golds[problem_id]
+    if problem_id not in golds.answers:
+        raise RegradeError(f"problem {problem_id!r} is not in {golds.path}: pass the data the answers were sampled for")
+    return golds.answers[problem_id]
 
 
 # ---------------------------------------------------------------- run folders
@@ -217,16 +231,17 @@ def _json_file(path: Path) -> dict:
     return value
 
 
-def _read_golds(data: str) -> dict[str, str]:
-    from retool.data import DataError, read_problems
+def _read_golds(data: str) -> Golds:
+    from retool.data import DataError, problems_fingerprint, read_problems
 
     try:
-        return {p.id: p.answer for p in read_problems(data).problems}
+        found = read_problems(data)
+        return Golds(str(found.path), {p.id: p.answer for p in found.problems}, problems_fingerprint(found.problems))
     except (DataError, OSError) as err:
         raise RegradeError(f"gold answers from {data}: {err}") from None
 
 
-def _regrade_file(path: Path, golds: dict[str, str], pool) -> tuple[list[dict], list[Regraded]]:
+def _regrade_file(path: Path, golds: Golds, pool) -> tuple[list[dict], list[Regraded]]:
     try:
         rows = read_jsonl(path)
         trajectories = [trajectory_from_jsonable(row["trajectory"]) for row in rows]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from retool.cli import main
+from retool.data import problems_fingerprint, read_problems
 from retool.regrade import final_text
 from retool.results import ProblemResult, ResultsHeader, SandboxSettings, read_results, summarize
 from retool.runs import save_trajectories
@@ -68,6 +69,8 @@ def test_eval_file_regraded_into_a_new_file_and_the_changes_printed(tmp_path, ca
     verdicts = {p.problem_id: [t.grade.correct for t in p.samples] for p in new.problems}
     assert verdicts == {"p1": [False, True], "p2": [True, True]}
     assert [p.answer for p in new.problems] == ["5", "4"]
+    assert new.header.dataset_path == str(golds) and new.header.dataset_problems == 2
+    assert new.header.dataset_fingerprint == problems_fingerprint(read_problems(golds).problems)
     assert new.summary.num_correct == 3 and new.summary.average_at_k == pytest.approx(0.75)
     assert "verdict flips: 3" in out
     assert "problem p1 #0: correct → incorrect" in out and "problem p1 #1: incorrect → correct" in out
@@ -150,7 +153,7 @@ def test_run_folder_fixed_data_flag_and_a_missing_problem(tmp_path, capsys):
     fixed = data_file(tmp_path / "other.jsonl", {"p1": "4"})
     assert main(["regrade", str(run), "--train-data", str(fixed), "--output-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "'p2' is not in the data file" in err and not (tmp_path / "o").exists()
+    assert "'p2' is not in" in err and not (tmp_path / "o").exists()
     assert main(["regrade", str(tmp_path)]) == 2  # a folder with no trajectories
     assert "no trajectories/step_" in capsys.readouterr().err
 
