@@ -30,6 +30,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "retool.report.plots",
     "retool.report.view",
     "retool.integrations.verl.launch",
+    "retool.regrade",
+    "retool.replay",
 )
 """Modules that register subcommands, in the order ``--help`` lists them."""
 

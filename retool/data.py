@@ -336,6 +336,15 @@ def read_problems(path_or_name: str | Path, *, question_field: str | None = None
     return ProblemFile(path, answer_field, tuple(problems), tuple(lines), tuple(skipped))
 
 
+def problems_fingerprint(problems: Iterable[Problem]) -> str:
+    """sha256 of every problem's id, question and answer, in order (an eval header's
+    ``dataset_fingerprint``)."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(json.dumps([p.id, p.question, p.answer]).encode() + b"\n")
+    return h.hexdigest()
+
+
 def load_problems(path_or_name: str | Path, *, question_field: str | None = None,
                   answer_field: str | None = None, id_field: str | None = None,
                   skip_bad: bool = False) -> list[Problem]:

@@ -264,16 +264,14 @@ class Dataset:
 
 def load_dataset(cfg: EvalConfig) -> Dataset:
     """Read the eval's problems; a bad row or a duplicate id raises ``DataError``."""
-    from retool.data import BUNDLED, read_problems
+    from retool.data import BUNDLED, problems_fingerprint, read_problems
 
     result = read_problems(cfg.dataset, question_field=cfg.question_field, answer_field=cfg.answer_field,
                            id_field=cfg.id_field)
-    h = hashlib.sha256()
-    for p in result.problems:
-        h.update(json.dumps([p.id, p.question, p.answer]).encode() + b"\n")
     name = cfg.dataset if cfg.dataset in BUNDLED else Path(cfg.dataset).stem
     problems = result.problems[: cfg.limit] if cfg.limit else result.problems
-    return Dataset(name, str(result.path), h.hexdigest(), tuple(problems), len(result.problems))
+    return Dataset(name, str(result.path), problems_fingerprint(result.problems), tuple(problems),
+                   len(result.problems))
 
 
 def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> ResultsHeader:

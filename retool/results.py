@@ -117,6 +117,9 @@ class ResultsHeader:
     """The engine that sampled (``retool.engines``); files from before it was recorded: ``local``."""
     retool_version: str | None = None
     created: str | None = None
+    regraded_from: str | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
+    """The results file this one was graded again from (``retool regrade``: absolute path);
+    left out of the line otherwise, so files without it stay byte for byte the same."""
 
     @property
     def display_label(self) -> str:
@@ -126,7 +129,9 @@ class ResultsHeader:
         return "base" if self.step is None else f"step {self.step}"
 
     def to_json(self) -> dict:
-        return {"type": "header", **dataclasses.asdict(self)}
+        row = dataclasses.asdict(self)
+        omitted = [f.name for f in dataclasses.fields(self) if f.metadata.get("omit_if_none") and row[f.name] is None]
+        return {"type": "header", **{k: v for k, v in row.items() if k not in omitted}}
 
     @classmethod
     def from_json(cls, row: Mapping) -> ResultsHeader:

@@ -256,3 +256,26 @@ def test_view_without_tokenizer_shows_ids_and_flags_a_broken_mask(browser, tmp_p
     assert card.locator(".tok").first.text_content() == f"{first_id} "
     assert card.locator(".tok.pol").count() == sum(items[0].trajectory.mask_T) and errors == []
     page.close()
+
+
+def test_view_of_a_regraded_file_shows_both_verdicts(browser, tmp_path, capsys):
+    from retool.cli import main
+
+    rows = read_jsonl(FIXTURES / "eval" / "base.jsonl")
+    source = tmp_path / "base.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    golds = tmp_path / "golds.jsonl"  # every gold changed to 70: the correct sample flips, any "70" flips back
+    golds.write_text("".join(json.dumps({"id": r["problem_id"], "question": "q", "answer": "70"}) + "\n"
+                             for r in rows if r["type"] == "problem"))
+    assert main(["regrade", str(source), "--data", str(golds)]) == 0
+    flips = int(capsys.readouterr().out.split("verdict flips: ")[1].split()[0])
+    out = tmp_path / "view.html"
+    view.write_view([tmp_path / "base.regraded.jsonl"], out)
+    page, requests, errors = _open(browser, out)
+    assert f"regraded: {flips} verdict(s) changed" in page.locator("#stats").text_content()
+    assert page.locator("details.traj summary .badge", has_text="regraded: was").count() == flips > 0
+    card = page.locator("details.traj").first
+    _expand(card)
+    assert "before regrade: answer" in card.locator(".body").text_content()
+    assert errors == [] and all(url.startswith("file://") for url in requests)
+    page.close()

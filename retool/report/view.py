@@ -18,7 +18,13 @@ Model and interpreter text is treated as hostile: the page only ever sets it wit
 ``textContent``. Token texts come from ``--tokenizer`` (a Hugging Face tokenizer name or
 folder, or ``bundled:smollm2``); without one the token view shows ids.
 
-Not covered: editing or re-grading trajectories, diffs between runs, a server.
+Re-graded files (``retool regrade``) show both verdicts: an eval file's header names the
+original (``regraded_from``), which is read for each sample's earlier grade (a note on
+stderr when it is gone); a run's regraded rows carry their ``original_grade``. The page
+marks each trajectory whose verdict changed and counts them.
+
+Not covered: editing or re-grading trajectories (``retool regrade`` does that), diffs
+between runs, a server.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from retool.report import ReportInputError, read_eval_results, read_jsonl
 from retool.results import EvalResults, is_results_file
 from retool.serialize import trajectory_from_jsonable
 from retool.stats import trajectory_stats
-from retool.types import ToolCall, Trajectory, Turn
+from retool.types import Grade, ToolCall, Trajectory, Turn
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "view"
 
@@ -55,6 +61,8 @@ class ViewItem:
     """The training advantage (``None`` for eval samples)."""
     question: str | None = None
     gold: str | None = None
+    original: Grade | None = None
+    """The grade before ``retool regrade`` (``None``: not a regraded file, or the original is gone)."""
 
 
 # ---------------------------------------------------------------- loading
@@ -104,15 +112,35 @@ def _load_file(path: Path, strict: bool) -> list[ViewItem] | None:
 
 def _eval_items(results: EvalResults) -> list[ViewItem]:
     label = " · ".join(str(part) for part in (results.label, results.header.mode) if part)
+    originals = _original_grades(results)
     return [ViewItem(source=f"{label} · sample {n}", trajectory=trajectory, question=problem.question,
-                     gold=_str_or_none(problem.answer))
+                     gold=_str_or_none(problem.answer), original=originals.get((problem.problem_id, n)))
             for problem in results.problems for n, trajectory in enumerate(problem.samples, start=1)]
+
+
+def _original_grades(results: EvalResults) -> dict[tuple[str, int], Grade]:
+    """``(problem id, sample number) → grade`` of the file a regraded file was made from."""
+    original = results.header.regraded_from
+    if not original:
+        return {}
+    try:
+        before = read_eval_results(original)
+    except ReportInputError as err:
+        print(f"note: {results.path} was regraded from {original}, which cannot be read ({err}); "
+              "showing only the new verdicts", file=sys.stderr)
+        return {}
+    return {(p.problem_id, n): t.grade for p in before.problems for n, t in enumerate(p.samples, start=1)}
 
 
 def _training_item(path: Path, lineno: int, row: dict) -> ViewItem:
     trajectory = _parse(path, f"row {lineno}", row["trajectory"])
     source = f"step {row.get('step')} · group {row.get('group')} · #{row.get('index')}"
-    return ViewItem(source=source, trajectory=trajectory, advantage=_finite(row.get("advantage")))
+    original = row.get("original_grade")
+    try:
+        original = Grade(**original) if isinstance(original, dict) else None
+    except TypeError as err:
+        raise ReportInputError(f"{path}: row {lineno}: not a valid original_grade: {err}") from None
+    return ViewItem(source=source, trajectory=trajectory, advantage=_finite(row.get("advantage")), original=original)
 
 
 def _parse(path: Path, where: str, data) -> Trajectory:
@@ -199,6 +227,9 @@ def _item_json(item: ViewItem, prompt: str | None) -> dict:
         "turns": [_turn_json(turn) for turn in t.turns], "ids": list(t.tokens_T), "mask": list(t.mask_T),
         "lp": _rounded(t.logprobs_T),
         "warn": mask_warnings(t),
+        "orig": None if item.original is None else {
+            "correct": item.original.correct, "formatted": item.original.formatted, "pred": item.original.answer,
+            "reward": _finite(item.original.reward)},
     }
 
 

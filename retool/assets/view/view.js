@@ -44,7 +44,17 @@ function summaryLine(item) {
     h("span", { class: "num" }, item.ids.length + " tokens"),
     h("span", { class: "meta" }, "stop: " + item.stop),
     item.formatted ? null : h("span", { class: "badge warn" }, "no \\boxed{}"),
+    item.orig ? h("span", { class: "badge " + (flipped(item) ? "warn" : "was") },
+      (flipped(item) ? "regraded: was " : "before regrade: ") + verdict(item.orig)) : null,
     item.warn.length ? h("span", { class: "badge warn" }, item.warn.length + " mask warning(s)") : null);
+}
+
+function verdict(grade) {
+  return grade.correct ? "correct" : grade.formatted ? "incorrect" : "no answer";
+}
+
+function flipped(item) {
+  return item.orig !== null && item.orig !== undefined && verdict(item.orig) !== verdict(item);
 }
 
 function problemSection(item) {
@@ -92,7 +102,10 @@ function answerSection(item) {
     h("p", {}, "answer: ", h("code", {}, item.pred === null ? "(none)" : item.pred),
       " · reward " + fmt(item.reward, 3) + " · " + (item.correct ? "correct" : "incorrect") +
       " · " + (item.formatted ? "formatted" : "no \\boxed{}"),
-      item.grader_error ? " · grader error: " + item.grader_error : "")];
+      item.grader_error ? " · grader error: " + item.grader_error : ""),
+    item.orig ? h("p", { class: "meta" }, "before regrade: answer ",
+      h("code", {}, item.orig.pred === null ? "(none)" : item.orig.pred),
+      " · reward " + fmt(item.orig.reward, 3) + " · " + verdict(item.orig)) : null];
 }
 
 function tokenSection(item, vocab) {
@@ -172,7 +185,8 @@ function headerText(data) {
   const warned = items.filter((i) => i.warn.length).length;
   document.getElementById("sources").textContent = "from: " + data.sources.join(", ");
   document.getElementById("stats").textContent = items.length + " trajectories · " + correct + " correct · " +
-    tool + " used the tool · " + warned + " with mask warnings";
+    tool + " used the tool · " + warned + " with mask warnings" + (items.some((i) => i.orig)
+      ? " · regraded: " + items.filter(flipped).length + " verdict(s) changed" : "");
   document.getElementById("note").textContent = data.note;
 }
 
