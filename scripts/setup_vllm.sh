@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-if [ -x .venv-vllm/bin/vllm ] && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+if [ -x .venv-vllm/bin/python ] && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
   echo "vLLM environment ready in $(pwd)/.venv-vllm"; exit 0
 fi
 start=$(date +%s)

