@@ -101,6 +101,23 @@ def test_runs_it_cannot_serve_are_refused_with_one_line(flags, message, tmp_path
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
+def test_sft_with_the_vllm_engine_trains_without_starting_a_server(tmp_path):
+    """SFT never samples: no server starts (here none could: the environment is missing),
+    and the checkpoint says which engine wrote it."""
+    from tests.tiny import boxed_digit_model_dir
+
+    data = tmp_path / "sft.jsonl"
+    done = run_retool("task-data", "--split", "sft", "--n", "2", "--output", str(data))
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_retool("sft", "--engine", "vllm", "--vllm-venv", str(tmp_path / "none"), "--model",
+                      str(boxed_digit_model_dir()), "--chat-template", "hermes", "--data", str(data),
+                      "--max-steps", "1", "--batch-size", "2", "--lora-rank", "4", "--run-dir", str(tmp_path / "run"),
+                      timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    engine_json = tmp_path / "run" / "checkpoints" / "step_000001" / "engine" / "engine.json"
+    assert json.loads(engine_json.read_text())["engine"] == "vllm"
+
+
 def test_the_server_and_its_children_stop_as_a_group(tmp_path):
     """A fake vLLM server that forks a grandchild: stop() ends both, and only them."""
     venv = tmp_path / "venv"
@@ -347,9 +364,12 @@ def test_train_and_eval_with_vllm_write_the_local_engines_metric_names(vllm_run,
     assert [r["step"] for r in rows] == [1, 2]
     assert json.loads((vllm_run / "checkpoints" / "step_000002" / "engine" / "engine.json")
                       .read_text())["engine"] == "vllm"
-    t0 = time.monotonic()
-    done = run_retool(*preset_args(arith_data, tmp_path / "local", "--engine", "local", steps=1))
-    print(f"\nretool train --engine local: 1 step in {time.monotonic() - t0:.0f} s")
+    from tests.tiny import boxed_digit_model_dir
+
+    t0 = time.monotonic()  # metric names do not depend on the model: the tiny one is quick
+    done = run_retool(*preset_args(arith_data, tmp_path / "local", "--engine", "local", "--model",
+                                   str(boxed_digit_model_dir()), steps=1))
+    print(f"\nretool train --engine local (tiny model): 1 step in {time.monotonic() - t0:.0f} s")
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(rows[0]) == set(read_rows(tmp_path / "local" / "metrics.jsonl")[0])
 

@@ -33,7 +33,7 @@ import json
 import shutil
 import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -101,9 +101,14 @@ def _start(model: str, settings: VLLMSettings, options: ServerOptions) -> Server
 class VLLMTrainingClient:
     """The local trainer plus a vLLM server that samples with its latest adapter."""
 
-    def __init__(self, trainer: Any, server: Server, *, mode: str, seed: int, stop_token_ids: Sequence[int],
-                 timeout_s: float) -> None:
-        if server.adapter_dir is None:
+    def __init__(self, trainer: Any, server: Server | Callable[[], Server], *, mode: str, seed: int,
+                 stop_token_ids: Sequence[int], timeout_s: float) -> None:
+        """``server`` may be a function that starts one: it is called at the first
+        ``save_weights_for_sampler`` (``retool sft`` never samples, so starts none)."""
+        self._start_server = None if isinstance(server, Server) else server
+        if self._start_server is not None:
+            server = None
+        elif server.adapter_dir is None:
             raise ConfigError("engine vllm: training with --vllm-url needs --vllm-adapter-dir, a folder the server "
                               "reads at the same path (without it that server can only evaluate)")
         self.trainer, self.server, self.mode, self.seed = trainer, server, mode, seed
@@ -148,6 +153,9 @@ class VLLMTrainingClient:
         """A client sampling with the weights as they are now: unless they are already
         on the server, the adapter is saved, loaded under a new name, and the previous
         one unloaded. Later ``optim_step`` calls do not change what it samples with."""
+        if self.server is None:
+            self.server = self._start_server()
+            self.server.wait_ready()
         version = self.trainer.optim_steps
         if self._client is not None and self._loaded is not None and self._loaded[0] == version:
             return self._client
@@ -177,7 +185,8 @@ class VLLMTrainingClient:
             self.server.managed.check_alive()
 
     def close(self) -> None:
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
 
 
 # ---------------------------------------------------------------- registry entry points
@@ -196,8 +205,13 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> VLLMT
     except ValueError as err:
         raise ConfigError(str(err)) from None
     settings: VLLMSettings = cfg.vllm
-    server = _start(cfg.model, settings, _server_options(cfg.model, settings, rank=cfg.lora_rank, mode=mode,
-                                                         dtype=cfg.dtype, seed=seed))
+    options = _server_options(cfg.model, settings, rank=cfg.lora_rank, mode=mode, dtype=cfg.dtype, seed=seed)
+    if not hasattr(cfg, "temperature"):  # retool sft: trains only; a server starts if ever asked to sample
+        trainer = local_training_client(cfg, seed, init_from)
+        return VLLMTrainingClient(trainer, lambda: _start(cfg.model, settings, options), mode=mode, seed=seed,
+                                  stop_token_ids=sorted(default_stop_token_ids(trainer.model, trainer.tokenizer)),
+                                  timeout_s=settings.request_timeout_s)
+    server = _start(cfg.model, settings, options)
     try:
         trainer = local_training_client(cfg, seed, init_from)  # its own sampler stays unused
         server.wait_ready()
