@@ -130,7 +130,7 @@ def main() -> None:
 
     print(load("start"))
     t0 = time.monotonic()
-    options = ServerOptions(model_dir=str(smollm2_path()), max_lora_rank=32, dtype="float32", kv_cache_gib=2.0)
+    options = ServerOptions(model_dir=str(smollm2_path()), max_lora_rank=32, dtype="float32", kv_cache_gib=2)
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(VLLMSettings(url=args.url, adapter_dir=tmp if args.url else None), options)
         try:

@@ -185,7 +185,7 @@ def vllm_server():
 
     server = vserver.ManagedServer(vserver.ServerOptions(
         model_dir=str(smollm2_path()), max_lora_rank=32, logprobs_mode="raw_logprobs", dtype="float32",
-        kv_cache_gib=2.0, startup_timeout_s=900))
+        kv_cache_gib=2, startup_timeout_s=900))
     try:
         server.wait_ready()
         yield server

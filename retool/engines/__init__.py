@@ -81,7 +81,7 @@ class VLLMSettings:
     adapter_dir: str | None = option(None, "folder for adapters the server hot-loads, at the same path on both "
                                            "sides (default: a temporary folder, for a server retool starts)")
     venv: str = option(".venv-vllm", "environment whose `vllm` starts the server (scripts/setup.sh --vllm)")
-    kv_cache_gib: float = option(2.0, "KV cache memory of a CPU server (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gib: int = option(2, "KV cache memory of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB)")
     gpu_memory_utilization: float = option(0.35, "share of GPU memory a GPU server takes (the trainer shares "
                                                  "the GPU)")
     max_model_len: int = option(0, "longest sequence the server accepts; 0 = the model's own limit")

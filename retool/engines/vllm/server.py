@@ -58,7 +58,7 @@ class ServerOptions:
     logprobs_mode: str = "raw_logprobs"
     dtype: str = "auto"
     seed: int = 42
-    kv_cache_gib: float = 2.0
+    kv_cache_gib: int = 2
     gpu_memory_utilization: float = 0.35
     max_model_len: int = 0
     startup_timeout_s: float = 900.0
@@ -81,7 +81,7 @@ class ServerOptions:
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_CPU_KVCACHE_SPACE=f"{self.kv_cache_gib:g}",
+        env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_CPU_KVCACHE_SPACE=str(int(self.kv_cache_gib)),
                    PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
         return env
 
