@@ -27,6 +27,7 @@ from retool.types import StopReason
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
+pytestmark = pytest.mark.timeout(1200)  # a real vLLM server loads (45-90 s); train/resume tests run subprocesses
 
 
 # ---------------------------------------------------------------- no server
