@@ -47,7 +47,14 @@ from retool.engines.vllm.client import (
     logprobs_mode_for,
     unload_adapter,
 )
-from retool.engines.vllm.server import BASE_MODEL_NAME, ManagedServer, ServerError, ServerOptions, health_ok
+from retool.engines.vllm.server import (
+    BASE_MODEL_NAME,
+    FAILED_REQUEST_GRACE_S,
+    ManagedServer,
+    ServerError,
+    ServerOptions,
+    health_ok,
+)
 from retool.types import Datum
 
 __all__ = ["Server", "VLLMSamplingClient", "VLLMTrainingClient", "create_training_client", "sampler",
@@ -167,7 +174,7 @@ class VLLMTrainingClient:
         try:
             load_adapter(self.server.url, name, str(folder))
         except (RuntimeError, OSError) as err:
-            self._check_alive()
+            self._check_alive(grace_s=FAILED_REQUEST_GRACE_S)
             raise RuntimeError(f"engine vllm: the server could not load adapter {folder}: {err}") from err
         if self._loaded is not None:
             _, old_name, old_folder = self._loaded
@@ -180,9 +187,9 @@ class VLLMTrainingClient:
                                           timeout_s=self.timeout_s, server=self.server.managed)
         return self._client
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, grace_s: float = 0.0) -> None:
         if self.server.managed is not None:
-            self.server.managed.check_alive()
+            self.server.managed.check_alive(grace_s)
 
     def close(self) -> None:
         if self.server is not None:

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams, TransientEngineError
+from retool.engines.vllm.server import FAILED_REQUEST_GRACE_S
 from retool.types import StopReason
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -139,7 +140,7 @@ class VLLMSamplingClient:
 
     def _check_server(self) -> None:
         if self.server is not None:
-            self.server.check_alive()
+            self.server.check_alive(grace_s=FAILED_REQUEST_GRACE_S)
 
 
 def parse_choice(choice: dict[str, Any], stop_ids: set[int]) -> SampledSequence:

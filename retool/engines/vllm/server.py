@@ -39,6 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+FAILED_REQUEST_GRACE_S = 5.0
+"""How long a failed request waits for a dying server to exit before blaming the request."""
+
 BASE_MODEL_NAME = "base"
 """The name the server gives the base model (``--served-model-name``)."""
 
@@ -167,9 +170,16 @@ class ManagedServer:
         raise ServerError(f"vLLM server did not become healthy within {timeout_s:.0f} s; "
                           f"last log lines:\n{self.log_tail()}")
 
-    def check_alive(self) -> None:
-        """Raise :class:`ServerError` (with its log's last lines) when the server has exited."""
-        code = self.process.poll()
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """Raise :class:`ServerError` (with its log's last lines) when the server has exited.
+
+        After a failed request pass ``grace_s``: a server killed a moment ago may still be
+        exiting when its connection is already reset.
+        """
+        try:
+            code = self.process.wait(timeout=grace_s) if grace_s > 0 else self.process.poll()
+        except subprocess.TimeoutExpired:
+            code = None
         if code is not None:
             raise ServerError(f"the vLLM server (pid {self.process.pid}) exited with code {code}; "
                               f"last log lines of {self.log_path}:\n{self.log_tail()}")
