@@ -30,11 +30,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from retool.algo import PACKINGS
 from retool.atomic import atomic_write_text
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
 from retool.results import EvalSummary
+
+if TYPE_CHECKING:
+    from retool.report.compare import Comparison
 
 STAGES = ("before SFT", "after SFT", "after RL")
 
@@ -46,18 +50,19 @@ class DemoConfig:
     model: str = option("bundled:smollm2", "model to train (the bundled SmolLM2-135M-Instruct by default)")
     chat_template: str = option("hermes", "chat template (SmolLM2's own ignores tools, so Hermes)")
     output_dir: str = option("runs/demo", "where every stage writes; re-running resumes")
-    quick: bool = option(False, "a few-minute version: fewer dialogues, steps and eval problems")
+    quick: bool = option(False, "a smoke run of every stage in minutes: fewer dialogues, steps and eval "
+                                      "problems — too small to show learning")
     seed: int = option(42, "seed of data, adapter init and sampling")
     sft_dialogues: int = option(400, "synthetic SFT dialogues")
     sft_steps: int = option(16, "SFT steps")
     sft_batch_size: int = option(4, "dialogues per SFT step")
     sft_lr: float = option(1e-3, "SFT learning rate (calibrated in docs/sft.md)")
     rl_problems: int = option(400, "RL training problems")
-    rl_steps: int = option(4, "RL steps (docs/cpu-experiment.md runs 20 of 4 x 4)")
+    rl_steps: int = option(16, "RL steps (docs/cpu-experiment.md runs 20)")
     rl_batch_size: int = option(2, "problems per RL step")
     rl_group_size: int = option(4, "trajectories per problem")
     rl_lr: float = option(1e-4, "RL learning rate (3e-4 eroded the call format in 10 steps)")
-    eval_problems: int = option(8, "held-out test problems")
+    eval_problems: int = option(64, "held-out test problems (the paired s.e. of RL's gain shrinks with more)")
     eval_samples: int = option(2, "samples per held-out problem (k of Average@k)")
     max_turn_tokens: int = option(128, "tokens per assistant turn")
     max_trajectory_tokens: int = option(1024, "tokens per trajectory")
@@ -67,6 +72,11 @@ class DemoConfig:
                           choices=PACKINGS)
     micro_batch_tokens: int = option(1280, "tokens per training micro-batch (shared-prefix: one packed row)")
     rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
+    rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
+                                      "have mixed rewards (see retool train --help)")
+    rl_save_every: int = option(0, "also keep an RL checkpoint every N steps (0: only the last)")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
 
     def validate(self) -> None:
         for name in ("sft_dialogues", "sft_steps", "sft_batch_size", "rl_problems", "rl_steps", "rl_batch_size",
@@ -74,6 +84,8 @@ class DemoConfig:
                      "max_assistant_turns"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
+        require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
+        require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
 
     def shrunk(self) -> "DemoConfig":
         """The ``--quick`` sizes."""
@@ -121,8 +133,8 @@ def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint
         checkpoint=str(checkpoint) if checkpoint else None, label=label, val_n=cfg.eval_samples,
         max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, seed=cfg.seed,
-        sandbox_workers=4, concurrency=cfg.eval_problems,
-        output=str(out / "eval" / f"{label.replace(' ', '-').lower()}.jsonl"))
+        sandbox_workers=4, concurrency=cfg.eval_problems, device=cfg.device, dtype=cfg.dtype,
+        output=str(eval_path(out, label)))
     return evaluate(eval_cfg).summary
 
 
@@ -141,7 +153,7 @@ def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
                           batch_size=cfg.sft_batch_size, max_steps=cfg.sft_steps, lr=cfg.sft_lr,
                           max_seq_tokens=cfg.max_trajectory_tokens, packing=cfg.packing,
                           micro_batch_tokens=cfg.micro_batch_tokens, run_dir=str(run_dir),
-                          save_every=cfg.sft_steps, seed=cfg.seed)
+                          save_every=cfg.sft_steps, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
     return sft(sft_cfg, resume=(run_dir / "config.json").exists())
 
 
@@ -161,11 +173,26 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         train_data=str(rl_path), batch_size=cfg.rl_batch_size, group_size=cfg.rl_group_size,
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
-        packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p, sandbox_workers=4, run_dir=str(run_dir), save_every=cfg.rl_steps, save_trajectories=True, seed=cfg.seed)
+        packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p,
+        refill_rounds=cfg.rl_refill_rounds, sandbox_workers=4, run_dir=str(run_dir),
+        save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
+        dtype=cfg.dtype)
     return train(train_cfg, resume=(run_dir / "config.json").exists())
 
 
-def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], rl_dir: Path) -> list[Path]:
+def eval_path(out: Path, label: str) -> Path:
+    """Where the eval of stage ``label`` is written (``eval/after-sft.jsonl`` …)."""
+    return out / "eval" / f"{label.replace(' ', '-').lower()}.jsonl"
+
+
+def rl_gain(out: Path) -> Comparison:
+    """After RL against after SFT on the same held-out problems, as ``retool compare`` computes it."""
+    from retool.report.compare import compare
+
+    return compare(eval_path(out, STAGES[1]), eval_path(out, STAGES[2]))
+
+
+def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path) -> list[Path]:
     """Plots, the HTML viewer and the summary files."""
     from retool.bundled import resolve_model_name
     from retool.report.plots import plot_checkpoints, plot_training
@@ -173,24 +200,52 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], rl_dir
 
     written = plot_checkpoints(out / "eval", out / "plots", order=STAGES)
     written += plot_training(rl_dir, out / "plots")
-    written.append(write_view([out / "eval" / "after-rl.jsonl"], out / "view.html",
+    written.append(write_view([eval_path(out, STAGES[2])], out / "view.html",
                               tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
-    atomic_write_text(out / "summary.json", json.dumps({k: s.to_json() for k, s in summaries.items()}, indent=2) + "\n")
-    atomic_write_text(out / "summary.md", summary_markdown(summaries))
+    accuracy = gain.metric("accuracy")
+    summary = {**{k: s.to_json() for k, s in summaries.items()},
+               "rl_vs_sft": {"problems": gain.problems, "samples_per_problem": cfg.eval_samples,
+                             **{m.name: {"before": m.before, "after": m.after, "difference": m.difference,
+                                         "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
+                             "significant": accuracy.significant}}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(out / "summary.md", summary_markdown(summaries, gain, quick=cfg.quick))
     return written
 
 
-def summary_markdown(summaries: dict[str, EvalSummary]) -> str:
-    """The demo's table as Markdown (the same numbers the console table shows)."""
+def gain_sentence(gain: Comparison) -> str:
+    """One line on RL's held-out gain: difference, paired s.e., z and the verdict."""
+    acc = gain.metric("accuracy")
+    if acc.z is None:
+        return (f"RL vs SFT on the same {gain.problems} held-out problems: accuracy {100 * acc.difference:+.1f} "
+                "points (no paired standard error: every problem scored the same both times)")
+    verdict = "more than 2 standard errors: RL helped beyond the noise" if acc.significant and acc.z > 0 else (
+        "more than 2 standard errors below: RL hurt" if acc.significant else "within 2 standard errors: noise")
+    return (f"RL vs SFT on the same {gain.problems} held-out problems: accuracy {100 * acc.difference:+.1f} points, "
+            f"paired s.e. {100 * acc.stderr:.1f}, z = {acc.z:+.2f} ({verdict})")
+
+
+QUICK_NOTE = "--quick is a smoke run of every stage: far too small to show learning (run without it to see RL's gain)."
+
+
+def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, quick: bool = False) -> str:
+    """The demo's tables as Markdown (the same numbers the console shows)."""
+    from retool.report.compare import format_table
+
     rows = ["| stage | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
             "|---|---|---|---|---|---|---|"]
     for stage, s in summaries.items():
         rows.append(f"| {stage} | {s.average_at_k:.1%} | {s.average_at_k_stderr:.1%} | {s.pass_at_k:.1%} | "
                     f"{s.format:.1%} | {s.used_tool_rate:.1%} | {s.code_calls:.2f} |")
+    rows += ["", f"**{gain_sentence(gain)}.**", "", "After RL against after SFT (`retool compare`: per-problem "
+             "differences, so each problem's difficulty cancels):", "", format_table(gain)]
+    if quick:
+        rows += ["", QUICK_NOTE]
     return "\n".join(rows) + "\n"
 
 
-def print_table(summaries: dict[str, EvalSummary], out: Path, seconds: float) -> None:
+def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, seconds: float,
+                quick: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -202,7 +257,10 @@ def print_table(summaries: dict[str, EvalSummary], out: Path, seconds: float) ->
                       f"{s.format:.1%}", f"{s.used_tool_rate:.1%}", f"{s.code_calls:.2f}")
     console = Console()
     console.print(table)
-    console.print(f"output folder: {out}  (summary.md, plots/, view.html, sft/, rl/, eval/)")
+    console.print(gain_sentence(gain), markup=False)
+    if quick:
+        console.print(QUICK_NOTE, markup=False)
+    console.print(f"output folder: {out}  (summary.md, plots/, view.html, sft/, rl/, eval/)", markup=False)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
@@ -220,8 +278,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
     rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
     summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
-    report(cfg, out, summaries, rl_dir)
-    print_table(summaries, out, time.monotonic() - start)
+    gain = rl_gain(out)
+    report(cfg, out, summaries, gain, rl_dir)
+    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick)
     return summaries
 
 
@@ -236,10 +295,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_demo_command(args: argparse.Namespace) -> int:
     from retool.bundled import BundledModelMissing
+    from retool.report import ReportInputError
 
     try:
         run_demo(config_from_args(DemoConfig, args))
-    except (ConfigError, BundledModelMissing) as err:
+    except (ConfigError, BundledModelMissing, ReportInputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from retool.cli import main as cli_main
-from retool.demo import STAGES, DemoConfig
+from retool.demo import STAGES, DemoConfig, gain_sentence
+from retool.report.compare import Comparison, MetricComparison, compare
 from tests.tiny import small_vocab_model_dir
 
 pytestmark = pytest.mark.timeout(900)  # the demo test runs every stage: SFT, RL and three evals
@@ -23,13 +25,21 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     assert cli_main(argv) == 0
     printed = capsys.readouterr().out
     assert all(stage in printed for stage in STAGES) and str(out) in printed
+    assert "RL vs SFT on the same 2 held-out problems" in printed and "too small to show learning" in printed
     summaries = json.loads((out / "summary.json").read_text())
+    gain = summaries.pop("rl_vs_sft")
     assert list(summaries) == list(STAGES)
     assert all(s["num_problems"] == 2 and s["k"] == 2 for s in summaries.values())
+    # The paired comparison is retool compare's, on the after-SFT and after-RL eval files.
+    expected = compare(out / "eval" / "after-sft.jsonl", out / "eval" / "after-rl.jsonl").metric("accuracy")
+    assert gain["problems"] == 2 and gain["accuracy"]["difference"] == expected.difference
+    assert gain["accuracy"]["after"] == summaries["after RL"]["average@k"]
+    assert gain["significant"] is expected.significant
     for name in ("plots/checkpoints_test_retool.png", "plots/checkpoints_test_retool.svg", "plots/training.png",
                  "view.html", "summary.md", "sft/manifest.json", "rl/manifest.json", "data/sft.jsonl"):
         assert (out / name).is_file(), name
-    assert "| after RL |" in (out / "summary.md").read_text()
+    markdown = (out / "summary.md").read_text()
+    assert "| after RL |" in markdown and "| accuracy |" in markdown and "paired s.e." in markdown
     rl_rows = (out / "rl" / "metrics.jsonl").read_text().splitlines()
 
     # Re-running resumes every stage: nothing is trained or sampled again.
@@ -50,3 +60,14 @@ def test_quick_shrinks_the_defaults():
 def test_bad_sizes_are_rejected(capsys):
     assert cli_main(["demo", "--rl-group-size", "1"]) == 2
     assert "rl_group_size must be >= 2" in capsys.readouterr().err
+
+
+def _gain(before: float, after: float, stderr: float | None) -> Comparison:
+    return Comparison(Path("a"), Path("b"), 64, 0, 0, (MetricComparison("accuracy", before, after, stderr),))
+
+
+def test_gain_sentence_gives_the_verdict():
+    assert "z = +3.00 (more than 2 standard errors: RL helped" in gain_sentence(_gain(0.4, 0.7, 0.1))
+    assert "within 2 standard errors: noise" in gain_sentence(_gain(0.4, 0.5, 0.1))
+    assert "RL hurt" in gain_sentence(_gain(0.7, 0.4, 0.1))
+    assert "no paired standard error" in gain_sentence(_gain(0.5, 0.5, 0.0))
