@@ -409,7 +409,7 @@ def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any]:
     from retool.render import Renderer
 
     renderer = Renderer(model.tokenizer, chat_template=model.choice.chat_template, tools=cfg.mode == "retool",
-                        model_name=model.choice.model)
+                        model_name=model.choice.model, interpreter=cfg.interpreter)
     return renderer, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
 
