@@ -437,6 +437,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/tool_call_attempts": s.tool_call_attempts_mean,
         "rollout/valid_tool_call_rate": s.valid_tool_call_rate,
         "rollout/budget_exhausted_calls": float(s.budget_exhausted_calls),
+        "rollout/name_error_rate": s.name_error_rate,
+        "rollout/state_lost_calls": float(s.state_lost_calls),
         "rollout/trajectory_tokens": s.tokens_mean,
         "rollout/sampled_tokens": s.sampled_tokens_mean,
         "rollout/used_tool_rate": s.used_tool_rate,

@@ -275,6 +275,8 @@ def test_stateful_trajectories_keep_their_own_variables_and_close_their_sessions
     stateless = make_rollout(tok, scripts[:1], sandbox)[0]
     traj = run_group(stateless, 1)[0]
     assert "NameError" in traj.turns[1].exchange.response
+    assert rollout_metrics([traj])["rollout/name_error_rate"] == 0.5
+    assert rollout_metrics(trajectories)["rollout/name_error_rate"] == 0.0
     assert "independent and stateless" in tok.decode(list(traj.tokens_T[:traj.prompt_len]))
 
 
