@@ -288,7 +288,9 @@ def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> Resu
         dataset=dataset.name, dataset_path=dataset.path, dataset_fingerprint=dataset.fingerprint,
         dataset_problems=dataset.total, mode=cfg.mode, val_n=cfg.val_n, seed=cfg.seed, seeded=cfg.seeded,
         chat_template=choice.chat_template, dtype=cfg.dtype, sampling=sampling,
-        sandbox=SandboxSettings(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb) if tools else None,
+        sandbox=SandboxSettings(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
+                                interpreter=None if cfg.interpreter == "stateless" else cfg.interpreter)
+        if tools else None,
         retool_version=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), engine=cfg.engine)
 
 

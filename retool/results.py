@@ -88,6 +88,9 @@ class SandboxSettings:
 
     timeout_s: float | None = None
     memory_mb: int | None = None
+    interpreter: str | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
+    """``stateful`` when each trajectory had one interpreter session; left out (``None``)
+    for the default stateless interpreter, so such files stay byte for byte the same."""
 
 
 @dataclass(frozen=True)
