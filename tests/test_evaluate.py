@@ -122,6 +122,11 @@ def test_stateful_eval_keeps_variables_per_trajectory_and_records_the_mode(tmp_p
     second = problem["samples"][0]["turns"][1]["exchange"]
     assert second["result"]["stdout"] == "42\n" and problem["num_correct"] == 1
     assert _sandbox_uid_processes() == []
+    from retool.replay import load_source, run_replay  # replay runs each trajectory in one session again
+
+    items, limits = load_source(report.path)
+    assert limits.interpreter == "stateful"
+    assert all(call.reproduces for call in run_replay(items, limits)) and _sandbox_uid_processes() == []
     (tmp_path / "plain").mkdir()
     plain = evaluate(*scripted_eval(tmp_path / "plain"))
     assert "interpreter" not in lines(plain.path)[0]["sandbox"]  # stateless headers are as before
