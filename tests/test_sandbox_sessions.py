@@ -236,3 +236,28 @@ def test_a_closed_session_refuses_calls(sb):
     s.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         s.run_sync("1")
+
+
+# ---------------------------------------------------------------- hostile sessions
+
+
+def test_a_session_that_subverts_its_loop_only_spoils_itself(sb):
+    """Closing its own streams, then forging the end of its call and spinning: the warm
+    parent stays responsive, other sessions are untouched, and the CPU limit (set per
+    call) still ends the runaway interpreter."""
+    with sb.session() as other, sb.session() as hostile:
+        other.run_sync("x = 'mine'")
+        closed = hostile.run_sync("import os\nos.close(1)\nos.close(2)")
+        assert closed.stdout == "" and sb.run_sync("print('parent fine')").stdout == "parent fine\n"
+        forged = ("import os, sys, time\nreq = sys._getframe(2).f_locals['req']\n"
+                  "os.write(3, ('{\"done\": \"%s\", \"exit_code\": 0}\\n' % req['id']).encode())\n"
+                  "while True: pass")
+        started = time.monotonic()
+        assert hostile.run_sync(forged).status is ExecStatus.OK  # the parent believed the forgery...
+        assert time.monotonic() - started < 1
+        assert other.run_sync("x").stdout == "'mine'\n"  # ...which changed nothing for anyone else
+        deadline = time.monotonic() + 2 * (TIMEOUT + 2)
+        while (res := hostile.run_sync("1", timeout_s=0.5)).state_lost is None and time.monotonic() < deadline:
+            pass
+        assert res.state_lost is not None  # its interpreter was ended (CPU limit or the timeout)
+        assert hostile.run_sync("2").stdout == "2\n"

@@ -306,6 +306,7 @@ class Session:
         self.call: Call | None = None
         self.calls = 0  # calls sent to the current interpreter
         self.lost: str | None = None  # why the previous interpreter ended, until a call reports it
+        self.generation = 0  # which interpreter of the session an event belongs to
         self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
 
 
@@ -709,13 +710,18 @@ class Zygote:
             for fd in child_fds.values():
                 os.close(fd)
         session.calls, session.reported, session.info = 0, {}, bytearray()
+        session.generation += 1
         for name in ("stdout", "stderr", "info"):
             os.set_blocking(session.fds[name], False)
-            self.sel.register(session.fds[name], selectors.EVENT_READ, ("session", (name, session)))
+            self.sel.register(session.fds[name], selectors.EVENT_READ, self._event(session, name))
         os.set_blocking(session.fds["control"], False)
         if hasattr(os, "pidfd_open"):
             session.pidfd = os.pidfd_open(session.pid)
-            self.sel.register(session.pidfd, selectors.EVENT_READ, ("session", ("exit", session)))
+            self.sel.register(session.pidfd, selectors.EVENT_READ, self._event(session, "exit"))
+
+    @staticmethod
+    def _event(session: Session, name: str) -> tuple:
+        return "session", (name, session, session.generation)
 
     def _flush_control(self, session: Session) -> None:
         """Write what is pending to the interpreter's control pipe without blocking; the
@@ -732,12 +738,15 @@ class Zygote:
             del session.outbuf[:written]
         key = self.sel.get_map().get(fd) if fd is not None else None
         if session.outbuf and key is None:
-            self.sel.register(fd, selectors.EVENT_WRITE, ("session", ("control", session)))
+            self.sel.register(fd, selectors.EVENT_WRITE, self._event(session, "control"))
         elif not session.outbuf and key is not None:
             self.sel.unregister(fd)
 
-    def _on_session_event(self, name: str, session: Session) -> None:
-        """One event of a session's interpreter; a bug here ends that interpreter, not the zygote."""
+    def _on_session_event(self, name: str, session: Session, generation: int) -> None:
+        """One event of a session's interpreter; a bug here ends that interpreter, not the zygote.
+        Events of an interpreter that has ended (earlier in the same batch) are stale: dropped."""
+        if generation != session.generation or not session.pid:
+            return
         try:
             if name == "exit":
                 self._on_session_exit(session)
@@ -757,7 +766,10 @@ class Zygote:
     def _on_session_output(self, session: Session, name: str) -> None:
         chunk = _read(session.fds[name])
         call = session.call
-        if not chunk or call is None:  # EOF comes with the exit event; output between calls is dropped
+        if not chunk:  # closed (by the code, or at exit): stop watching it
+            self.sel.unregister(session.fds[name])
+            return
+        if call is None:  # output between calls (a daemon thread) is dropped
             return
         buf = call.bufs[name]
         buf += chunk[:max(self._cap(name) - len(buf), 0)]
@@ -765,7 +777,11 @@ class Zygote:
             self._kill(call, "output_limit")
 
     def _on_session_info(self, session: Session) -> None:
-        session.info += _read(session.fds["info"])
+        chunk = _read(session.fds["info"])
+        if not chunk:
+            self.sel.unregister(session.fds["info"])
+            return
+        session.info += chunk
         while (end := session.info.find(b"\n")) >= 0:
             line, session.info = bytes(session.info[:end + 1]), session.info[end + 1:]
             call = session.call
@@ -797,9 +813,10 @@ class Zygote:
         session.call = None
         self.calls.pop(call.id, None)
         call.done = True
-        if info.get("exc_type") == "MemoryError":  # its state may be half-built: start afresh
-            self._end_interpreter(session, "memory")
-            reply["ended_interpreter"] = "memory"
+        ended = call.killed or ("memory" if info.get("exc_type") == "MemoryError" else None)
+        if ended:  # killed as it ended, or out of memory (its state may be half-built): start afresh
+            self._end_interpreter(session, ended)
+            reply["ended_interpreter"] = ended
         self._reply(reply)
         self._start_queued()
 
