@@ -261,3 +261,26 @@ def test_a_session_that_subverts_its_loop_only_spoils_itself(sb):
             pass
         assert res.state_lost is not None  # its interpreter was ended (CPU limit or the timeout)
         assert hostile.run_sync("2").stdout == "2\n"
+
+
+SPY = """
+import sys
+f = sys._getframe()
+while f is not None and 'zygote' not in f.f_locals:
+    f = f.f_back
+z = f.f_locals['zygote']
+print(len(z.calls), len(z.sessions), len(z.queue))
+"""
+
+
+def test_the_warm_parents_other_work_is_not_reachable_from_a_call_or_session(sb):
+    async def main():
+        async with sb.session() as victim, sb.session() as spy:
+            busy = asyncio.create_task(victim.run("import time\nprint('SECRET', flush=True)\ntime.sleep(1)"))
+            stateless = asyncio.create_task(sb.run("import time\ntime.sleep(1)"))
+            await asyncio.sleep(0.3)
+            seen = [(await spy.run(SPY)).stdout, (await sb.run(SPY)).stdout]
+            await asyncio.gather(busy, stateless)
+            return seen
+
+    assert asyncio.run(main()) == ["0 0 0\n", "0 0 0\n"]

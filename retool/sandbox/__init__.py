@@ -73,6 +73,10 @@ Not isolated / known limits:
 
 - Concurrent calls share the network namespace (abstract Unix sockets could pass data
   between two calls running at the same time) and the scratch tmpfs's capacity.
+- Each call's process (and each session's interpreter) is a fork of the warm parent, so the
+  parent's memory at that moment is in it: references to other calls' and sessions' code,
+  requests and output read so far are dropped in the child, but their bytes may remain in
+  freed memory, readable by code that scans its own memory (ctypes).
 - CPU time and disk bandwidth are not shared fairly; a call can slow its neighbours.
 - The kernel is shared: a kernel exploit escapes everything here (no seccomp, no VM).
 - Without root or unprivileged user namespaces (some containers), and on non-Linux

@@ -365,6 +365,15 @@ class Zygote:
             self._poll_without_pidfd()
             self._enforce_deadlines()
 
+    def forget_other_work(self) -> None:
+        """In a freshly forked call or session process: drop this copy's references to the
+        warm parent's other calls and sessions (their code, queued requests, output read so
+        far), so that code cannot reach them through Python objects. The bytes may stay in
+        freed memory (readable with ctypes): see "Not isolated" in :mod:`retool.sandbox`."""
+        self.calls, self.sessions, self.queue = {}, {}, collections.deque()
+        self.inbuf = bytearray()
+        self.sel = None
+
     def _guarded(self, call: Call, handle) -> None:
         """Run one event handler; a bug in it fails that call (sandbox_error), not the zygote."""
         try:
@@ -1025,6 +1034,7 @@ def _fetch_files(directory: str, names: list[str], max_bytes: int) -> dict[str, 
 def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int) -> None:
     """The runner: private mounts, limits, privilege drop, fresh state, then the code."""
     try:
+        zygote.forget_other_work()
         _layout_fds(child_fds)
         os.setsid()
         if sys.platform.startswith("linux"):
@@ -1055,6 +1065,8 @@ def run_session(zygote: Zygote, session: Session, child_fds: dict[str, int], req
     first call's limits; the zygote re-sets them before every later call), then a loop
     that runs each call sent on fd 4 in the same globals."""
     try:
+        zygote.forget_other_work()
+        session.outbuf, session.call = bytearray(), None
         _layout_fds(child_fds, SESSION_FDS)
         os.setsid()
         if sys.platform.startswith("linux"):
