@@ -476,7 +476,7 @@ class Sandbox:
         pending.future.add_done_callback(lambda f: self._on_done(f, pending, call_id))
         zygote = self._ensure_zygote()
         if session is not None:
-            request.update(session.request_fields(zygote))
+            request.update(session._request_fields(zygote))
         try:
             zygote.submit(call_id, request, pending)
         except BrokenPipeError as exc:
@@ -538,7 +538,7 @@ class Session:
         self._zygote: _Zygote | None = None  # the warm parent its interpreter lives in
         self._closed = False
 
-    def request_fields(self, zygote: _Zygote) -> dict:
+    def _request_fields(self, zygote: _Zygote) -> dict:
         """What a call request of this session carries (``state_lost`` when the warm parent
         that held its interpreter has been replaced since the last call)."""
         if self._closed:
