@@ -9,8 +9,15 @@ mechanism costs: p50 of (a) with everything on minus p50 with that one left out
 (``SandboxConfig.benchmark_skip``). Shared mechanisms (network namespace, minimal root
 filesystem) are entered once at start-up and cost nothing per call.
 
-Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12]``. Needs Linux; the
-isolation columns need root or unprivileged user namespaces.
+Last, the stateful interpreter against the stateless one (the baseline of that table),
+in the same sandbox, rounds interleaved so machine load hits both alike: per-call
+latency of trajectories of ``--session-calls`` calls (each a session opened at its first
+call and closed after its last), at 1 and 8 trajectories at once; p50/p95 of all calls,
+p50 of first calls (they fork the session's interpreter) and of later calls, the ratio
+stateless/stateful, and the load average before and after.
+
+Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--only stateful]``.
+Needs Linux; the isolation columns need root or unprivileged user namespaces.
 """
 
 from __future__ import annotations
@@ -135,14 +142,78 @@ def mechanism_costs(calls: int) -> None:
         print(f"  {label:28} p50 {p50:6.1f} ms{cost}")
 
 
+def trajectory_latencies(sb: Sandbox, code: str, calls: int, stateful: bool) -> list[float]:
+    """Per-call latencies of one trajectory of ``calls`` calls (one session when ``stateful``;
+    its opening is in the first call, its closing in no call)."""
+    async def main() -> list[float]:
+        latencies = []
+        session = sb.session() if stateful else None
+        try:
+            for _ in range(calls):
+                t = time.perf_counter()
+                res = await (session.run(code) if stateful else sb.run(code))
+                assert res.ok, res
+                latencies.append(time.perf_counter() - t)
+        finally:
+            if session is not None:
+                await session.aclose()
+        return latencies
+
+    return asyncio.run(main())
+
+
+def measure_trajectories(sb: Sandbox, code: str, trajectories: int, calls: int, concurrency: int,
+                         stateful: bool) -> list[list[float]]:
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda _: trajectory_latencies(sb, code, calls, stateful), range(trajectories)))
+
+
+def stateful_vs_stateless(trajectories: int, calls: int) -> None:
+    """Per-call latency of the two interpreter modes, rounds interleaved."""
+    print(f"\nstateful vs stateless interpreter: per-call latency, trajectories of {calls} calls "
+          f"({trajectories} per cell, modes interleaved); load average before: "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    header = (f"{'snippet':9} {'conc':>4} | {'stateless p50':>13} {'p95':>7} | {'stateful p50':>12} {'p95':>7} "
+              f"{'first p50':>9} {'later p50':>9} | {'p50 ratio':>9}")
+    print(header + "\n" + "-" * len(header))
+    with Sandbox(SandboxConfig(timeout_s=30, workers=8)) as sb:
+        sb.start()
+        measure_sandbox(sb, "1", 8, 8)  # warm-up
+        for name, code in SNIPPETS.items():
+            for conc in (1, 8):
+                runs: dict[bool, list[list[float]]] = {False: [], True: []}
+                for _ in range(max(1, trajectories // conc)):  # rounds of `conc` trajectories per mode
+                    for stateful in (False, True):
+                        runs[stateful] += measure_trajectories(sb, code, conc, calls, conc, stateful)
+                stateless = sorted(x for run in runs[False] for x in run)
+                stateful_all = sorted(x for run in runs[True] for x in run)
+                first = sorted(run[0] for run in runs[True])
+                later = sorted(x for run in runs[True] for x in run[1:])
+                p = lambda xs, q: percentile(xs, q) * 1e3  # noqa: E731
+                print(f"{name:9} {conc:>4} | {p(stateless, 50):>10.1f} ms {p(stateless, 95):>7.1f} | "
+                      f"{p(stateful_all, 50):>9.1f} ms {p(stateful_all, 95):>7.1f} {p(first, 50):>9.1f} "
+                      f"{p(later, 50):>9.1f} | {p(stateless, 50) / p(stateful_all, 50):>8.1f}x")
+    print("load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=40, help="sandbox calls per measurement")
     parser.add_argument("--baseline-calls", type=int, default=12, help="baseline calls per measurement")
+    parser.add_argument("--trajectories", type=int, default=16,
+                        help="trajectories per mode and cell in the stateful comparison")
+    parser.add_argument("--session-calls", type=int, default=4,
+                        help="calls per trajectory in the stateful comparison (the rollout's default budget)")
+    parser.add_argument("--only", choices=("baseline", "mechanisms", "stateful"),
+                        help="run one part only (default: all three)")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, uid {os.geteuid()}\n")
-    compare(args.calls, args.baseline_calls)
-    mechanism_costs(args.calls)
+    if args.only in (None, "baseline"):
+        compare(args.calls, args.baseline_calls)
+    if args.only in (None, "mechanisms"):
+        mechanism_costs(args.calls)
+    if args.only in (None, "stateful"):
+        stateful_vs_stateless(args.trajectories, args.session_calls)
     return 0
 
 

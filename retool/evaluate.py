@@ -288,7 +288,9 @@ def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> Resu
         dataset=dataset.name, dataset_path=dataset.path, dataset_fingerprint=dataset.fingerprint,
         dataset_problems=dataset.total, mode=cfg.mode, val_n=cfg.val_n, seed=cfg.seed, seeded=cfg.seeded,
         chat_template=choice.chat_template, dtype=cfg.dtype, sampling=sampling,
-        sandbox=SandboxSettings(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb) if tools else None,
+        sandbox=SandboxSettings(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
+                                interpreter=None if cfg.interpreter == "stateless" else cfg.interpreter)
+        if tools else None,
         retool_version=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), engine=cfg.engine)
 
 
@@ -409,7 +411,7 @@ def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any]:
     from retool.render import Renderer
 
     renderer = Renderer(model.tokenizer, chat_template=model.choice.chat_template, tools=cfg.mode == "retool",
-                        model_name=model.choice.model)
+                        model_name=model.choice.model, interpreter=cfg.interpreter)
     return renderer, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
 

@@ -21,6 +21,11 @@ templates and are parsed here:
       </function>
       </tool_call>
 
+Two interpreter modes (:data:`INTERPRETERS`) differ only in what the model is told:
+``stateless`` (the default: every execution starts afresh) and ``stateful`` (executions
+share one Python session, as notebook cells do). :func:`system_prompt` and
+:func:`tool_schema` give each mode's text; the sandbox gives each mode's behaviour.
+
 The format is chosen once from the chat template (:func:`detect_format`), never guessed
 per message. A malformed attempt becomes an :class:`~retool.types.InvalidToolCall`
 whose ``message`` is a short text for the model; nothing here raises on model output.
@@ -47,24 +52,38 @@ from retool.types import ExecutionResult, ExecStatus, InvalidToolCall, ParsedTur
 
 TOOL_NAME = "code_interpreter"
 
-TOOL_SCHEMA: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": (
-            "Run a Python snippet in a fresh, stateless sandbox and return what it "
-            "printed (stdout), or the error it raised."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "code": {"type": "string", "description": "The Python code to be executed."},
+INTERPRETERS = ("stateless", "stateful")
+"""Interpreter modes: a fresh process per execution (the default), or one Python session
+per trajectory whose variables carry over between executions."""
+
+
+def _schema(description: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": TOOL_NAME,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "code": {"type": "string", "description": "The Python code to be executed."},
+                },
+                "required": ["code"],
             },
-            "required": ["code"],
         },
-    },
-}
+    }
+
+
+TOOL_SCHEMA: dict[str, Any] = _schema(
+    "Run a Python snippet in a fresh, stateless sandbox and return what it printed (stdout), or the error it raised."
+)
 """The OpenAI-style function schema passed to the chat template as ``tools=[TOOL_SCHEMA]``."""
+
+STATEFUL_TOOL_SCHEMA: dict[str, Any] = _schema(
+    "Run a Python snippet in a sandboxed Python session that keeps its variables, functions and imports "
+    "between calls, and return what it printed (stdout), or the error it raised."
+)
+"""The schema of the stateful mode: the same tool, described as a persistent session."""
 
 SYSTEM_PROMPT = """\
 You are an expert mathematician. Solve the user's problem by reasoning step by step.
@@ -76,7 +95,16 @@ You can run Python with the code_interpreter tool, to compute, to check cases or
 - Make at most one tool call per turn, then stop and wait for its result.
 
 Never call the tool and give the final answer in the same turn. When you are done, end your reply with one line of the form \\boxed{<answer>}."""
-"""System prompt of tool mode: the task, the tool, the resource rules."""
+"""System prompt of tool mode (stateless interpreter): the task, the tool, the resource rules."""
+
+STATELESS_RULE = "- Every execution is independent and stateless: import and define everything you use in each call.\n"
+STATEFUL_RULE = (
+    "- Executions share one Python session, like notebook cells: variables, functions and imports from "
+    "earlier calls stay available. A call that times out or runs out of memory restarts the session "
+    "(the tool's reply then says the state was lost).\n"
+)
+STATEFUL_SYSTEM_PROMPT = SYSTEM_PROMPT.replace(STATELESS_RULE, STATEFUL_RULE)
+"""System prompt of tool mode with the stateful interpreter: the same, but the state rule."""
 
 TEXT_SYSTEM_PROMPT = """\
 You are an expert mathematician. Solve the user's problem by reasoning step by step.
@@ -89,13 +117,31 @@ class TemplateError(ValueError):
     """A chat template cannot be used for the tool protocol or for token-exact rendering."""
 
 
-def build_messages(question: str, *, tools: bool = True) -> list[dict[str, str]]:
+def check_interpreter(interpreter: str) -> str:
+    """``interpreter`` if it is one of :data:`INTERPRETERS`, else ValueError."""
+    if interpreter not in INTERPRETERS:
+        raise ValueError(f"interpreter must be one of {', '.join(INTERPRETERS)}, got {interpreter!r}")
+    return interpreter
+
+
+def system_prompt(interpreter: str = "stateless") -> str:
+    """The tool-mode system prompt for an interpreter mode."""
+    return STATEFUL_SYSTEM_PROMPT if check_interpreter(interpreter) == "stateful" else SYSTEM_PROMPT
+
+
+def tool_schema(interpreter: str = "stateless") -> dict[str, Any]:
+    """The tool's schema for an interpreter mode."""
+    return STATEFUL_TOOL_SCHEMA if check_interpreter(interpreter) == "stateful" else TOOL_SCHEMA
+
+
+def build_messages(question: str, *, tools: bool = True, interpreter: str = "stateless") -> list[dict[str, str]]:
     """The opening conversation for one problem: system prompt + the question.
 
     ``tools=False`` gives the text-only prompt (the tool is neither declared nor
-    mentioned). The tool schema itself is passed to the chat template separately.
+    mentioned). ``interpreter`` picks the tool-mode prompt (:func:`system_prompt`). The
+    tool schema itself is passed to the chat template separately (:func:`tool_schema`).
     """
-    system = SYSTEM_PROMPT if tools else TEXT_SYSTEM_PROMPT
+    system = system_prompt(interpreter) if tools else TEXT_SYSTEM_PROMPT
     return [{"role": "system", "content": system}, {"role": "user", "content": question.strip()}]
 
 

@@ -40,13 +40,14 @@ import jinja2
 
 from retool.protocol import (
     TOOL_NAME,
-    TOOL_SCHEMA,
     TemplateError,
     ToolCallFormat,
     ToolOutputSanitizer,
     build_messages,
+    check_interpreter,
     detect_format,
     parse_assistant,
+    tool_schema,
 )
 from retool.types import ParsedTurn
 
@@ -128,16 +129,21 @@ class Renderer:
         chat_template: override — bundled name, file path or Jinja source (see
             :func:`load_chat_template`); ``None`` uses the tokenizer's template.
         tools: declare ``code_interpreter`` (tool mode) or not (text-only mode).
+        interpreter: ``stateless`` or ``stateful`` — which system prompt and tool
+            description the conversation carries (:mod:`retool.protocol`); a rollout
+            gives each trajectory one interpreter session when it is ``stateful``.
         enable_thinking: passed to templates that have that switch (Qwen3, Qwen3.5).
         model_name: used in error messages; defaults to the tokenizer's name.
     """
 
     def __init__(self, tokenizer: Any, *, chat_template: str | Path | None = None, tools: bool = True,
-                 enable_thinking: bool = False, model_name: str | None = None) -> None:
+                 enable_thinking: bool = False, model_name: str | None = None,
+                 interpreter: str = "stateless") -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name or _model_name(tokenizer)
         self.chat_template = load_chat_template(chat_template, tokenizer)
         self.tools = tools
+        self.interpreter = check_interpreter(interpreter)
         self.enable_thinking = enable_thinking
         self.tool_format: ToolCallFormat | None = self._tool_format() if tools else None
         self.sanitizer = ToolOutputSanitizer(tokenizer, self.chat_template)
@@ -156,10 +162,15 @@ class Renderer:
         """The template's text for ``messages`` (with the tool declared in tool mode)."""
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tools=[TOOL_SCHEMA] if self.tools else None, chat_template=self.chat_template,
+                list(messages), tools=[tool_schema(self.interpreter)] if self.tools else None,
+                chat_template=self.chat_template,
                 tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=self.enable_thinking)
         except (jinja2.TemplateError, TypeError, ValueError) as err:  # raise_exception(), bad content …
             raise TemplateError(f"the chat template of {self.model_name} failed to render: {err}") from err
+
+    def messages(self, question: str) -> list[dict[str, str]]:
+        """The opening conversation for ``question`` in this renderer's mode (tools, interpreter)."""
+        return build_messages(question, tools=self.tools, interpreter=self.interpreter)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text (template text already holds any BOS it wants)."""
@@ -221,7 +232,7 @@ class Renderer:
             fmt = detect_format(self.chat_template)
         except TemplateError as err:
             raise TemplateError(f"{self.model_name}: {err}") from None
-        probe = self.render(build_messages(_QUESTION), add_generation_prompt=True)
+        probe = self.render(self.messages(_QUESTION), add_generation_prompt=True)
         if TOOL_NAME not in probe:
             raise TemplateError(f"the chat template of {self.model_name} ignores tools=: the rendered prompt "
                                 "never declares code_interpreter; use a chat-template override such as 'hermes'")
@@ -229,7 +240,7 @@ class Renderer:
 
     def _probe(self) -> _Deltas:
         """Learn the template text around contents from placeholder conversations."""
-        base = build_messages(_QUESTION, tools=self.tools)
+        base = self.messages(_QUESTION)
         prompt = self.render(base, add_generation_prompt=True)
         without = self.render(base, add_generation_prompt=False)
         if not prompt.startswith(without):

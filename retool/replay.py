@@ -18,9 +18,13 @@ problem's trajectory number ``--index K`` (0-based, in file order: for an eval f
 sample) and shows every call; without it every call of every trajectory is replayed and
 summarised (how many reproduce; which do not, by recorded → replayed status).
 
+Sources recorded with the stateful interpreter (an eval header's ``sandbox.interpreter``, a
+run's ``interpreter``) replay each trajectory's calls in order in one interpreter session,
+as the rollout ran them; otherwise each call runs fresh.
+
 Not covered: invalid or over-budget call attempts (never run, nothing to compare), the
 tool message's sanitising and token truncation (the comparison is on the raw result),
-wall time, memory use, and state between calls (each call runs fresh, as recorded).
+wall time and memory use.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class Limits:
 
     timeout_s: float | None = None
     memory_mb: int | None = None
+    interpreter: str = "stateless"
+    """``stateful``: the trajectory's calls shared one interpreter session."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,8 @@ def load_source(source: Path) -> tuple[list[Recorded], Limits]:
         except ReportInputError as err:
             raise ReplayError(str(err)) from None
         sandbox = results.header.sandbox
-        limits = Limits(sandbox.timeout_s, sandbox.memory_mb) if sandbox else Limits()
+        limits = Limits(sandbox.timeout_s, sandbox.memory_mb, sandbox.interpreter or "stateless") if sandbox \
+            else Limits()
         found = [Recorded(f"problem {p.problem_id} #{n}", t) for p in results.problems
                  for n, t in enumerate(p.samples)]
         return found, limits
@@ -140,7 +147,8 @@ def _run_limits(run_dir: Path) -> Limits:
         return Limits()
     if not isinstance(config, dict):
         return Limits()
-    return Limits(config.get("sandbox_timeout_s"), config.get("sandbox_memory_mb"))
+    return Limits(config.get("sandbox_timeout_s"), config.get("sandbox_memory_mb"),
+                  config.get("interpreter") or "stateless")
 
 
 def pick(recorded: list[Recorded], problem: str, index: int) -> Recorded:
@@ -164,14 +172,19 @@ def recorded_calls(item: Recorded) -> list[tuple[int, str, ExecutionResult]]:
 
 
 async def replay(items: list[Recorded], sandbox, limits: Limits) -> list[CallReplay]:
-    """Run every recorded call of ``items`` again (concurrently; the sandbox queues them)."""
-    jobs = [(item.where, n, code, result) for item in items for n, code, result in recorded_calls(item)]
+    """Run every recorded call of ``items`` again (trajectories concurrently, the sandbox
+    queues them; a trajectory's calls in order, in one session when it was stateful)."""
 
-    async def one(where: str, n: int, code: str, result: ExecutionResult) -> CallReplay:
-        again = await sandbox.run(code, timeout_s=limits.timeout_s)
-        return CallReplay(where, n, code, result, again)
+    async def trajectory(item: Recorded) -> list[CallReplay]:
+        runner = sandbox.session() if limits.interpreter == "stateful" else sandbox
+        try:
+            return [CallReplay(item.where, n, code, result, await runner.run(code, timeout_s=limits.timeout_s))
+                    for n, code, result in recorded_calls(item)]
+        finally:
+            if runner is not sandbox:
+                await runner.aclose()
 
-    return list(await asyncio.gather(*(one(*job) for job in jobs)))
+    return [call for calls in await asyncio.gather(*(trajectory(item) for item in items)) for call in calls]
 
 
 def sandbox_config(limits: Limits, **overrides):

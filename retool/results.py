@@ -88,6 +88,9 @@ class SandboxSettings:
 
     timeout_s: float | None = None
     memory_mb: int | None = None
+    interpreter: str | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
+    """``stateful`` when each trajectory had one interpreter session; left out (``None``)
+    for the default stateless interpreter, so such files stay byte for byte the same."""
 
 
 @dataclass(frozen=True)
@@ -129,9 +132,7 @@ class ResultsHeader:
         return "base" if self.step is None else f"step {self.step}"
 
     def to_json(self) -> dict:
-        row = dataclasses.asdict(self)
-        omitted = [f.name for f in dataclasses.fields(self) if f.metadata.get("omit_if_none") and row[f.name] is None]
-        return {"type": "header", **{k: v for k, v in row.items() if k not in omitted}}
+        return {"type": "header", **_fields_of(self)}
 
     @classmethod
     def from_json(cls, row: Mapping) -> ResultsHeader:
@@ -159,6 +160,18 @@ class ResultsHeader:
         mine, theirs, missing = _flat(self, keys), _flat(other, keys), "(not set)"
         return [(key, mine.get(key, missing), theirs.get(key, missing))
                 for key in sorted(mine.keys() | theirs.keys()) if mine.get(key, missing) != theirs.get(key, missing)]
+
+
+def _fields_of(record: Any) -> dict:
+    """A header record as a dict, nested settings too, without the ``omit_if_none`` fields
+    that are ``None`` (so files written before such a field existed stay the same)."""
+    out = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if f.metadata.get("omit_if_none") and value is None:
+            continue
+        out[f.name] = _fields_of(value) if dataclasses.is_dataclass(value) else value
+    return out
 
 
 def _settings(record: type, value: Mapping) -> Any:

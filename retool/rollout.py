@@ -28,6 +28,11 @@ result, status, latency) and grade. Failures of the sampler or the template prop
 with the problem id attached (:class:`RolloutError`); failures of model code are
 execution results, never exceptions.
 
+Interpreter: with the renderer's ``interpreter="stateful"``, each trajectory gets one
+sandbox session (opened at its first code call, closed when the trajectory ends —
+normally, by an error or by cancellation), so its calls share variables; otherwise
+every call runs in a fresh process.
+
 Not covered: parallel tool calls within one turn (the protocol allows one per turn),
 tools other than ``code_interpreter``, reward shaping.
 """
@@ -41,10 +46,17 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from retool.config import option, require
 from retool.engines.base import SampledSequence, SamplingClient, SamplingParams, TransientEngineError
-from retool.protocol import budget_exhausted_message, build_messages, tool_message_text, truncate_tool_output
+from retool.protocol import (
+    INTERPRETERS,
+    budget_exhausted_message,
+    check_interpreter,
+    tool_message_text,
+    truncate_tool_output,
+)
 from retool.render import Renderer, Segment
 from retool.sandbox import Sandbox, SandboxConfig
 from retool.sandbox.executor import MAX_TIMEOUT_S
@@ -122,12 +134,17 @@ class RolloutBudgets:
     sandbox_timeout_s: float = option(30.0, f"wall-clock limit of one code execution (at most {MAX_TIMEOUT_S:g} s)")
     sandbox_memory_mb: int = option(2048, "memory one code execution may allocate (MiB, on top of the preloaded modules)")
     sandbox_strict: bool = option(False, "refuse to start unless the sandbox has full isolation")
+    interpreter: str = option("stateless", "stateless: every code call starts a fresh Python; stateful: "
+                              "one Python session per trajectory keeps variables between its calls "
+                              "(the system prompt says which)", choices=INTERPRETERS)
 
     def validate_budgets(self) -> None:
         for name in ("max_assistant_turns", "max_trajectory_tokens", "max_turn_tokens", "max_tool_response_tokens",
                      "sandbox_workers", "sandbox_memory_mb"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.max_code_calls >= 0, f"max_code_calls must be >= 0, got {self.max_code_calls}")
+        require(self.interpreter in INTERPRETERS,
+                f"interpreter must be one of {', '.join(INTERPRETERS)}, got {self.interpreter!r}")
         require(0 < self.sandbox_timeout_s <= MAX_TIMEOUT_S,  # false for nan
                 f"sandbox_timeout_s must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} "
                 f"(the sandbox's maximum), got {self.sandbox_timeout_s!r}")
@@ -158,12 +175,16 @@ class RolloutBudgets:
 
 
 class CodeRunner:
-    """What a rollout needs from a sandbox: ``await run(code, timeout_s=...)``.
+    """What a rollout needs from a sandbox: ``await run(code, timeout_s=...)``, and for the
+    stateful interpreter ``session()``, an object with that ``run`` and ``await aclose()``.
 
-    :class:`retool.sandbox.Sandbox` satisfies it; so does anything with that method.
+    :class:`retool.sandbox.Sandbox` satisfies it; so does anything with those methods.
     """
 
     async def run(self, code: str, *, timeout_s: float | None = None) -> ExecutionResult:  # pragma: no cover
+        raise NotImplementedError
+
+    def session(self) -> Any:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -197,6 +218,8 @@ class _State:
     code_calls: int = 0
     final_text: str = ""
     stop_reason: StopReason = StopReason.STOP
+    session: Any = None
+    """The trajectory's interpreter session (stateful mode), from its first code call on."""
 
     def extend(self, segment: Segment) -> None:
         self.tokens.extend(segment.tokens)
@@ -224,6 +247,11 @@ class Rollout:
     def __post_init__(self) -> None:
         if self.tools and self.sandbox is None:
             raise ValueError("tool mode needs a sandbox; build the Renderer with tools=False for text mode")
+        check_interpreter(self.renderer.interpreter)
+
+    @property
+    def stateful(self) -> bool:
+        return self.tools and self.renderer.interpreter == "stateful"
 
     def take_usage(self) -> dict[str, int]:
         """Return the token counts since the last call and reset them."""
@@ -246,7 +274,7 @@ class Rollout:
         given, also receives this group's token counts (as :attr:`usage` does).
         """
         ctx = _Group(problem, seed, usage)
-        prompt = self.renderer.prompt_tokens(build_messages(problem.question, tools=self.tools))
+        prompt = self.renderer.prompt_tokens(self.renderer.messages(problem.question))
         budget = self._turn_budget(len(prompt))
         if budget < 1:  # e.g. a long problem under a short --max-trajectory-tokens
             return [await self._unsampled(problem, prompt) for _ in range(group_size)]
@@ -258,6 +286,7 @@ class Rollout:
         except BaseException:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # their sessions are closed
             raise
 
     async def groups(self, problems: Sequence[Problem], group_size: int) -> list[list[Trajectory]]:
@@ -276,8 +305,22 @@ class Rollout:
         )
 
     async def _trajectory(self, ctx: _Group, index: int, prompt: list[int], first: SampledSequence) -> Trajectory:
-        problem = ctx.problem
         state = _State(tokens=list(prompt), mask=[0] * len(prompt), logprobs=[0.0] * len(prompt))
+        try:
+            await self._turns(ctx, index, state, first)
+        finally:  # also on errors and cancellation: no interpreter outlives its trajectory
+            if state.session is not None:
+                await state.session.aclose()
+        problem = ctx.problem
+        grade = await self.grader(state.final_text, problem.answer)
+        return Trajectory(
+            problem_id=problem.id, prompt_len=len(prompt), tokens_T=tuple(state.tokens),
+            mask_T=tuple(state.mask), logprobs_T=tuple(state.logprobs), turns=tuple(state.turns),
+            grade=grade, stop_reason=state.stop_reason,
+        )
+
+    async def _turns(self, ctx: _Group, index: int, state: _State, first: SampledSequence) -> None:
+        """Sample and answer turns until the trajectory ends."""
         sequence: SampledSequence | None = first
         for turn_index in range(self.config.max_assistant_turns):
             if sequence is None:
@@ -291,12 +334,6 @@ class Rollout:
             if not await self._advance(state, sequence, last_turn):
                 break
             sequence = None
-        grade = await self.grader(state.final_text, problem.answer)
-        return Trajectory(
-            problem_id=problem.id, prompt_len=len(prompt), tokens_T=tuple(state.tokens),
-            mask_T=tuple(state.mask), logprobs_T=tuple(state.logprobs), turns=tuple(state.turns),
-            grade=grade, stop_reason=state.stop_reason,
-        )
 
     async def _advance(self, state: _State, sequence: SampledSequence, last_turn: bool) -> bool:
         """Append one sampled turn (and its tool message); return whether to go on."""
@@ -334,7 +371,12 @@ class Rollout:
             return ToolExchange(call=call, result=None, response=self._plain_response(message))
         state.code_calls += 1
         start = time.monotonic()
-        result = await self.sandbox.run(call.code, timeout_s=self.config.sandbox_timeout_s)
+        runner = self.sandbox
+        if self.stateful:
+            if state.session is None:
+                state.session = self.sandbox.session()
+            runner = state.session
+        result = await runner.run(call.code, timeout_s=self.config.sandbox_timeout_s)
         latency = time.monotonic() - start
         response = tool_message_text(result, self.renderer.sanitizer,
                                      max_tokens=self.config.max_tool_response_tokens)
@@ -395,6 +437,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/tool_call_attempts": s.tool_call_attempts_mean,
         "rollout/valid_tool_call_rate": s.valid_tool_call_rate,
         "rollout/budget_exhausted_calls": float(s.budget_exhausted_calls),
+        "rollout/name_error_rate": s.name_error_rate,
+        "rollout/state_lost_calls": float(s.state_lost_calls),
         "rollout/trajectory_tokens": s.tokens_mean,
         "rollout/sampled_tokens": s.sampled_tokens_mean,
         "rollout/used_tool_rate": s.used_tool_rate,

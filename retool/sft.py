@@ -47,7 +47,7 @@ from retool import runs
 from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.engines import ModelConfig, Requirements, check_supported
-from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
+from retool.protocol import INTERPRETERS, TOOL_NAME, system_prompt
 from retool.types import Datum
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -67,6 +67,9 @@ class SFTConfig(ModelConfig):
     data: str = option("data/sft.jsonl", "OpenAI-format tool dialogues (JSONL; see `retool task-data`)")
     max_seq_tokens: int = option(4096, "drop (and count) dialogues longer than this many tokens")
     max_tool_response_tokens: int = option(512, "tokens per tool message (head+tail kept), as in RL")
+    interpreter: str = option("stateless", "the interpreter mode the data teaches (the tool's description; "
+                              "use the RL run's --interpreter, and task-data's for its dialogues)",
+                              choices=INTERPRETERS)
 
     # ---- optimisation
     batch_size: int = option(8, "dialogues per step")
@@ -264,10 +267,8 @@ class AssistantFormatter:
     _PLACEHOLDER = "RETOOLSFTCONTENT"
 
     def __init__(self, renderer: Any) -> None:
-        from retool.protocol import build_messages
-
         self.renderer = renderer
-        self._base = build_messages("RETOOLSFTQUESTION")
+        self._base = renderer.messages("RETOOLSFTQUESTION")
         self._prefix = renderer.render(self._base, add_generation_prompt=True)
         probe = self._cut({"role": "assistant", "content": self._PLACEHOLDER}, closing="")
         if probe.count(self._PLACEHOLDER) != 1:
@@ -357,7 +358,8 @@ class SFTData:
     """``FILE:LINE`` of dialogues over ``max_seq_tokens``."""
     truncated_tool_outputs: int
     nonstandard_system_prompts: int
-    """Dialogues whose system prompt differs from the RL rollout's (``protocol.SYSTEM_PROMPT``)."""
+    """Dialogues whose system prompt differs from the RL rollout's (``protocol.system_prompt``
+    of the renderer's interpreter mode)."""
 
     def summary(self) -> dict[str, Any]:
         return {"dialogues": self.dialogues, "datums": len(self.datums),
@@ -387,7 +389,7 @@ def build_sft_data(dialogues: Sequence[Dialogue], renderer: Any, *, max_seq_toke
         datums.append(make_datum(seq.tokens_T, seq.mask_T))
     if not datums:
         raise ConversationError(f"all {len(dialogues)} dialogues are longer than max_seq_tokens={max_seq_tokens}")
-    nonstandard = sum(d.system != SYSTEM_PROMPT for d in dialogues)
+    nonstandard = sum(d.system != system_prompt(renderer.interpreter) for d in dialogues)
     return SFTData(tuple(datums), len(dialogues), tuple(dropped), truncated, nonstandard)
 
 
@@ -459,7 +461,8 @@ def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SF
     from retool.render import Renderer
 
     engine = runs.load_engine(cfg, cfg.seed)
-    renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=True, model_name=cfg.model)
+    renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=True, model_name=cfg.model,
+                        interpreter=cfg.interpreter)
     data = build_sft_data(dialogues, renderer, max_seq_tokens=cfg.max_seq_tokens,
                           max_tool_response_tokens=cfg.max_tool_response_tokens)
     return SFTRun(cfg, engine, data.datums, total_steps(cfg, len(data.datums))), data
@@ -500,7 +503,7 @@ def _report_data(run_dir: Path, data: SFTData, data_info: dict[str, str]) -> Non
               f"(first: {data.dropped_too_long[0]}); listed in {run_dir / 'sft_data.json'}", file=sys.stderr)
     if data.nonstandard_system_prompts:
         print(f"note: {data.nonstandard_system_prompts} dialogues use a system prompt other than the RL "
-              "rollout's (retool.protocol.SYSTEM_PROMPT)", file=sys.stderr)
+              "rollout's for this --interpreter (retool.protocol.system_prompt)", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- CLI

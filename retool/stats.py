@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from retool.types import InvalidToolCall, ToolCall, Trajectory
+from retool.types import ExecStatus, ExecutionResult, InvalidToolCall, ToolCall, Trajectory
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -160,6 +160,12 @@ class TrajectoryStats:
     """Attempts that parsed and named the tool (run or answered "budget spent")."""
     code_calls: int = 0
     """Calls that ran in the sandbox (:attr:`Trajectory.num_code_calls`)."""
+    name_error_calls: int = 0
+    """Calls that ran and failed with ``NameError`` — with the stateless interpreter, mostly
+    code that assumed a variable of an earlier call still exists."""
+    state_lost_calls: int = 0
+    """Calls of the stateful interpreter that ran in a fresh one (the earlier one timed
+    out, ran out of memory, ...; :attr:`ExecutionResult.state_lost`)."""
     used_tool: int = 0
     """Trajectories with at least one call that ran."""
     tokens: int = 0
@@ -219,6 +225,11 @@ class TrajectoryStats:
         return self.valid_tool_calls / self.tool_call_attempts if self.tool_call_attempts else 1.0
 
     @property
+    def name_error_rate(self) -> float:
+        """Share of the calls that ran that failed with ``NameError``; 0.0 without calls."""
+        return self.name_error_calls / self.code_calls if self.code_calls else 0.0
+
+    @property
     def budget_exhausted_calls(self) -> int:
         """Valid calls answered "budget spent" instead of running."""
         return self.valid_tool_calls - self.code_calls
@@ -228,6 +239,8 @@ def trajectory_stats(trajectories: Iterable[Trajectory]) -> TrajectoryStats:
     """The totals of :class:`TrajectoryStats` over ``trajectories`` (all zero for none)."""
     trajectories = list(trajectories)
     attempts = [turn.exchange.call for t in trajectories for turn in t.turns if turn.exchange is not None]
+    results = [turn.exchange.result for t in trajectories for turn in t.turns
+               if turn.exchange is not None and turn.exchange.result is not None]
     return TrajectoryStats(
         trajectories=len(trajectories),
         correct=sum(t.grade.correct for t in trajectories),
@@ -238,12 +251,20 @@ def trajectory_stats(trajectories: Iterable[Trajectory]) -> TrajectoryStats:
         tool_call_attempts=len(attempts),
         valid_tool_calls=sum(isinstance(call, ToolCall) for call in attempts),
         code_calls=sum(t.num_code_calls for t in trajectories),
+        name_error_calls=sum(map(is_name_error, results)),
+        state_lost_calls=sum(r.state_lost is not None for r in results),
         used_tool=sum(t.num_code_calls > 0 for t in trajectories),
         tokens=sum(len(t.tokens_T) for t in trajectories),
         sampled_tokens=sum(sum(t.mask_T) for t in trajectories),
         invalid_calls=dict(Counter(call.reason for call in attempts if isinstance(call, InvalidToolCall))),
         stop_reasons=dict(Counter(t.stop_reason.value for t in trajectories)),
     )
+
+
+def is_name_error(result: ExecutionResult) -> bool:
+    """Whether a call failed with an uncaught ``NameError`` (the last line of its traceback)."""
+    lines = result.stderr.strip().splitlines()
+    return result.status is ExecStatus.ERROR and bool(lines) and lines[-1].startswith("NameError: ")
 
 
 def _add_counts(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:

@@ -9,7 +9,10 @@ draws such problems (integer answers, several operations and paraphrases) and wr
 - :func:`make_sft_conversations` — OpenAI-format tool dialogues for cold-start SFT
   (split ``sft``): system prompt, question, a short plan with one ``code_interpreter``
   call, the call's real output from :class:`retool.sandbox.Sandbox`, and a final answer
-  ending in ``\\boxed{N}``.
+  ending in ``\\boxed{N}``. With ``interpreter="stateful"`` the dialogue has two calls
+  in one interpreter session: the first defines the question's numbers (and an
+  intermediate result) as variables, the second computes the answer from those
+  variables without redefining them — what a model needs to see to rely on state.
 
 The three splits are disjoint by construction: every problem's split is a hash of its
 operation and operands (never of its wording), so a test problem never reappears,
@@ -21,7 +24,7 @@ beyond mental arithmetic, so without the tool a small model scores near zero; wi
 tool the work is to set the snippet up from the question — trivial for a bare product,
 error-prone for the word problems, whose numbers must go to the right places.
 
-Non-goals: problems with non-integer answers, multi-call solutions, natural-language
+Non-goals: problems with non-integer answers, solutions of more than two calls, natural-language
 variety beyond a few paraphrases per operation.
 """
 
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.atomic import UnwritableOutputError, atomic_write_jsonl, writable_folder
-from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
+from retool.protocol import INTERPRETERS, TOOL_NAME, check_interpreter, system_prompt
 from retool.types import Problem
 
 SPLITS = ("sft", "rl", "test")
@@ -207,6 +210,41 @@ MIX: dict[str, float] = {
 """Default sampling weights of the kinds (calibrated in ``docs/sft.md``)."""
 
 
+def stateful_steps(draw: Draw) -> tuple[str, str, str]:
+    """The two calls of a stateful dialogue: (code that defines the question's numbers as
+    variables and prints them, what the second call computes, code that computes the
+    answer from those variables only). The second snippet fails alone (``NameError``)."""
+    key = draw.key
+    if draw.kind == "word_problem":
+        _, expression, _ = _STORIES[key[0]]
+        setup = f"a, b, c = {key[1]}, {key[2]}, {key[3]}\nprint(a, b, c)"
+        return setup, "the answer from a, b and c", f"print({expression.format(a='a', b='b', c='c')})"
+    return _STATEFUL_STEPS[draw.kind](*key)
+
+
+_STATEFUL_STEPS: dict[str, Callable[..., tuple[str, str, str]]] = {
+    "product": lambda a, b: (f"a, b = {a}, {b}\nprint(a, b)", "the product a * b", "print(a * b)"),
+    "modpow": lambda base, exponent, modulus: (
+        f"base, exponent, modulus = {base}, {exponent}, {modulus}\nprint(base, exponent, modulus)",
+        "pow(base, exponent, modulus)", "print(pow(base, exponent, modulus))"),
+    "digit_sum_power": lambda base, exponent: (
+        f"n = {base} ** {exponent}\nprint(len(str(n)), 'digits')", "the digit sum of n",
+        "print(sum(int(d) for d in str(n)))"),
+    "divisors": lambda n: (
+        f"n = {n}\ndivisors = [d for d in range(1, n + 1) if n % d == 0]\nprint(divisors[:6])",
+        "how many divisors there are", "print(len(divisors))"),
+    "range_sum": lambda a, b: (
+        f"numbers = range({a}, {b} + 1)\nprint(len(numbers), 'numbers')", "the sum of numbers",
+        "print(sum(numbers))"),
+    "gcd": lambda a, b: (f"import math\na, b = {a}, {b}\nprint(a, b)", "math.gcd(a, b)", "print(math.gcd(a, b))"),
+    "lcm": lambda a, b: (f"import math\na, b = {a}, {b}\nprint(a, b)", "math.lcm(a, b)", "print(math.lcm(a, b))"),
+    "multiples_sum": lambda k, n: (
+        f"multiples = [x for x in range(1, {n}) if x % {k} == 0]\nprint(len(multiples), 'multiples')",
+        "the sum of multiples", "print(sum(multiples))"),
+}
+"""Per kind, from the draw's operands: (setup call, what the second call computes, second call)."""
+
+
 # ---------------------------------------------------------------- drawing
 
 
@@ -263,51 +301,76 @@ def _problem(draw: Draw) -> Problem:
 
 
 def make_sft_conversations(n: int, seed: int = 0, *, kinds: Sequence[str] | None = None,
-                           sandbox: Any = None) -> list[dict[str, Any]]:
+                           sandbox: Any = None, interpreter: str = "stateless") -> list[dict[str, Any]]:
     """``n`` OpenAI-format tool dialogues for cold-start SFT (split ``sft``).
 
     Each is ``{"id", "answer", "messages"}`` with messages system
-    (:data:`retool.protocol.SYSTEM_PROMPT`), user, assistant (plan + one
-    ``code_interpreter`` call), tool (the snippet's observation from the real sandbox)
-    and assistant (the answer, ending with ``\\boxed{N}``). ``sandbox`` is a
-    :class:`retool.sandbox.Sandbox` to use (one is started and closed otherwise).
-    Raises ``RuntimeError`` if a snippet's output is not its answer (a generator bug).
+    (:func:`retool.protocol.system_prompt` of ``interpreter``), user, then for
+    ``stateless`` one assistant turn (plan + one ``code_interpreter`` call) and its tool
+    message, for ``stateful`` two such pairs whose second call uses the variables of the
+    first (:func:`stateful_steps`; both run in one sandbox session), and a final
+    assistant turn (the answer, ending with ``\\boxed{N}``). Tool messages are the real
+    observations of :class:`retool.sandbox.Sandbox` (``sandbox``; one is started and
+    closed otherwise). Raises ``RuntimeError`` if a snippet's output is not its answer
+    (a generator bug).
     """
+    check_interpreter(interpreter)
     draws = draw_problems(n, seed, "sft", kinds)
-    observations = _run_all([d.code for d in draws], sandbox)
-    return [_conversation(d, obs) for d, obs in zip(draws, observations)]
+    if interpreter == "stateless":
+        calls = [[(d.plan, d.code)] for d in draws]
+    else:
+        calls = [_stateful_calls(d) for d in draws]
+    observations = _run_all([[code for _, code in steps] for steps in calls], sandbox, interpreter == "stateful")
+    return [_conversation(d, steps, obs, interpreter) for d, steps, obs in zip(draws, calls, observations)]
 
 
-def _run_all(codes: list[str], sandbox: Any) -> list[str]:
+def _stateful_calls(draw: Draw) -> list[tuple[str, str]]:
+    setup, what, compute = stateful_steps(draw)
+    return [("I will put the numbers from the question into Python variables first; they stay defined "
+             "for the next call.", setup),
+            (f"Now I compute {what} from the variables already defined.", compute)]
+
+
+def _run_all(snippets: list[list[str]], sandbox: Any, stateful: bool) -> list[list[str]]:
+    """The observations of each dialogue's snippets, run in order (in one session when ``stateful``)."""
     from retool.sandbox import Sandbox, SandboxConfig
 
-    async def run(sb: Any) -> list[Any]:
-        return await asyncio.gather(*(sb.run(code, timeout_s=10.0) for code in codes))
+    async def dialogue(sb: Any, codes: list[str]) -> list[Any]:
+        if not stateful:
+            return [await sb.run(code, timeout_s=10.0) for code in codes]
+        async with sb.session() as session:
+            return [await session.run(code, timeout_s=10.0) for code in codes]
+
+    async def run(sb: Any) -> list[list[Any]]:
+        return await asyncio.gather(*(dialogue(sb, codes) for codes in snippets))
 
     if sandbox is not None:
         results = asyncio.run(run(sandbox))
     else:
         with Sandbox(SandboxConfig(timeout_s=10.0, workers=4)) as sb:
             results = asyncio.run(run(sb))
-    for code, result in zip(codes, results):
-        if not result.ok:
-            raise RuntimeError(f"generator snippet failed in the sandbox ({result.status.value}): {code!r}\n"
-                               f"{result.observation}")
-    return [r.observation for r in results]
+    for codes, outcomes in zip(snippets, results):
+        for code, result in zip(codes, outcomes):
+            if not result.ok:
+                raise RuntimeError(f"generator snippet failed in the sandbox ({result.status.value}): {code!r}\n"
+                                   f"{result.observation}")
+    return [[r.observation for r in outcomes] for outcomes in results]
 
 
-def _conversation(draw: Draw, observation: str) -> dict[str, Any]:
-    if observation.strip() != str(draw.answer):
-        raise RuntimeError(f"generator bug: {draw.code!r} printed {observation!r}, expected {draw.answer}")
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": TOOL_NAME, "arguments": json.dumps({"code": draw.code})}}
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
+def _conversation(draw: Draw, steps: list[tuple[str, str]], observations: list[str],
+                  interpreter: str) -> dict[str, Any]:
+    if observations[-1].strip() != str(draw.answer):
+        raise RuntimeError(f"generator bug: {steps[-1][1]!r} printed {observations[-1]!r}, expected {draw.answer}")
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt(interpreter)},
         {"role": "user", "content": draw.question},
-        {"role": "assistant", "content": draw.plan, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_0", "name": TOOL_NAME, "content": observation},
-        {"role": "assistant", "content": f"{draw.conclusion}\n\n\\boxed{{{draw.answer}}}"},
     ]
+    for i, ((plan, code), observation) in enumerate(zip(steps, observations)):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": TOOL_NAME, "arguments": json.dumps({"code": code})}}
+        messages += [{"role": "assistant", "content": plan, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"call_{i}", "name": TOOL_NAME, "content": observation}]
+    messages.append({"role": "assistant", "content": f"{draw.conclusion}\n\n\\boxed{{{draw.answer}}}"})
     return {"id": _problem(draw).id, "answer": str(draw.answer), "messages": messages}
 
 
@@ -335,6 +398,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kinds", default=None,
                    help=f"comma-separated problem kinds (default: the calibrated mix of {', '.join(KINDS)})")
     p.add_argument("--output", type=Path, required=True, help="the JSONL file to write")
+    p.add_argument("--interpreter", choices=INTERPRETERS, default="stateless",
+                   help="split 'sft' only: 'stateful' writes two-call dialogues whose second call uses the "
+                        "variables of the first (one interpreter session), with the stateful system prompt")
     p.set_defaults(func=_run_task_data)
 
 
@@ -343,7 +409,8 @@ def _run_task_data(args: argparse.Namespace) -> int:
     try:
         writable_folder(args.output.parent, "--output")
         if args.split == "sft":
-            rows: list[dict[str, Any]] = make_sft_conversations(args.n, args.seed, kinds=kinds)
+            rows: list[dict[str, Any]] = make_sft_conversations(args.n, args.seed, kinds=kinds,
+                                                                interpreter=args.interpreter)
         else:
             rows = [_problem_row(p) for p in make_problems(args.n, args.seed, args.split, kinds)]
     except (ValueError, UnwritableOutputError) as err:

@@ -362,7 +362,8 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
         if sandbox is not None:
             sandbox.close()
         raise
-    renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model)
+    renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model,
+                        interpreter=cfg.interpreter)
     rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))

@@ -111,6 +111,9 @@ class ExecutionResult:
     memory_baseline_bytes: int | None = field(default=None, metadata={"omit_if_none": True})
     """Address space the call inherited from the sandbox's warm parent (preloaded
     modules); the memory limit counts only what the snippet adds on top of it."""
+    state_lost: str | None = field(default=None, metadata={"omit_if_none": True})
+    """Stateful interpreter only: why the interpreter of the earlier calls ended
+    (``timeout``, ``memory``, ...) when this call had to run in a fresh one."""
 
     @property
     def ok(self) -> bool:

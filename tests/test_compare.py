@@ -63,6 +63,20 @@ def test_compare_matches_the_per_problem_counts():
     assert result.metric("used_tool").after == pytest.approx(after.summary.used_tool_rate)
     valid = result.metric("valid_tool_call_rate")
     assert 0 <= valid.before <= 1 and valid.stderr is not None and valid.stderr >= 0
+    assert result.metric("tokens").before == pytest.approx(before.summary.tokens)
+    names = result.metric("name_error_rate")
+    assert 0 <= names.before <= 1 and 0 <= names.after <= 1
+
+
+def test_name_errors_are_counted_from_the_traceback():
+    from retool.stats import is_name_error
+    from retool.types import ExecStatus, ExecutionResult
+
+    failed = ExecutionResult(ExecStatus.ERROR, stderr='Traceback (most recent call last):\n  File "call2.py", '
+                             "line 1, in <module>\nNameError: name 'x' is not defined\n")
+    assert is_name_error(failed)
+    assert not is_name_error(ExecutionResult(ExecStatus.ERROR, stderr="ZeroDivisionError: division by zero\n"))
+    assert not is_name_error(ExecutionResult(ExecStatus.OK, stderr="NameError: printed, not raised\n"))
 
 
 def test_cli_table_json_and_errors(tmp_path, capsys):
@@ -71,7 +85,8 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     assert "| accuracy |" in table and "paired s.e." in table and "valid_tool_call_rate" in table
     assert main(["compare", str(EVAL / "base.jsonl"), str(EVAL / "step-20.jsonl"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["metrics"]) == {"accuracy", "format", "used_tool", "code_calls", "valid_tool_call_rate"}
+    assert set(data["metrics"]) == {"accuracy", "format", "used_tool", "code_calls", "tokens",
+                                    "valid_tool_call_rate", "name_error_rate"}
     # a missing file and a file that is not an eval are clear errors, not tracebacks
     assert main(["compare", str(tmp_path / "nope.jsonl"), str(EVAL / "base.jsonl")]) == 1
     assert "cannot read" in capsys.readouterr().err

@@ -106,6 +106,32 @@ def test_retool_eval_writes_trajectories_and_the_summary(tmp_path):
     assert read_results(report.path).summary.to_json() == summary
 
 
+def test_stateful_eval_keeps_variables_per_trajectory_and_records_the_mode(tmp_path):
+    from tests.test_sandbox import _sandbox_uid_processes
+
+    scripts = [[hermes_call("x = 6*7", "[traj 0] "), hermes_call("print(x)", ""), "So it is \\boxed{42}."],
+               ["[traj 1] It is \\boxed{41}."]]
+    data = write_dataset(tmp_path / "set.jsonl", [42])
+    cfg = make_config(EvalConfig, dataset=str(data), val_n=2, concurrency=2, output=str(tmp_path / "out.jsonl"),
+                      interpreter="stateful")
+    tokenizer = qwen25_tokenizer()
+    model = EvalModel(tokenizer, ScriptedSampler(tokenizer, scripts), ModelChoice(model="Qwen/Qwen2.5-7B-Instruct"))
+    report = evaluate(cfg, model)
+    header, problem, _ = lines(report.path)
+    assert header["sandbox"]["interpreter"] == "stateful"
+    second = problem["samples"][0]["turns"][1]["exchange"]
+    assert second["result"]["stdout"] == "42\n" and problem["num_correct"] == 1
+    assert _sandbox_uid_processes() == []
+    from retool.replay import load_source, run_replay  # replay runs each trajectory in one session again
+
+    items, limits = load_source(report.path)
+    assert limits.interpreter == "stateful"
+    assert all(call.reproduces for call in run_replay(items, limits)) and _sandbox_uid_processes() == []
+    (tmp_path / "plain").mkdir()
+    plain = evaluate(*scripted_eval(tmp_path / "plain"))
+    assert "interpreter" not in lines(plain.path)[0]["sandbox"]  # stateless headers are as before
+
+
 def test_other_settings_refuse_to_resume_and_overwrite_starts_afresh(tmp_path):
     cfg, model = scripted_eval(tmp_path)
     evaluate(cfg, model)

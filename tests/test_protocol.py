@@ -10,6 +10,8 @@ import pytest
 
 from retool import protocol
 from retool.protocol import (
+    STATEFUL_RULE,
+    STATELESS_RULE,
     TOOL_NAME,
     TOOL_SCHEMA,
     ZERO_WIDTH_SPACE,
@@ -20,6 +22,7 @@ from retool.protocol import (
     detect_format,
     parse_assistant,
     tool_message_text,
+    tool_schema,
     truncate_tool_output,
 )
 from retool.types import ExecStatus, ExecutionResult, InvalidToolCall, ToolCall
@@ -83,6 +86,18 @@ def test_system_prompt_states_the_resource_rules():
                  "independent and stateless", "one tool call per turn", "\\boxed{<answer>}",
                  "Never call the tool and give the final answer in the same turn"):
         assert rule in text, rule
+
+
+def test_the_stateful_interpreter_is_announced_in_prompt_and_schema():
+    stateless, stateful = (build_messages("q", interpreter=mode)[0]["content"] for mode in ("stateless", "stateful"))
+    assert "independent and stateless" in stateless and "independent and stateless" not in stateful
+    assert "share one Python session" in stateful and "restarts the session" in stateful
+    assert stateless.replace(STATELESS_RULE, STATEFUL_RULE) == stateful  # only the state rule differs
+    assert tool_schema("stateless") is TOOL_SCHEMA and "stateless" in TOOL_SCHEMA["function"]["description"]
+    assert "keeps its variables" in tool_schema("stateful")["function"]["description"]
+    assert build_messages("q", tools=False, interpreter="stateful") == build_messages("q", tools=False)
+    with pytest.raises(ValueError, match="stateless, stateful"):
+        build_messages("q", interpreter="jupyter")
 
 
 def test_text_mode_prompt_does_not_mention_the_tool():

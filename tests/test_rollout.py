@@ -247,3 +247,56 @@ def test_a_slow_sandbox_call_does_not_hold_back_the_others(sandbox):
     assert all(t.num_code_calls == 3 for t in trajs)
     # A round barrier would take ≥ 2.5 + 1.5 + 1.5 = 5.5 s; independent tasks ≈ 2.5 s.
     assert elapsed < 4.5, elapsed
+
+
+# ---------------------------------------------------------------- stateful interpreter
+
+
+def stateful_rollout(tokenizer, scripts, sandbox, **kwargs):
+    renderer = Renderer(tokenizer, interpreter="stateful")
+    sampler = ScriptedSampler(tokenizer, scripts, **kwargs)
+    return Rollout(renderer, sampler, sandbox, agrade, RolloutConfig()), sampler
+
+
+def test_stateful_trajectories_keep_their_own_variables_and_close_their_sessions(sandbox):
+    from tests.test_sandbox import _sandbox_uid_processes
+
+    tok = qwen25_tokenizer()
+    scripts = [[hermes_call(f"x = {6 * i}", f"[traj {i}] "), hermes_call("print(x * 7)"), f"\\boxed{{{42 * i}}}"]
+               for i in range(3)]
+    rollout, _ = stateful_rollout(tok, scripts, sandbox)
+    trajectories = run_group(rollout, 3)
+    for i, traj in enumerate(trajectories):
+        assert traj.turns[1].exchange.result.stdout == f"{42 * i}\n"
+    prompt = tok.decode(list(trajectories[0].tokens_T[:trajectories[0].prompt_len]))
+    assert "share one Python session" in prompt and "keeps its variables" in prompt
+    assert _sandbox_uid_processes() == []
+
+    stateless = make_rollout(tok, scripts[:1], sandbox)[0]
+    traj = run_group(stateless, 1)[0]
+    assert "NameError" in traj.turns[1].exchange.response
+    assert rollout_metrics([traj])["rollout/name_error_rate"] == 0.5
+    assert rollout_metrics(trajectories)["rollout/name_error_rate"] == 0.0
+    assert "independent and stateless" in tok.decode(list(traj.tokens_T[:traj.prompt_len]))
+
+
+def test_a_cancelled_stateful_group_leaves_no_process(sandbox):
+    from tests.test_sandbox import _sandbox_uid_processes
+
+    tok = qwen25_tokenizer()
+    scripts = [[hermes_call("x = 1", f"[traj {i}] "), hermes_call("print(x)"), "\\boxed{1}"] for i in range(4)]
+    rollout, _ = stateful_rollout(tok, scripts, sandbox, delay_s=0.5)
+
+    async def main():
+        task = asyncio.create_task(rollout.group(PROBLEM, 4))
+        await asyncio.sleep(1.2)  # after the first calls, while the second turns are sampled
+        assert len(_sandbox_uid_processes()) == 4
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 3
+    while _sandbox_uid_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_uid_processes() == []

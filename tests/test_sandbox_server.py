@@ -585,3 +585,97 @@ def test_cli_serve_starts_answers_and_shuts_down_on_sigterm(tmp_path):
             proc.wait()
     assert proc.returncode == 0 and "shutting down" in out
     assert "sandbox closed" in log_path.read_text()
+
+
+# ---------------------------------------------------------------- stateful sessions
+
+
+@pytest.fixture(scope="module")
+def session_server():
+    """A server with a small session bound and a short idle timeout."""
+    from retool.sandbox import SandboxConfig
+
+    config = ServerConfig(port=0, max_sessions=2, session_idle_s=1.0,
+                          sandbox=SandboxConfig(workers=2, timeout_s=5, preload=("math",)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
+        with BackgroundServer(config) as running:
+            yield running
+
+
+def _run_in(server, session_id: str, code: str, **fields) -> dict:
+    return requests.post(server.url + "/run_code", json={"code": code, "language": "python", "auto_print": True,
+                                                         "session_id": session_id, **fields}, timeout=30).json()
+
+
+def test_server_sessions_keep_state_expire_and_are_bounded(session_server):
+    url = session_server.url
+    first = requests.post(url + "/sessions", timeout=10).json()
+    assert first["idle_timeout_s"] == 1.0
+    assert _run_in(session_server, first["session_id"], "x = 41")["status"] == "Success"
+    assert _run_in(session_server, first["session_id"], "x + 1")["run_result"]["stdout"] == "42\n"
+    plain = requests.post(url + "/run_code", json={"code": "print(x)", "language": "python"}, timeout=30).json()
+    assert "NameError" in plain["run_result"]["stderr"]  # without session_id: stateless as before
+
+    second = requests.post(url + "/sessions", timeout=10).json()["session_id"]
+    third = requests.post(url + "/sessions", timeout=10)
+    assert third.status_code == 429 and "too many open sessions (this server's limit is 2)" in third.json()["detail"]
+    refused = requests.post(url + "/run_code", json={"code": "1", "language": "python", "session_id": second,
+                                                     "stdin": "x"}, timeout=10)
+    assert refused.status_code == 422 and "no stdin, files or fetch_files" in refused.text
+    assert requests.delete(f"{url}/sessions/{second}", timeout=10).json() == {"closed": True}
+    assert requests.delete(f"{url}/sessions/{second}", timeout=10).status_code == 404
+
+    timeout = _run_in(session_server, first["session_id"], "while True: pass", run_timeout=0.5)
+    assert timeout["run_result"]["status"] == "TimeLimitExceeded"
+    lost = _run_in(session_server, first["session_id"], "x")
+    assert lost["retool"]["state_lost"] == "timeout" and "NameError" in lost["run_result"]["stderr"]
+
+    time.sleep(2.5)  # idle for longer than session_idle_s: expired
+    gone = requests.post(url + "/run_code", json={"code": "1", "language": "python",
+                                                  "session_id": first["session_id"]}, timeout=10)
+    assert gone.status_code == 404 and "no open session" in gone.json()["detail"]
+    metrics = requests.get(url + "/metrics", timeout=10).json()
+    assert metrics["server/sessions_open"] == 0 and metrics["server/sessions_expired"] >= 1
+
+
+def test_our_client_runs_a_remote_session(session_server):
+    async def main():
+        async with SandboxClient(session_server.url) as client:
+            async with client.session() as session:
+                await session.run("import math\nr = math.isqrt(10**6)")
+                return (await session.run("r + 1")).stdout
+
+    assert asyncio.run(main()) == "1001\n"
+
+
+def test_cli_run_stateful_files_share_one_interpreter(session_server, tmp_path, capsys):
+    first, second = tmp_path / "a.py", tmp_path / "b.py"
+    first.write_text("x = 6\n")
+    second.write_text("print(x * 7)\n")
+    assert _cli("sandbox", "run", str(first), str(second), "--interpreter", "stateful") == 0
+    assert [r["stdout"] for r in json.loads(capsys.readouterr().out)] == ["", "42\n"]
+    assert _cli("sandbox", "run", str(first), str(second), "--interpreter", "stateful",
+                "--endpoint", session_server.url) == 0
+    assert [r["stdout"] for r in json.loads(capsys.readouterr().out)] == ["", "42\n"]
+    assert _cli("sandbox", "run", str(first), str(second)) == 1  # stateless: b.py has no x
+    assert "NameError" in json.loads(capsys.readouterr().out)[1]["stderr"]
+    assert _cli("sandbox", "run", str(first), "--interpreter", "stateful", "--fetch", "x") == 2
+    assert "takes no --stdin-file, --put or --fetch" in capsys.readouterr().err
+
+
+def test_cli_interpreter_flags_are_wired(capsys):
+    from retool.cli import build_parser
+    from retool.config import config_from_args
+    from retool.evaluate import EvalConfig
+    from retool.train import TrainConfig
+
+    parser = build_parser()
+    assert config_from_args(TrainConfig, parser.parse_args(["train"])).interpreter == "stateless"
+    assert config_from_args(TrainConfig, parser.parse_args(["train", "--interpreter", "stateful"])).interpreter \
+        == "stateful"
+    assert config_from_args(EvalConfig, parser.parse_args(["eval", "--interpreter", "stateful"])).interpreter \
+        == "stateful"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--interpreter", "jupyter"])
+    assert "invalid choice: 'jupyter'" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 
 from retool import tasks
 from retool.data import load_problems
-from retool.protocol import SYSTEM_PROMPT, TOOL_NAME
+from retool.protocol import STATEFUL_SYSTEM_PROMPT, SYSTEM_PROMPT, TOOL_NAME
 from retool.reward import boxed, grade
 from retool.sandbox import Sandbox, SandboxConfig
 from retool.sft import parse_dialogue
@@ -120,7 +120,36 @@ def test_a_generator_bug_is_caught_by_the_sandbox_check():
     draw = tasks.draw_problems(1, 0, "sft", kinds=["product"])[0]
     wrong = tasks.Draw(**{**draw.__dict__, "answer": draw.answer + 1})
     with pytest.raises(RuntimeError, match="generator bug"):
-        tasks._conversation(wrong, f"{draw.answer}\n")
+        tasks._conversation(wrong, [(draw.plan, draw.code)], [f"{draw.answer}\n"], "stateless")
+
+
+def test_stateful_dialogues_reuse_variables_and_record_real_outputs(sandbox):
+    rows = tasks.make_sft_conversations(len(tasks.KINDS) * 3, seed=7, sandbox=sandbox, interpreter="stateful")
+    kinds = set()
+    for row in rows:
+        kinds.add(row["id"].split("-")[1])
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+        assert row["messages"][0]["content"] == STATEFUL_SYSTEM_PROMPT
+        setup, compute = (json.loads(row["messages"][i]["tool_calls"][0]["function"]["arguments"])["code"]
+                          for i in (2, 4))
+        with sandbox.session() as session:  # the recorded outputs are what a session prints
+            assert [session.run_sync(setup).observation, session.run_sync(compute).observation] == \
+                [row["messages"][3]["content"], row["messages"][5]["content"]]
+        assert row["messages"][5]["content"].strip() == row["answer"]
+        alone = sandbox.run_sync(compute)  # the second call relies on the first's variables
+        assert alone.status.value == "error" and "NameError" in alone.observation
+        assert [t.code for t in parse_dialogue(row).turns if t.code] == [setup, compute]
+    assert len(kinds) >= 6
+
+
+def test_cli_writes_stateful_dialogues(tmp_path):
+    from retool.cli import main
+
+    out = tmp_path / "sft.jsonl"
+    assert main(["task-data", "--n", "2", "--interpreter", "stateful", "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(len(r["messages"]) == 7 for r in rows)
 
 
 def test_cli_writes_dialogues_and_loadable_problems(tmp_path, capsys):

@@ -64,6 +64,7 @@ def test_command_writes_the_launch_folder(tmp_path, capsys):
     (["--gpus-per-node", "8", "--tensor-parallel", "3"], "divide"),
     (["--val-top-p", "0"], "val_top_p"),
     (["--temperature", "0"], "temperature must be > 0"),
+    (["--interpreter", "stateful"], "stateless interpreter only"),
 ])
 def test_settings_verl_would_run_differently_are_refused(tmp_path, capsys, flags, message):
     assert main(["verl-config", "--train-data", tiny_train(tmp_path), "--out", str(tmp_path / "o"), *flags]) == 2

@@ -8,11 +8,15 @@ difficulty of each problem, which both evals share, cancels). A difference large
 two standard errors is flagged as significant.
 
 Per-problem metrics (paired s.e.): accuracy (Average@k), format (boxed answers), used
-the tool (share of samples with at least one executed call), code calls per sample.
-Pooled metric: valid tool-call rate (calls that parsed and named the tool, over all call
+the tool (share of samples with at least one executed call), code calls per sample,
+tokens per sample (whole context, prompt included).
+Pooled metrics: valid tool-call rate (calls that parsed and named the tool, over all call
 attempts), as the training metric ``rollout/valid_tool_call_rate`` defines it (both read
-:class:`retool.stats.TrajectoryStats`), with a paired, problem-clustered s.e.
-(:func:`retool.stats.paired_ratio_difference`; none when a side made no call attempt).
+:class:`retool.stats.TrajectoryStats`), and the NameError rate (executed calls that
+failed with ``NameError`` — e.g. code relying on an earlier call's variables under the
+stateless interpreter — over executed calls, ``rollout/name_error_rate``), each with a
+paired, problem-clustered s.e. (:func:`retool.stats.paired_ratio_difference`; none when
+a side has no denominator).
 
 Two evals of different problem sets (another dataset fingerprint, a problem whose question
 or answer differs, or, between two finished evals, a problem only one has) or with different
@@ -36,7 +40,7 @@ from retool.results import COMPARED_SETTINGS, EvalResults, ProblemResult
 from retool.stats import TrajectoryStats, paired_difference, paired_ratio_difference, trajectory_stats
 
 PAIRED_METRICS = {"accuracy": "correct_rate", "format": "format_rate", "used_tool": "used_tool_rate",
-                  "code_calls": "code_calls_mean"}
+                  "code_calls": "code_calls_mean", "tokens": "tokens_mean"}
 """Per-problem metric → the :class:`~retool.stats.TrajectoryStats` figure it compares."""
 
 
@@ -96,6 +100,7 @@ def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
     stats_after = [_stats(problems_after[pid]) for pid in common]
     metrics = [_paired(name, figure, stats_before, stats_after) for name, figure in PAIRED_METRICS.items()]
     metrics.append(_valid_tool_call_rate(stats_before, stats_after))
+    metrics.append(_name_error_rate(stats_before, stats_after))
     return Comparison(Path(before_path), Path(after_path), len(common), len(problems_before) - len(common),
                       len(problems_after) - len(common), tuple(metrics),
                       tuple(before.header.changed(after.header, COMPARED_SETTINGS)))
@@ -156,12 +161,27 @@ def _valid_tool_call_rate(before: list[TrajectoryStats], after: list[TrajectoryS
     return MetricComparison("valid_tool_call_rate", rates[0], rates[1], stderr)
 
 
+def _name_error_rate(before: list[TrajectoryStats], after: list[TrajectoryStats]) -> MetricComparison:
+    """Pooled over every executed call, as the training metric ``rollout/name_error_rate``."""
+    rates = [sum(side, TrajectoryStats()).name_error_rate for side in (before, after)]
+    try:
+        _, stderr = paired_ratio_difference([(s.name_error_calls, s.code_calls) for s in before],
+                                            [(s.name_error_calls, s.code_calls) for s in after])
+    except ValueError:  # a side ran no code
+        stderr = None
+    return MetricComparison("name_error_rate", rates[0], rates[1], stderr)
+
+
+COUNT_METRICS = ("code_calls", "tokens")
+"""Metrics shown as numbers (the others are shares, shown in %)."""
+
+
 def format_table(result: Comparison) -> str:
     """A Markdown table of the comparison (pasteable into docs)."""
     lines = ["| metric | before | after | difference | paired s.e. | z | > 2 s.e. |",
              "|---|---|---|---|---|---|---|"]
     for m in result.metrics:
-        pct = m.name != "code_calls"
+        pct = m.name not in COUNT_METRICS
         fmt = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: f"{x:.2f}")
         diff = f"{100 * m.difference:+.1f} pts" if pct else f"{m.difference:+.2f}"
         se = "—" if m.stderr is None else (f"{100 * m.stderr:.1f} pts" if pct else f"{m.stderr:.2f}")

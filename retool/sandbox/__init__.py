@@ -22,6 +22,28 @@ The modules in ``preload`` are already imported (faster; ``sys.modules`` shows t
 sympy), so 512 MB lets a snippet allocate ~510 MB, as ``python main.py`` under
 ``ulimit -v 512M`` can allocate ~490 MB. Timeouts are bounded (``MAX_TIMEOUT_S``, 3600 s).
 
+Stateful interpreter (opt-in; ``--interpreter stateful``)::
+
+    async with sb.session() as s:             # one per trajectory
+        await s.run("x = sympy.factorint(360)")
+        (await s.run("len(x)")).stdout          # '3\n': the globals carry over
+
+A session is one interpreter forked from the warm parent exactly as a call's runner is
+(same namespaces, its own unprivileged uid, rlimits, scrubbed environment, output caps),
+started at its first call; its calls run one after the other in the same globals, each
+as the file ``call<n>.py``. Limits are per call, never summed: before each call the
+interpreter's soft CPU limit is its CPU time so far + the call's allowance and its
+address-space limit its size now + ``memory_mb`` (under a hard cap for the whole
+session, ``session_memory_mb``); the wall-clock timeout and output caps are the warm
+parent's, per call. The interpreter is pid 1 of its own PID namespace: after each call it
+kills every other process there (whatever the call started and left running, setsid and
+double forks included), and when it dies the kernel kills them all. A call that times out,
+exceeds memory (``MemoryError``), floods output or ends the process ends the interpreter;
+the session's next call gets a fresh one and its observation begins with a note that the
+state was lost (``ExecutionResult.state_lost``). Closing the session (also on errors and
+cancellation: ``async with``/``aclose``) kills the interpreter and waits until its
+processes are gone. ``SandboxConfig.max_sessions`` bounds the interpreters alive at once.
+
 Threat model (Linux; what ``ExecutionResult.isolation`` lists is what was in force):
 
 The snippet is untrusted code written by a model being trained: it may be buggy or
@@ -51,6 +73,10 @@ Not isolated / known limits:
 
 - Concurrent calls share the network namespace (abstract Unix sockets could pass data
   between two calls running at the same time) and the scratch tmpfs's capacity.
+- Each call's process (and each session's interpreter) is a fork of the warm parent, so the
+  parent's memory at that moment is in it: references to other calls' and sessions' code,
+  requests and output read so far are dropped in the child, but their bytes may remain in
+  freed memory, readable by code that scans its own memory (ctypes).
 - CPU time and disk bandwidth are not shared fairly; a call can slow its neighbours.
 - The kernel is shared: a kernel exploit escapes everything here (no seccomp, no VM).
 - Without root or unprivileged user namespaces (some containers), and on non-Linux
@@ -63,6 +89,15 @@ Not isolated / known limits:
   path. Non-Linux systems are not supported beyond that.
 - The process ends with ``os._exit`` after the interpreter-like shutdown above: objects'
   finalizers (``__del__``) that only module teardown would call do not run.
+- Sessions: the snippet shares its process with the session's call loop, so hostile code
+  can subvert that loop — raise its own soft limits up to the hard ones (the wall-clock
+  timeout and output caps, enforced by the warm parent, still hold), keep a daemon thread
+  running between calls, or make the parent think a call ended early. It can only spoil
+  its own session: another session or call, the trainer and the warm parent stay out of
+  reach, and everything of the session dies when it is closed. Files a session's calls
+  write stay in its directory until the session ends. Session calls take no ``stdin``,
+  ``files`` or ``fetch_files``. Without a PID namespace (degraded isolation) processes a
+  call leaves running live until the session ends, not the call.
 """
 
 from retool.sandbox.executor import (

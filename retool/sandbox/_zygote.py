@@ -281,6 +281,33 @@ class Call:
         self.deadline = self.started + req["timeout_s"]
         self.killed: str | None = None  # "timeout" / "output_limit" / "cancelled"
         self.done = False  # answered and cleaned up
+        self.session: Session | None = None  # the stateful interpreter it runs in, if any
+        self.fresh = True  # runs in an interpreter started for it (always, without a session)
+        self.state_lost: str | None = None  # why the session's previous interpreter ended
+        self.baseline: int | None = None  # address space the call started from (sessions)
+        self.cpu_before = 0.0  # interpreter CPU seconds before the call (sessions)
+
+
+class Session:
+    """The zygote's bookkeeping for one stateful interpreter: a long-lived process, forked
+    like a call's runner (same namespaces, uid, limits), that keeps its globals across the
+    calls sent to it. Its uid is its own (``uid_base + workers + slot``)."""
+
+    def __init__(self, sid: str, slot: int, uid: int):
+        self.id = sid
+        self.slot = slot
+        self.uid = uid
+        self.pid = 0  # the interpreter (pid 1 of its own PID namespace); 0 while there is none
+        self.pidfd: int | None = None
+        self.dir = ""
+        self.fds: dict[str, int] = {}  # stdout, stderr, info (read ends) and control (write end)
+        self.info = bytearray()  # an info line not yet complete
+        self.outbuf = bytearray()  # request bytes not yet written to control
+        self.call: Call | None = None
+        self.calls = 0  # calls sent to the current interpreter
+        self.lost: str | None = None  # why the previous interpreter ended, until a call reports it
+        self.generation = 0  # which interpreter of the session an event belongs to
+        self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
 
 
 class Zygote:
@@ -296,6 +323,8 @@ class Zygote:
         self.queue: collections.deque[dict] = collections.deque()
         self.calls: dict[str, Call] = {}
         self.free_slots = list(range(cfg["workers"]))
+        self.sessions: dict[str, Session] = {}
+        self.free_session_slots = list(range(cfg.get("max_sessions", 0)))
         self.inbuf = bytearray()
         self.pidns_fd: int | None = None
         self.root = os.geteuid() == 0 and "userns" not in isolation
@@ -325,6 +354,8 @@ class Zygote:
                 if kind == "control":
                     if not self._read_control():
                         return self._shutdown()
+                elif kind == "session":
+                    self._on_session_event(*call)
                 elif call.done:
                     continue  # stale: the call finished earlier in this batch (its fds may be reused)
                 elif kind == "exit":
@@ -333,6 +364,15 @@ class Zygote:
                     self._guarded(call, lambda c=call, k=kind: self._on_output(c, k))
             self._poll_without_pidfd()
             self._enforce_deadlines()
+
+    def forget_other_work(self) -> None:
+        """In a freshly forked call or session process: drop this copy's references to the
+        warm parent's other calls and sessions (their code, queued requests, output read so
+        far), so that code cannot reach them through Python objects. The bytes may stay in
+        freed memory (readable with ctypes): see "Not isolated" in :mod:`retool.sandbox`."""
+        self.calls, self.sessions, self.queue = {}, {}, collections.deque()
+        self.inbuf = bytearray()
+        self.sel = None
 
     def _guarded(self, call: Call, handle) -> None:
         """Run one event handler; a bug in it fails that call (sandbox_error), not the zygote."""
@@ -412,6 +452,8 @@ class Zygote:
     def _on_request(self, req: dict) -> None:
         if req.get("op") == "cancel":
             return self._cancel(req["id"])
+        if req.get("op") == "close_session":
+            return self._close_session(req)
         self.queue.append(req)
         self._start_queued()
 
@@ -424,18 +466,40 @@ class Zygote:
             self._kill(self.calls[call_id], "cancelled")
 
     def _start_queued(self) -> None:
-        while self.queue and self.free_slots:
+        """Start queued calls, in order, while fewer than ``workers`` run. A session's call
+        waits while that session runs another one, or while no session slot is free."""
+        waiting: collections.deque[dict] = collections.deque()
+        while self.queue:
             req = self.queue.popleft()
-            slot = self.free_slots.pop(0)
+            if len(self.calls) >= self.cfg["workers"] or not self._can_start(req):
+                waiting.append(req)
+                continue
             try:
-                self._spawn(req, slot)
+                if req.get("session") is None:
+                    slot = self.free_slots.pop(0)
+                    try:
+                        self._spawn(req, slot)
+                    except BaseException:
+                        self.free_slots.append(slot)
+                        raise
+                else:
+                    self._start_session_call(req)
             except Exception as exc:  # the call is answered as sandbox_error, the zygote lives on
-                self.free_slots.append(slot)
                 self._reply({"op": "result", "id": req["id"], "sandbox_error": f"{type(exc).__name__}: {exc}"})
+        self.queue = waiting
+
+    def _can_start(self, req: dict) -> bool:
+        sid = req.get("session")
+        if sid is None:
+            return True
+        session = self.sessions.get(sid)
+        return session.call is None if session is not None else bool(self.free_session_slots)
 
     def _shutdown(self) -> None:
         for call in list(self.calls.values()):
             self._kill(call, "cancelled")
+        for session in list(self.sessions.values()):
+            self._end_interpreter(session, "closed")
 
     # ---- starting a call
 
@@ -521,7 +585,7 @@ class Zygote:
     def _next_timeout(self) -> float | None:
         deadlines = [c.deadline for c in self.calls.values() if not c.killed]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-        if self.calls and not hasattr(os, "pidfd_open"):
+        if (self.calls or self.sessions) and not hasattr(os, "pidfd_open"):
             timeout = 0.005 if timeout is None else min(timeout, 0.005)  # poll for exits
         return timeout
 
@@ -542,10 +606,14 @@ class Zygote:
     def _poll_without_pidfd(self) -> None:
         if hasattr(os, "pidfd_open"):
             return
-        for call in list(self.calls.values()):
+        for call in [c for c in self.calls.values() if c.session is None]:
             pid, status, usage = os.wait4(call.pid, os.WNOHANG)
             if pid:
                 self._on_exit(call, (status, usage))
+        for session in [s for s in self.sessions.values() if s.pid]:
+            pid, status, usage = os.wait4(session.pid, os.WNOHANG)
+            if pid:
+                self._on_session_exit(session, (status, usage))
 
     def _on_exit(self, call: Call, waited: tuple | None = None) -> None:
         status, usage = waited or os.wait4(call.pid, 0)[1:]
@@ -598,6 +666,253 @@ class Zygote:
         self.calls.pop(call.id, None)
         self.free_slots.append(call.slot)
 
+    # ---- sessions: one stateful interpreter per session id
+
+    def _start_session_call(self, req: dict) -> None:
+        """Send a call to its session's interpreter, starting one (and the session) if needed."""
+        session = self.sessions.get(req["session"])
+        if session is None:
+            slot = self.free_session_slots.pop(0)
+            uid = self.cfg["uid_base"] + self.cfg["workers"] + slot if self.root else os.geteuid()
+            session = self.sessions[req["session"]] = Session(req["session"], slot, uid)
+        fresh = not session.pid
+        if fresh:
+            self._start_interpreter(session, req)
+        call = Call(req, session.slot, session.dir)
+        call.session, call.pid, call.fresh = session, session.pid, fresh
+        call.init_pid = session.pid if self.pidns_fd is not None else 0  # killing it kills its namespace
+        call.state_lost, session.lost = session.lost or req.get("state_lost"), None
+        call.cpu_before = float(session.reported.get("cpu_total", 0.0))
+        session.calls += 1
+        session.call = self.calls[call.id] = call
+        request = {"id": call.id, "code": req["code"], "auto_print": req.get("auto_print", True),
+                   "n": session.calls, "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}
+        session.outbuf += (json.dumps(request) + "\n").encode()
+        self._flush_control(session)
+        self._reply({"op": "started", "id": call.id})
+
+    def _start_interpreter(self, session: Session, req: dict) -> None:
+        """Fork the session's interpreter as pid 1 of a fresh PID namespace (so that it can
+        kill every other process of its session, and its death kills them all)."""
+        session.dir = tempfile.mkdtemp(prefix=f"session-{session.slot}-", dir=self.base)
+        child_fds: dict[str, int] = {}
+        try:
+            _prepare_directory(session.dir, {}, session.uid, "")
+            child_fds, session.fds = _make_pipes(None)
+            child_fds["control"], session.fds["control"] = os.pipe()
+            if self.pidns_fd is not None:
+                unshare(CLONE_NEWPID)
+            try:
+                session.pid = os.fork()
+                if session.pid == 0:
+                    try:
+                        run_session(self, session, child_fds, req)
+                    finally:
+                        os._exit(EXIT_SETUP_FAILED)
+            finally:
+                if self.pidns_fd is not None:
+                    setns(self.pidns_fd, CLONE_NEWPID)
+        except BaseException:
+            self._end_interpreter(session, "sandbox_error")
+            raise
+        finally:
+            for fd in child_fds.values():
+                os.close(fd)
+        session.calls, session.reported, session.info = 0, {}, bytearray()
+        session.generation += 1
+        for name in ("stdout", "stderr", "info"):
+            os.set_blocking(session.fds[name], False)
+            self.sel.register(session.fds[name], selectors.EVENT_READ, self._event(session, name))
+        os.set_blocking(session.fds["control"], False)
+        if hasattr(os, "pidfd_open"):
+            session.pidfd = os.pidfd_open(session.pid)
+            self.sel.register(session.pidfd, selectors.EVENT_READ, self._event(session, "exit"))
+
+    @staticmethod
+    def _event(session: Session, name: str) -> tuple:
+        return "session", (name, session, session.generation)
+
+    def _flush_control(self, session: Session) -> None:
+        """Write what is pending to the interpreter's control pipe without blocking; the
+        rest waits for the pipe to drain (a busy interpreter cannot stall the zygote)."""
+        fd = session.fds.get("control")
+        while session.outbuf and fd is not None:
+            try:
+                written = os.write(fd, session.outbuf)
+            except BlockingIOError:
+                break
+            except OSError:  # the interpreter is gone: its exit event ends the call
+                session.outbuf.clear()
+                break
+            del session.outbuf[:written]
+        key = self.sel.get_map().get(fd) if fd is not None else None
+        if session.outbuf and key is None:
+            self.sel.register(fd, selectors.EVENT_WRITE, self._event(session, "control"))
+        elif not session.outbuf and key is not None:
+            self.sel.unregister(fd)
+
+    def _on_session_event(self, name: str, session: Session, generation: int) -> None:
+        """One event of a session's interpreter; a bug here ends that interpreter, not the zygote.
+        Events of an interpreter that has ended (earlier in the same batch) are stale: dropped."""
+        if generation != session.generation or not session.pid:
+            return
+        try:
+            if name == "exit":
+                self._on_session_exit(session)
+            elif name == "control":
+                self._flush_control(session)
+            elif name == "info":
+                self._on_session_info(session)
+            else:
+                self._on_session_output(session, name)
+        except Exception:
+            call = session.call
+            self._end_interpreter(session, "sandbox_error")
+            if call is not None:
+                self._reply({"op": "result", "id": call.id, "sandbox_error": traceback.format_exc()[-2000:]})
+            self._start_queued()
+
+    def _on_session_output(self, session: Session, name: str) -> None:
+        chunk = _read(session.fds[name])
+        call = session.call
+        if not chunk:  # closed (by the code, or at exit): stop watching it
+            self.sel.unregister(session.fds[name])
+            return
+        if call is None:  # output between calls (a daemon thread) is dropped
+            return
+        buf = call.bufs[name]
+        buf += chunk[:max(self._cap(name) - len(buf), 0)]
+        if len(buf) >= self._cap(name):
+            self._kill(call, "output_limit")
+
+    def _on_session_info(self, session: Session) -> None:
+        chunk = _read(session.fds["info"])
+        if not chunk:
+            self.sel.unregister(session.fds["info"])
+            return
+        session.info += chunk
+        while (end := session.info.find(b"\n")) >= 0:
+            line, session.info = bytes(session.info[:end + 1]), session.info[end + 1:]
+            call = session.call
+            msg = _parse_json_lines(bytearray(line))
+            if call is not None and msg.get("done") == call.id:
+                session.reported = msg
+                self._finish_session_call(session, call, msg)
+            elif call is not None and len(call.bufs["info"]) < self._cap("info"):
+                call.bufs["info"] += line
+        if len(session.info) > self._cap("info"):  # no end of line in sight: not our loop talking
+            if session.call is not None:
+                self._kill(session.call, "output_limit")
+            else:
+                self._end_interpreter(session, "exited")
+
+    def _finish_session_call(self, session: Session, call: Call, done: dict) -> None:
+        """The interpreter says the call ended (and has killed what the call left running)."""
+        for name in ("stdout", "stderr"):
+            cap = self._cap(name)
+            while len(call.bufs[name]) < cap and (chunk := _read(session.fds[name])):
+                call.bufs[name] += chunk[:cap - len(call.bufs[name])]
+        info = _parse_json_lines(call.bufs["info"])
+        call.baseline = done.get("baseline")
+        reply = self._session_result(call, {
+            "exit_code": done.get("exit_code"), "signal": None,
+            "setup_failed": call.fresh and not info.get("ready"),
+            "cpu_s": done.get("cpu", 0.0), "peak_rss_bytes": done.get("peak_rss"),
+        })
+        session.call = None
+        self.calls.pop(call.id, None)
+        call.done = True
+        ended = call.killed or ("memory" if info.get("exc_type") == "MemoryError" else None)
+        if ended:  # killed as it ended, or out of memory (its state may be half-built): start afresh
+            self._end_interpreter(session, ended)
+            reply["ended_interpreter"] = ended
+        self._reply(reply)
+        self._start_queued()
+
+    def _session_result(self, call: Call, fields: dict) -> dict:
+        info = _parse_json_lines(call.bufs["info"])
+        baseline = call.baseline or info.get("memory_baseline_bytes")
+        return {
+            "op": "result", "id": call.id, "session": call.session.id,
+            "stdout": _b64(call.bufs["stdout"]), "stderr": _b64(call.bufs["stderr"]),
+            "killed": call.killed, "exc_type": info.get("exc_type"), "short_tb": info.get("short_tb"),
+            "memory_baseline_bytes": baseline, "wall_s": time.monotonic() - call.started,
+            "isolation": self.isolation, "files": {}, "state_lost": call.state_lost,
+            **fields,
+        }
+
+    def _on_session_exit(self, session: Session, waited: tuple | None = None) -> None:
+        """The interpreter died (killed for a limit, crashed, or the code ended it)."""
+        status, usage = waited or os.wait4(session.pid, 0)[1:]
+        if self.pidns_fd is None:  # no namespace died with it: its process group may live on
+            _kill_tree_of(session.pid, namespace=False)
+        session.pid = 0  # reaped: never signal that pid again
+        call = session.call
+        if call is None:
+            return self._end_interpreter(session, "exited")
+        for name, fd in session.fds.items():  # every writer is dead: read to the end
+            if name in ("stdout", "stderr", "info"):
+                os.set_blocking(fd, True)
+                while len(call.bufs[name]) < self._cap(name) and (chunk := _read(fd)):
+                    call.bufs[name] += chunk[:self._cap(name) - len(call.bufs[name])]
+        call.bufs["info"] += session.info
+        info = _parse_json_lines(call.bufs["info"])
+        code, sig = _split_status(status)
+        if call.killed and sig == signal.SIGKILL:
+            sig = None  # our own kill, reported as the reason instead
+        reply = self._session_result(call, {
+            "exit_code": code, "signal": sig,
+            "setup_failed": info.get("setup_error") or (call.fresh and not call.killed and not info.get("ready")),
+            "cpu_s": max(usage.ru_utime + usage.ru_stime - call.cpu_before, 0.0),
+            "peak_rss_bytes": usage.ru_maxrss * 1024,
+        })
+        reason = call.killed or ("cpu_time" if sig == signal.SIGXCPU else "exited")
+        reply["ended_interpreter"] = reason
+        session.call = None
+        self.calls.pop(call.id, None)
+        call.done = True
+        self._end_interpreter(session, reason)
+        self._reply(reply)
+        self._start_queued()
+
+    def _end_interpreter(self, session: Session, reason: str) -> None:
+        """Kill the session's interpreter and everything it started, wait until they are
+        gone, remove its directory; the session's next call starts a fresh one."""
+        if session.pid:
+            _kill_tree_of(session.pid, namespace=self.pidns_fd is not None)
+            _reap(session.pid)
+            session.pid = 0
+        for fd in [*session.fds.values(), *([session.pidfd] if session.pidfd is not None else [])]:
+            try:
+                self.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
+        session.fds, session.pidfd = {}, None
+        session.outbuf.clear()
+        if session.dir:
+            shutil.rmtree(session.dir, ignore_errors=True)
+            session.dir = ""
+        session.lost = reason
+
+    def _close_session(self, req: dict) -> None:
+        """End a session for good: its interpreter, its queued and running calls, its slot."""
+        session = self.sessions.pop(req["session"], None)
+        for queued in [r for r in self.queue if r.get("session") == req["session"]]:
+            self.queue.remove(queued)
+            self._reply({"op": "result", "id": queued["id"], "sandbox_error": "the session was closed"})
+        if session is not None:
+            call = session.call
+            if call is not None:
+                session.call = None
+                self.calls.pop(call.id, None)
+                call.done = True
+                self._reply({"op": "result", "id": call.id, "sandbox_error": "the session was closed"})
+            self._end_interpreter(session, "closed")
+            self.free_session_slots.append(session.slot)
+        self._reply({"op": "result", "id": req["id"], "closed": True})
+        self._start_queued()
+
 
 def _kill_tree(call: Call) -> None:
     """SIGKILL the call's namespace init (the kernel then kills all in it), else its group."""
@@ -608,6 +923,16 @@ def _kill_tree(call: Call) -> None:
                 os.kill(target, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _kill_tree_of(pid: int, namespace: bool) -> None:
+    """SIGKILL a session's interpreter: pid 1 of its namespace (the kernel kills the rest),
+    else the leader of its process group (the group too)."""
+    for target in ([pid] if namespace else [-pid, pid]):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _read(fd: int) -> bytes:
@@ -709,6 +1034,7 @@ def _fetch_files(directory: str, names: list[str], max_bytes: int) -> dict[str, 
 def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int) -> None:
     """The runner: private mounts, limits, privilege drop, fresh state, then the code."""
     try:
+        zygote.forget_other_work()
         _layout_fds(child_fds)
         os.setsid()
         if sys.platform.startswith("linux"):
@@ -732,6 +1058,104 @@ def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int)
     code = execute(call.req["code"], namespace, zygote.cfg["traceback_frames"], script,
                    call.req.get("auto_print", True))
     os._exit(code)
+
+
+def run_session(zygote: Zygote, session: Session, child_fds: dict[str, int], req: dict) -> None:
+    """A session's interpreter: isolated and limited exactly as a call's runner (the
+    first call's limits; the zygote re-sets them before every later call), then a loop
+    that runs each call sent on fd 4 in the same globals."""
+    try:
+        zygote.forget_other_work()
+        session.outbuf, session.call = bytearray(), None
+        _layout_fds(child_fds, SESSION_FDS)
+        os.setsid()
+        if sys.platform.startswith("linux"):
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        workdir = session.dir
+        if zygote.private_mounts:
+            _private_mounts(session.dir, zygote.work_dir)
+            workdir = zygote.work_dir or session.dir
+        os.chdir(workdir)
+        baseline = _address_space_bytes()
+        limited = "rlimits" not in zygote.skip
+        if limited:
+            _apply_limits(req, zygote.cfg, baseline, session_cap=baseline + zygote.cfg["session_memory_mb"] * (1 << 20))
+        if "privilege_drop" not in zygote.skip:
+            _drop_privileges(session.uid, zygote.root)
+        namespace = _fresh_interpreter_state(workdir, zygote.env)
+    except BaseException:  # never run code half-isolated
+        _report(3, {"setup_error": traceback.format_exc()[-3000:]})
+        os._exit(EXIT_SETUP_FAILED)
+    _report(3, {"ready": True, "memory_baseline_bytes": baseline})
+    serve_session(namespace, zygote.cfg["traceback_frames"], workdir, limited)
+
+
+def serve_session(namespace: dict, frames: int, workdir: str, limited: bool = True) -> None:
+    """Run the calls that arrive on fd 4 (one JSON line each) in ``namespace``, one after
+    the other; after each, kill what it left running and say so on fd 3. Ends at EOF.
+
+    Before each call the soft limits are set from where the interpreter stands, so they
+    are per call: CPU time used so far + the call's allowance, address space now + the
+    call's ``memory_mb`` (never above the session's hard cap). Call ``n`` runs as the file
+    ``call<n>.py``, so a traceback through a function of an earlier call shows its lines."""
+    pending = bytearray()
+    while True:
+        while (end := pending.find(b"\n")) < 0:
+            chunk = _read(4)
+            if not chunk:
+                os._exit(0)
+            pending += chunk
+        line, pending = bytes(pending[:end]), pending[end + 1:]
+        req = json.loads(line)
+        cpu_before, baseline = _cpu_seconds(), _address_space_bytes()
+        if limited:
+            _set_call_limits(req, cpu_before, baseline)
+        filename = os.path.join(workdir, f"call{req['n']}.py")
+        code = execute(req["code"], namespace, frames, filename, req.get("auto_print", True), session=True)
+        _kill_strays()
+        cpu_total = _cpu_seconds()
+        _report(3, {"done": req["id"], "exit_code": code, "baseline": baseline, "cpu": cpu_total - cpu_before,
+                    "cpu_total": cpu_total, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _set_call_limits(req: dict, cpu_used: float, address_space: int) -> None:
+    """Soft limits of one session call, below the hard limits fixed at the interpreter's start."""
+    cpu = int(math.ceil(cpu_used + req["cpu_s"]))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    soft = address_space + req["memory_mb"] * (1 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def _kill_strays() -> None:
+    """SIGKILL every other process of this session and reap it — only as pid 1 of the
+    session's own PID namespace, where ``kill(-1)`` reaches exactly those processes."""
+    if os.getpid() != 1:
+        return
+    while True:
+        _reap_finished()
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:  # ESRCH: none left
+            return
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:  # what is dying is not (yet) our child
+            time.sleep(0.001)
+
+
+def _reap_finished() -> None:
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
 
 
 def _private_mounts(call_dir: str, work_dir: str | None) -> None:
@@ -758,13 +1182,17 @@ def _address_space_bytes() -> int:
     return 0
 
 
-def _layout_fds(child_fds: dict[str, int]) -> None:
-    """Put stdin/stdout/stderr/info on fds 0-3 and close everything else."""
-    order = ("stdin", "stdout", "stderr", "info")
+CALL_FDS = ("stdin", "stdout", "stderr", "info")
+SESSION_FDS = (*CALL_FDS, "control")
+"""A call's fds 0-3, and a session interpreter's 0-4 (fd 4: its requests)."""
+
+
+def _layout_fds(child_fds: dict[str, int], order: tuple[str, ...] = CALL_FDS) -> None:
+    """Put the fds named in ``order`` on 0, 1, 2, ... and close everything else."""
     high = [fcntl.fcntl(child_fds[name], fcntl.F_DUPFD, 10) for name in order]  # above every target
     for target, fd in enumerate(high):
         os.dup2(fd, target)
-    os.closerange(4, MAX_FD)
+    os.closerange(len(order), MAX_FD)
 
 
 def _report(fd: int, msg: dict) -> None:
@@ -774,14 +1202,24 @@ def _report(fd: int, msg: dict) -> None:
         pass
 
 
-def _apply_limits(req: dict, cfg: dict, baseline_bytes: int) -> None:
+def _apply_limits(req: dict, cfg: dict, baseline_bytes: int, session_cap: int | None = None) -> None:
     """rlimits of the call; the address-space limit is the snippet's ``memory_mb`` on top
-    of the preloaded ``baseline_bytes`` it inherited."""
+    of the preloaded ``baseline_bytes`` it inherited.
+
+    A session's interpreter (``session_cap``) gets the same soft limits, but hard limits
+    that leave room for later calls: CPU time unlimited (each call's soft limit and wall
+    timeout bound it), address space ``session_cap`` bytes in all."""
     mib = 1 << 20
     cpu = int(math.ceil(req["cpu_s"]))
+    memory = baseline_bytes + req["memory_mb"] * mib
+    if session_cap is None:
+        cpu_limit, memory_limit = (cpu, cpu + 1), (memory, memory)
+    else:
+        cpu_limit = (cpu, resource.getrlimit(resource.RLIMIT_CPU)[1])
+        memory_limit = (min(memory, session_cap), session_cap)
     limits = [
-        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-        (resource.RLIMIT_AS, (baseline_bytes + req["memory_mb"] * mib,) * 2),
+        (resource.RLIMIT_CPU, cpu_limit),
+        (resource.RLIMIT_AS, memory_limit),
         (resource.RLIMIT_FSIZE, (cfg["max_file_bytes"],) * 2),
         (resource.RLIMIT_NPROC, (cfg["max_processes"],) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
@@ -864,11 +1302,16 @@ def compile_script(source: str, filename: str, auto_print: bool = True) -> list[
     return [compile(tree, filename, "exec", dont_inherit=True)]
 
 
-def execute(source: str, namespace: dict, frames: int, filename: str, auto_print: bool = True) -> int:
+def execute(source: str, namespace: dict, frames: int, filename: str, auto_print: bool = True,
+            session: bool = False) -> int:
     """Run ``source`` in ``namespace`` as ``python filename`` would (plus ``auto_print``);
     return the exit code. Like the interpreter: an uncaught exception is printed, then
     non-daemon threads are joined and atexit hooks run, then the streams are flushed;
-    an uncaught ``KeyboardInterrupt`` ends the process by SIGINT (return code -2)."""
+    an uncaught ``KeyboardInterrupt`` ends the process by SIGINT (return code -2).
+
+    ``session``: one call of a stateful interpreter, which goes on afterwards — threads
+    are joined and streams flushed, but no atexit hook runs and nothing ends the process
+    (``SystemExit`` and ``KeyboardInterrupt`` end only the call)."""
     namespace.update(__file__=filename, __cached__=None)
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     code, interrupted = 0, False
@@ -885,6 +1328,10 @@ def execute(source: str, namespace: dict, frames: int, filename: str, auto_print
     except BaseException as exc:  # user code: report like the interpreter, never propagate
         code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
         _report_exception(exc, frames)
+    if session:
+        _join_threads()
+        flushed = _flush_std_streams()
+        return 120 if not flushed and code == 0 else code
     if not _finalize() and code == 0:
         code = 120  # as Python exits when flushing stdout fails
     if interrupted:
@@ -904,6 +1351,11 @@ def _finalize() -> bool:
     sys.unraisablehook = lambda args: hook(type(args)((args.exc_type, args.exc_value, _user_frames(
         args.exc_traceback), args.err_msg, args.object)))
     atexit._run_exitfuncs()  # reports "Exception ignored in atexit callback" through that hook
+    return _flush_std_streams()
+
+
+def _flush_std_streams() -> bool:
+    """Flush stdout and stderr; False when flushing stdout failed (reported as Python does)."""
     flushed = True
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name, None)

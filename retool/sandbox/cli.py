@@ -2,11 +2,13 @@
 
 - ``retool sandbox serve`` starts the SandboxFusion-compatible server
   (:mod:`retool.sandbox.server`) on 127.0.0.1:8080 until SIGINT/SIGTERM.
-- ``retool sandbox run [FILE]`` runs a file (or stdin) once — in a local sandbox, or on
-  a server with ``--endpoint`` — as ``python FILE`` would (``--auto-print``: as the
+- ``retool sandbox run [FILE ...]`` runs a file (or stdin) once — in a local sandbox, or
+  on a server with ``--endpoint`` — as ``python FILE`` would (``--auto-print``: as the
   model's tool, which also shows a final bare expression's value) and prints the
   :class:`~retool.types.ExecutionResult` as JSON; the exit code is 0 when the snippet
-  ran cleanly and 1 otherwise.
+  ran cleanly and 1 otherwise. Several files run one after the other (a JSON list of
+  results); with ``--interpreter stateful`` they run in one interpreter session, so a
+  later file sees the variables of an earlier one.
 
 Timeouts are bounded: a number of seconds in (0, ``MAX_TIMEOUT_S``]; ``0``, negative
 values, ``inf`` and ``nan`` are refused by argparse with one line naming the flag.
@@ -99,6 +101,11 @@ def _register_serve(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", "--sandbox-strict", action="store_true", dest="strict",
                    help="refuse to start unless the sandbox has full isolation (namespaces, "
                         "read-only filesystem, privilege drop, rlimits)")
+    p.add_argument("--max-sessions", type=positive_int, default=64, metavar="N",
+                   help="stateful sessions open at once (POST /sessions); one more is refused with 429 "
+                        "(default: %(default)s)")
+    p.add_argument("--session-idle", type=timeout_seconds, default=300.0, metavar="S",
+                   help="close a session after this many seconds without a run (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="server log level (default: %(default)s)")
     p.set_defaults(func=_serve)
@@ -112,7 +119,8 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
         "as `python FILE` would run it, and print the ExecutionResult as JSON. Exit code 0 "
         "when it ran cleanly, 1 otherwise.",
     )
-    p.add_argument("file", nargs="?", default="-", help="Python file to run; '-' or nothing reads stdin")
+    p.add_argument("files", nargs="*", metavar="FILE",
+                   help="Python files to run, one after the other; '-' or nothing reads stdin")
     _add_limit_flags(p)
     p.add_argument("--stdin-file", metavar="PATH", help="file whose text is fed to the snippet's stdin")
     p.add_argument("--put", action="append", default=[], metavar="PATH[=NAME]",
@@ -123,6 +131,10 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
                    help="run on this SandboxFusion-compatible server instead of a local sandbox")
     p.add_argument("--auto-print", action="store_true",
                    help="also show the value of a final bare expression, as the model's code tool does")
+    p.add_argument("--interpreter", choices=("stateless", "stateful"), default="stateless",
+                   help="stateless: each FILE in a fresh process; stateful: all FILEs in one interpreter "
+                        "session, which keeps their variables (no --stdin-file/--put/--fetch) "
+                        "(default: %(default)s)")
     p.set_defaults(func=_run)
 
 
@@ -145,6 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_timeout_s=args.max_timeout,
         max_memory_mb=args.max_memory_mb,
         max_request_mb=args.max_request_mb,
+        max_sessions=args.max_sessions,
+        session_idle_s=args.session_idle,
     )
     try:
         asyncio.run(serve(config))
@@ -169,23 +183,31 @@ def _sandbox_config(args: argparse.Namespace, **extra: Any):
 
 
 def _run(args: argparse.Namespace) -> int:
+    stateful = args.interpreter == "stateful"
+    if stateful and (args.stdin_file or args.put or args.fetch):
+        print("retool sandbox run: --interpreter stateful takes no --stdin-file, --put or --fetch "
+              "(a session's interpreter is already running)", file=sys.stderr)
+        return 2
     try:
-        code = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        codes = [sys.stdin.read() if name == "-" else Path(name).read_text() for name in args.files or ["-"]]
         stdin = Path(args.stdin_file).read_text() if args.stdin_file else None
         files = dict(_read_put(spec) for spec in args.put)
     except OSError as e:
         print(f"retool sandbox run: {e}", file=sys.stderr)
         return 2
-    kwargs = dict(stdin=stdin, files=files or None, fetch_files=tuple(args.fetch), auto_print=args.auto_print)
+    kwargs = {"auto_print": args.auto_print} if stateful else dict(
+        stdin=stdin, files=files or None, fetch_files=tuple(args.fetch), auto_print=args.auto_print)
     from retool.sandbox import SandboxUnavailableError
 
     try:
-        result = _run_remote(args, code, kwargs) if args.endpoint else _run_local(args, code, kwargs)
+        run = _run_remote if args.endpoint else _run_local
+        results = run(args, codes, kwargs, stateful)
     except (SandboxUnavailableError, ValueError) as e:  # ValueError: a request the sandbox refuses
         print(f"retool sandbox run: the sandbox could not run the file: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result_to_json(result), indent=2))
-    return 0 if result.ok else 1
+    records = [result_to_json(r) for r in results]
+    print(json.dumps(records[0] if len(records) == 1 else records, indent=2))
+    return 0 if all(r.ok for r in results) else 1
 
 
 def _read_put(spec: str) -> tuple[str, bytes]:
@@ -193,21 +215,34 @@ def _read_put(spec: str) -> tuple[str, bytes]:
     return name or Path(path).name, Path(path).read_bytes()
 
 
-def _run_local(args: argparse.Namespace, code: str, kwargs: dict[str, Any]):
+def _run_local(args: argparse.Namespace, codes: list[str], kwargs: dict[str, Any], stateful: bool) -> list:
     from retool.sandbox import Sandbox
 
     sandbox = Sandbox(_sandbox_config(args, workers=1))
     try:
-        return sandbox.run_sync(code, **kwargs)
+        if not stateful:
+            return [sandbox.run_sync(code, **kwargs) for code in codes]
+        with sandbox.session() as session:
+            return [session.run_sync(code, **kwargs) for code in codes]
     finally:
         sandbox.close()
 
 
-def _run_remote(args: argparse.Namespace, code: str, kwargs: dict[str, Any]):
+def _run_remote(args: argparse.Namespace, codes: list[str], kwargs: dict[str, Any], stateful: bool) -> list:
+    import asyncio
+
     from retool.sandbox.client import SandboxClient
 
     client = SandboxClient(args.endpoint, auto_print=kwargs.pop("auto_print"))
-    return client.run_sync(code, timeout_s=args.timeout, memory_mb=args.memory_mb, **kwargs)
+    limits = {"timeout_s": args.timeout, "memory_mb": args.memory_mb}
+    if not stateful:
+        return [client.run_sync(code, **limits, **kwargs) for code in codes]
+
+    async def in_one_session() -> list:
+        async with client, client.session() as session:
+            return [await session.run(code, **limits) for code in codes]
+
+    return asyncio.run(in_one_session())
 
 
 def result_to_json(result) -> dict[str, Any]:

@@ -14,6 +14,12 @@ Failure policy: what the code did is data (an ``ExecutionResult``, SandboxFusion
 cannot be reached or answers 5xx is retried with exponential backoff, then raises
 :class:`ServerUnavailableError`. Runs are stateless, so retrying one is safe.
 
+Stateful sessions (a retool server's extension): :meth:`SandboxClient.session` gives a
+:class:`RemoteSession` with the shape of :class:`retool.sandbox.executor.Session` — it
+opens a server session at its first run (``POST /sessions``), sends every run with its
+``session_id`` and closes it with ``aclose()``. Session runs are *not* retried: a run
+that may have executed once must not execute twice in a state that persists.
+
 Non-goals: ``/run_jupyter`` and the dataset endpoints; connection pooling across event
 loops (use one client per event loop; ``run_sync`` opens a short-lived connection).
 """
@@ -108,6 +114,10 @@ class SandboxClient:
 
         return asyncio.run(once())
 
+    def session(self) -> RemoteSession:
+        """A stateful interpreter session on the server (opened at its first run)."""
+        return RemoteSession(self)
+
     # ------------------------------------------------------------ server state
 
     async def ping(self) -> bool:
@@ -154,9 +164,11 @@ class SandboxClient:
             self._session = _new_session(self.http_timeout_s)
         return self._session
 
-    async def _post(self, session: aiohttp.ClientSession, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, session: aiohttp.ClientSession, path: str, payload: dict[str, Any],
+                    retries: int | None = None) -> dict[str, Any]:
         url = self.endpoint + path
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 async with session.post(url, json=payload) as resp:
                     if resp.status == 200:
@@ -166,10 +178,52 @@ class SandboxClient:
                         raise SandboxRequestError(resp.status, _detail(problem, await _json_or_none(resp)))
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 problem = f"{type(e).__name__}: {e}"
-            if attempt < self.retries:
+            if attempt < retries:
                 log.warning("sandbox request to %s failed (%s); retrying", url, problem)
                 await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise ServerUnavailableError(f"sandbox server at {url} failed {self.retries + 1} times; last: {problem}")
+        raise ServerUnavailableError(f"sandbox server at {url} failed {retries + 1} times; last: {problem}")
+
+
+class RemoteSession:
+    """A session of a retool sandbox server, shaped like :class:`retool.sandbox.executor.Session`."""
+
+    def __init__(self, client: SandboxClient):
+        self.client = client
+        self.id: str | None = None
+        self._closed = False
+
+    async def run(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
+                  auto_print: bool | None = None) -> ExecutionResult:
+        """Run ``code`` in the session's interpreter (opening the session first if needed)."""
+        if self._closed:
+            raise RuntimeError("this session is closed")
+        http = self.client._current_session()
+        if self.id is None:
+            self.id = (await self.client._post(http, "/sessions", {}))["session_id"]
+        payload = build_request(code, timeout_s=timeout_s, memory_mb=memory_mb,
+                                auto_print=self.client.auto_print if auto_print is None else auto_print)
+        payload["session_id"] = self.id
+        for key in ("stdin", "files", "fetch_files"):
+            payload.pop(key)
+        answer = await self.client._post(http, "/run_code", payload, retries=0)
+        return from_response(answer, timeout_s=timeout_s)
+
+    async def aclose(self) -> None:
+        """Close the server session (idempotent; a server that is gone is not an error)."""
+        session_id, self.id, self._closed = self.id, None, True
+        if session_id is None:
+            return
+        try:
+            async with self.client._current_session().delete(f"{self.client.endpoint}/sessions/{session_id}"):
+                pass
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("could not close sandbox session %s: %s (it expires when idle)", session_id, e)
+
+    async def __aenter__(self) -> RemoteSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 def _new_session(http_timeout_s: float) -> aiohttp.ClientSession:
@@ -242,6 +296,7 @@ def from_response(answer: dict[str, Any], *, timeout_s: float | None = None) -> 
             observation=ours.get("observation") or "",
             isolation=tuple(ours.get("isolation") or ()),
             memory_baseline_bytes=ours.get("memory_baseline_bytes"),
+            state_lost=ours.get("state_lost"),
             **common,
         )
     return _from_sandbox_fusion(answer, run, common, timeout_s)

@@ -6,6 +6,13 @@ friends once, and forks a fresh process tree per call; see :mod:`retool.sandbox`
 threat model. This module is the trainer's side: configuration, a bounded pool that is
 safe from asyncio and threads, result classification, metrics, and replacing a zygote
 that died (its in-flight calls then report ``sandbox_error`` instead of hanging).
+
+Stateless by default: every call is a fresh process. :meth:`Sandbox.session` opens a
+:class:`Session` instead — one interpreter, isolated and limited exactly like a call,
+that keeps its globals across the session's calls (as a notebook does) until it is
+closed. Limits stay per call (time, memory growth, output); a call that breaks one ends
+the interpreter, and the session's next call runs in a fresh one whose result says the
+state was lost (``ExecutionResult.state_lost``).
 """
 
 from __future__ import annotations
@@ -96,7 +103,14 @@ class SandboxConfig:
     max_output_bytes: int = 1 << 20
     """Cap on stdout and on stderr, each; a call that exceeds it is killed (``output_limit``)."""
     workers: int = 8
-    """Calls running at once; further calls wait in the queue."""
+    """Calls running at once (stateless and session calls together); further calls wait in the queue."""
+    session_memory_mb: int | None = None
+    """Memory a session's interpreter may hold in all, in MiB on top of the baseline (a
+    hard limit; each call may still grow it by only ``memory_mb``). ``None``: 4 x ``memory_mb``."""
+    max_sessions: int = 256
+    """Stateful interpreters (:meth:`Sandbox.session`) alive at once; the first call of
+    one more session waits until another is closed. Session ``i`` runs as uid
+    ``uid_base + workers + i`` (as root)."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules imported once in the warm parent, so calls get them for free."""
     network: bool = False
@@ -121,7 +135,7 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         positive = ("timeout_s", "memory_mb", "max_file_mb", "max_processes", "max_output_bytes",
-                    "workers", "scratch_mb", "start_timeout_s")
+                    "workers", "max_sessions", "scratch_mb", "start_timeout_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -181,7 +195,9 @@ class _Zygote:
 
     def _wire_config(self) -> dict:
         c = self.cfg
-        return {"workers": c.workers, "preload": list(c.preload), "network": c.network,
+        return {"workers": c.workers, "max_sessions": c.max_sessions,
+                "session_memory_mb": c.session_memory_mb or 4 * c.memory_mb, "preload": list(c.preload),
+                "network": c.network,
                 "scratch_mb": c.scratch_mb, "uid_base": c.uid_base, "max_processes": c.max_processes,
                 "max_output_bytes": c.max_output_bytes, "max_file_bytes": c.max_file_mb << 20,
                 "traceback_frames": c.traceback_frames, "base_dir": tempfile.gettempdir(),
@@ -250,7 +266,9 @@ class _Zygote:
                     pending.started = time.monotonic()
                 elif msg["op"] == "result":
                     self.pending.pop(msg["id"], None)
-            if pending is not None and msg["op"] == "result" and not msg.get("cancelled"):
+            if pending is not None and msg.get("closed"):
+                _resolve(pending, lambda: None)
+            elif pending is not None and msg["op"] == "result" and not msg.get("cancelled"):
                 _resolve(pending, lambda: build_result(msg, pending.timeout_s, pending.memory_mb, self.cfg))
         self._die()
 
@@ -432,6 +450,10 @@ class Sandbox:
         """Blocking form of :meth:`run` for plain threads (not from inside an event loop)."""
         return self._submit(code, timeout_s, memory_mb, stdin, files, fetch_files, auto_print).result()
 
+    def session(self) -> Session:
+        """A new stateful interpreter (see :class:`Session`); it starts at its first call."""
+        return Session(self, f"s{next(self._ids)}")
+
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """``sandbox/*`` metrics since the last reset (see :class:`SandboxMetrics`), plus
         ``sandbox/isolation_degraded``: 1.0 while the sandbox runs without full isolation."""
@@ -444,7 +466,7 @@ class Sandbox:
             self._metrics.record(result, latency_s)
 
     def _submit(self, code, timeout_s, memory_mb, stdin, files, fetch_files,
-                auto_print=True) -> concurrent.futures.Future:
+                auto_print=True, session: Session | None = None) -> concurrent.futures.Future:
         timeout_s = self.config.timeout_s if timeout_s is None else float(timeout_s)
         memory_mb = self.config.memory_mb if memory_mb is None else int(memory_mb)
         call_id = str(next(self._ids))
@@ -453,6 +475,8 @@ class Sandbox:
         pending = _Pending(concurrent.futures.Future(), timeout_s, memory_mb, time.monotonic())
         pending.future.add_done_callback(lambda f: self._on_done(f, pending, call_id))
         zygote = self._ensure_zygote()
+        if session is not None:
+            request.update(session._request_fields(zygote))
         try:
             zygote.submit(call_id, request, pending)
         except BrokenPipeError as exc:
@@ -488,6 +512,93 @@ class Sandbox:
         return {"op": "run", "id": call_id, "code": code, "timeout_s": timeout_s, "memory_mb": memory_mb,
                 "cpu_s": cpu_s, "stdin": stdin, "fetch_files": fetch,
                 "files": {p: base64.b64encode(bytes(d)).decode() for p, d in files.items()}}
+
+
+class Session:
+    """One stateful interpreter of a :class:`Sandbox`, for one trajectory (or one client).
+
+    Its calls run one after the other in the same globals, so ``x = solve()`` in one call
+    and ``print(x)`` in the next works, as in a notebook. The interpreter is forked from
+    the warm parent at the first call, with exactly the isolation and limits of a
+    stateless call (namespaces, its own uid, rlimits, output caps); limits apply per
+    call. After each call, every process the call started and left running is killed.
+    A call that times out, runs out of memory or output, or ends the process (``os._exit``)
+    ends the interpreter: the next call runs in a fresh one, and its result's
+    ``state_lost`` and observation say so. ``close()``/``aclose()`` (or ``async with``)
+    kill the interpreter and everything it started, and return once they are gone.
+
+    Not the same as a stateless call: no ``stdin``, ``files`` or ``fetch_files``; files
+    the calls write stay in the session's directory until it ends; daemon threads a
+    call leaves keep running (in the interpreter, under its CPU limit) until the session ends.
+    """
+
+    def __init__(self, sandbox: Sandbox, session_id: str):
+        self.sandbox = sandbox
+        self.id = session_id
+        self._zygote: _Zygote | None = None  # the warm parent its interpreter lives in
+        self._closed = False
+
+    def _request_fields(self, zygote: _Zygote) -> dict:
+        """What a call request of this session carries (``state_lost`` when the warm parent
+        that held its interpreter has been replaced since the last call)."""
+        if self._closed:
+            raise RuntimeError(f"session {self.id} is closed")
+        fields = {"session": self.id}
+        if self._zygote is not None and self._zygote is not zygote:
+            fields["state_lost"] = "sandbox_restarted"
+        self._zygote = zygote
+        return fields
+
+    async def run(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
+                  auto_print: bool = True) -> ExecutionResult:
+        """Run ``code`` in this session's interpreter (see :meth:`Sandbox.run` for the limits)."""
+        zygote = self.sandbox._zygote
+        if zygote is None or zygote.dead:
+            await asyncio.to_thread(self.sandbox._ensure_zygote)
+        future = self.sandbox._submit(code, timeout_s, memory_mb, None, None, (), auto_print, session=self)
+        return await asyncio.wrap_future(future)
+
+    def run_sync(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
+                 auto_print: bool = True) -> ExecutionResult:
+        """Blocking form of :meth:`run` for plain threads."""
+        return self.sandbox._submit(code, timeout_s, memory_mb, None, None, (), auto_print, session=self).result()
+
+    def _send_close(self) -> concurrent.futures.Future | None:
+        """Ask the warm parent to end the interpreter (sent at once, even from a cancelled task)."""
+        zygote, self._zygote = self._zygote, None
+        self._closed = True
+        if zygote is None or zygote.dead:
+            return None
+        pending = _Pending(concurrent.futures.Future(), 0.0, 0, time.monotonic())
+        call_id = str(next(self.sandbox._ids))
+        try:
+            zygote.submit(call_id, {"op": "close_session", "id": call_id, "session": self.id}, pending)
+        except BrokenPipeError:
+            return None
+        return pending.future
+
+    def close(self) -> None:
+        """End the interpreter and every process it started; idempotent."""
+        future = self._send_close()
+        if future is not None:
+            future.result()
+
+    async def aclose(self) -> None:
+        future = self._send_close()
+        if future is not None:
+            await asyncio.shield(asyncio.wrap_future(future))
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def check_relative_path(path: str) -> str:
@@ -562,13 +673,35 @@ def build_result(reply: dict, timeout_s: float, memory_mb: int, cfg: SandboxConf
     stdout = base64.b64decode(reply["stdout"]).decode("utf-8", "replace")
     stderr = base64.b64decode(reply["stderr"]).decode("utf-8", "replace")
     status = classify(reply, stderr)
+    shown = observation(status, stdout, stderr, reply, timeout_s, memory_mb, cfg)
+    if reply.get("state_lost"):
+        shown = state_lost_note(reply["state_lost"]) + shown
+    if reply.get("ended_interpreter"):
+        shown = _join(shown, INTERPRETER_ENDED)
     return ExecutionResult(
         status=status, stdout=stdout, stderr=stderr, exit_code=reply.get("exit_code"),
         signal=reply.get("signal"), wall_s=reply["wall_s"], cpu_s=reply["cpu_s"],
         peak_rss_bytes=reply.get("peak_rss_bytes"), truncated=status is ExecStatus.OUTPUT_LIMIT,
         memory_baseline_bytes=reply.get("memory_baseline_bytes"),
-        observation=observation(status, stdout, stderr, reply, timeout_s, memory_mb, cfg),
-        isolation=isolation, files={k: base64.b64decode(v) for k, v in reply.get("files", {}).items()})
+        observation=shown, isolation=isolation, state_lost=reply.get("state_lost"),
+        files={k: base64.b64decode(v) for k, v in reply.get("files", {}).items()})
+
+
+INTERPRETER_ENDED = "The interpreter was stopped: variables and functions from earlier calls are lost."
+"""Appended to the observation of a session call that ended its interpreter."""
+
+_LOST_BECAUSE = {
+    "timeout": "it timed out", "memory": "it ran out of memory", "output_limit": "it printed too much",
+    "cpu_time": "it used too much CPU time", "exited": "the code ended the process",
+    "cancelled": "it was cancelled", "sandbox_restarted": "the sandbox restarted",
+}
+
+
+def state_lost_note(reason: str) -> str:
+    """The first line of a session call that ran in a fresh interpreter (the old one ended)."""
+    why = _LOST_BECAUSE.get(reason, "the sandbox restarted it")
+    return (f"[Note: an earlier call ended the interpreter ({why}); this call ran in a fresh one: "
+            "variables, functions and imports from earlier calls are gone.]\n")
 
 
 def observation(status: ExecStatus, stdout: str, stderr: str, reply: dict, timeout_s: float,

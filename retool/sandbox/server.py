@@ -17,6 +17,15 @@ Endpoints:
   ``RunCodeResponse`` plus a ``retool`` object with the fields SandboxFusion has no
   place for (our status, signal, peak memory, memory baseline, observation, ...);
   clients built for SandboxFusion ignore it.
+- ``POST /sessions`` (retool extension): open a stateful interpreter session; answers
+  ``{"session_id": ID, "idle_timeout_s": T}``. A ``/run_code`` request with
+  ``"session_id": ID`` then runs in that session's interpreter, which keeps its
+  variables across the session's runs (without ``session_id`` every run is a fresh
+  process). Per-run limits are unchanged; a run that times out, runs out of memory or
+  output ends the interpreter, and the next run says the state was lost. Session runs
+  take no ``stdin``, ``files`` or ``fetch_files`` (422). ``DELETE /sessions/ID`` closes
+  it; a session unused for ``session_idle_s`` is closed by the server; at most
+  ``max_sessions`` are open (one more answers 429); an unknown or closed ID answers 404.
 - ``GET /v1/ping``: ``"pong"`` (as SandboxFusion).
 - ``GET /metrics``: the sandbox's counters and latencies since the server started, plus
   the server's own counts of rejected requests.
@@ -43,10 +52,13 @@ import asyncio
 import base64
 import binascii
 import collections
+import dataclasses
 import ipaddress
 import json
 import logging
+import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -95,6 +107,11 @@ class ServerConfig:
     """Largest request body (code + base64 files); more is rejected with 413."""
     shutdown_timeout_s: float = 30.0
     """On SIGINT/SIGTERM, how long in-flight runs may take to finish before closing."""
+    max_sessions: int = 64
+    """Stateful sessions open at once (``POST /sessions``); one more is refused with 429.
+    Each holds an interpreter process (tens of MB) until it is closed or expires."""
+    session_idle_s: float = 300.0
+    """A session with no run for this long is closed (its state is gone; runs get 404)."""
 
     def __post_init__(self) -> None:
         from retool.sandbox.executor import check_timeout
@@ -102,12 +119,15 @@ class ServerConfig:
         check_timeout(self.max_timeout_s, "max_timeout_s")
         if not self.max_memory_mb > 0 or not self.max_request_mb > 0:
             raise ValueError("max_memory_mb and max_request_mb must be > 0")
+        if not self.max_sessions >= 1 or not self.session_idle_s > 0:
+            raise ValueError("max_sessions must be >= 1 and session_idle_s > 0")
 
     def sandbox_config(self) -> SandboxConfig:
-        """The executor settings, with this server's default pool size."""
+        """The executor settings, with this server's default pool size and session bound."""
         from retool.sandbox import SandboxConfig
 
-        return self.sandbox or SandboxConfig(workers=DEFAULT_WORKERS)
+        return dataclasses.replace(self.sandbox or SandboxConfig(workers=DEFAULT_WORKERS),
+                                   max_sessions=self.max_sessions)
 
 
 # ---------------------------------------------------------------- wire models
@@ -142,6 +162,9 @@ class RunCodeRequest(BaseModel):
         description="retool extension: show the value of a final bare expression, as the "
         "model's sandbox does; off by default, so output is what `python file.py` prints",
     )
+    session_id: str | None = Field(
+        None, description="retool extension: run in this open session's interpreter (POST /sessions)"
+    )
 
 
 @dataclass(frozen=True)
@@ -155,6 +178,7 @@ class RunArgs:
     files: dict[str, bytes] = field(default_factory=dict)
     fetch_files: tuple[str, ...] = ()
     auto_print: bool = False
+    session_id: str | None = None
 
 
 class RequestError(Exception):
@@ -217,6 +241,9 @@ def to_run_args(request: RunCodeRequest, config: ServerConfig) -> RunArgs:
             f"{config.max_memory_mb} MB",
             "limit_exceeded",
         )
+    if request.session_id is not None and (request.stdin is not None or request.files or request.fetch_files):
+        raise _field_error(("session_id",), "a session run takes no stdin, files or fetch_files "
+                           "(its interpreter is already running)", "invalid")
     return RunArgs(
         code=request.code,
         timeout_s=request.run_timeout,
@@ -225,6 +252,7 @@ def to_run_args(request: RunCodeRequest, config: ServerConfig) -> RunArgs:
         files=decode_files(request.files),
         fetch_files=tuple(_checked_path(p, ("fetch_files", i)) for i, p in enumerate(request.fetch_files)),
         auto_print=request.auto_print,
+        session_id=request.session_id,
     )
 
 
@@ -338,6 +366,7 @@ def _extension(result: ExecutionResult) -> dict[str, Any]:
         "observation": result.observation,
         "isolation": list(result.isolation),
         "memory_baseline_bytes": result.memory_baseline_bytes,
+        "state_lost": result.state_lost,
     }
 
 
@@ -346,6 +375,57 @@ def _extension(result: ExecutionResult) -> dict[str, Any]:
 _SANDBOX = web.AppKey("sandbox", object)
 _CONFIG = web.AppKey("config", ServerConfig)
 _REJECTED = web.AppKey("rejected", collections.Counter)
+_SESSIONS = web.AppKey("sessions", object)
+
+
+@dataclass
+class _OpenSession:
+    session: Any  # retool.sandbox.executor.Session
+    last_used: float
+    running: int = 0
+
+
+class SessionTable:
+    """The open sessions of a server: bounded, closed when idle too long."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.open: dict[str, _OpenSession] = {}
+        self.expired = 0
+
+    def create(self, sandbox: Sandbox) -> str:
+        if len(self.open) >= self.config.max_sessions:
+            raise RequestError(429, f"too many open sessions (this server's limit is {self.config.max_sessions}); "
+                               "close one with DELETE /sessions/ID or wait for an idle one to expire "
+                               f"({self.config.session_idle_s:g} s)", "too_many_sessions")
+        session_id = secrets.token_hex(12)
+        self.open[session_id] = _OpenSession(sandbox.session(), time.monotonic())
+        return session_id
+
+    def get(self, session_id: str) -> _OpenSession:
+        entry = self.open.get(session_id)
+        if entry is None:
+            raise RequestError(404, f"no open session {session_id[:40]!r}: never opened, closed, or closed after "
+                               f"{self.config.session_idle_s:g} s without a run", "unknown_session")
+        entry.last_used = time.monotonic()
+        return entry
+
+    async def close(self, session_id: str) -> bool:
+        entry = self.open.pop(session_id, None)
+        if entry is not None:
+            await entry.session.aclose()
+        return entry is not None
+
+    async def expire(self) -> None:
+        """Close the sessions idle for longer than ``session_idle_s`` (none while it runs)."""
+        limit = time.monotonic() - self.config.session_idle_s
+        for session_id in [k for k, e in self.open.items() if not e.running and e.last_used < limit]:
+            self.expired += 1
+            await self.close(session_id)
+
+    async def close_all(self) -> None:
+        for session_id in list(self.open):
+            await self.close(session_id)
 
 
 def create_app(config: ServerConfig = ServerConfig()) -> web.Application:
@@ -355,6 +435,8 @@ def create_app(config: ServerConfig = ServerConfig()) -> web.Application:
     app[_REJECTED] = collections.Counter()
     app.cleanup_ctx.append(_sandbox_lifetime)
     app.router.add_post("/run_code", _handle_run_code)
+    app.router.add_post("/sessions", _handle_open_session)
+    app.router.add_delete("/sessions/{session_id}", _handle_close_session)
     app.router.add_get("/v1/ping", _handle_ping)
     app.router.add_get("/metrics", _handle_metrics)
     return app
@@ -368,8 +450,37 @@ async def _sandbox_lifetime(app: web.Application):
         isolation = await asyncio.to_thread(sandbox.start)
         log.info("sandbox ready: %d workers, isolation %s", sandbox.config.workers, ", ".join(isolation))
         app[_SANDBOX] = sandbox
-        yield
+        sessions = app[_SESSIONS] = SessionTable(app[_CONFIG])
+        janitor = asyncio.create_task(_expire_sessions(sessions))
+        try:
+            yield
+        finally:
+            janitor.cancel()
+            await sessions.close_all()
     log.info("sandbox closed")
+
+
+async def _expire_sessions(sessions: SessionTable) -> None:
+    period = min(sessions.config.session_idle_s / 4, 5.0)
+    while True:
+        await asyncio.sleep(period)
+        await sessions.expire()
+
+
+async def _handle_open_session(request: web.Request) -> web.Response:
+    app = request.app
+    try:
+        session_id = app[_SESSIONS].create(app[_SANDBOX])
+    except RequestError as e:
+        return _reject(app, e)
+    return web.json_response({"session_id": session_id, "idle_timeout_s": app[_CONFIG].session_idle_s})
+
+
+async def _handle_close_session(request: web.Request) -> web.Response:
+    app = request.app
+    if not await app[_SESSIONS].close(request.match_info["session_id"]):
+        return _reject(app, RequestError(404, "no open session with that id", "unknown_session"))
+    return web.json_response({"closed": True})
 
 
 async def _handle_run_code(request: web.Request) -> web.Response:
@@ -381,28 +492,37 @@ async def _handle_run_code(request: web.Request) -> web.Response:
         return _reject(app, RequestError(413, f"request body too large: {e.text}", "too_large"))
     except RequestError as e:
         return _reject(app, e)
+    runner = app[_SANDBOX]
+    entry = None
+    if args.session_id is not None:
+        try:
+            entry = app[_SESSIONS].get(args.session_id)
+        except RequestError as e:
+            return _reject(app, e)
+        runner = entry.session
+        entry.running += 1
     try:
-        result = await _run(app[_SANDBOX], args)
+        result = await _run(runner, args)
     except (ValueError, TypeError) as e:  # arguments the sandbox refuses
         return _reject(app, RequestError(422, f"the sandbox refused the request: {e}", "invalid"))
+    finally:
+        if entry is not None:
+            entry.running -= 1
+            entry.last_used = time.monotonic()
     return web.json_response(to_response(result, args.fetch_files))
 
 
-async def _run(sandbox: Sandbox, args: RunArgs) -> ExecutionResult:
-    """Run one request; a failure of the sandbox machinery becomes a SandboxError answer.
+async def _run(runner: Any, args: RunArgs) -> ExecutionResult:
+    """Run one request (on the sandbox, or in a session); a failure of the sandbox
+    machinery becomes a SandboxError answer.
 
     ``ValueError``/``TypeError`` (the sandbox's verdict on bad arguments) propagate.
     """
+    extra = {} if args.session_id is not None else dict(
+        stdin=args.stdin, files=args.files or None, fetch_files=args.fetch_files)
     try:
-        return await sandbox.run(
-            args.code,
-            timeout_s=args.timeout_s,
-            memory_mb=args.memory_mb,
-            stdin=args.stdin,
-            files=args.files or None,
-            fetch_files=args.fetch_files,
-            auto_print=args.auto_print,
-        )
+        return await runner.run(args.code, timeout_s=args.timeout_s, memory_mb=args.memory_mb,
+                                auto_print=args.auto_print, **extra)
     except (ValueError, TypeError):
         raise
     except Exception as e:  # the HTTP boundary: report, never drop the connection
@@ -427,6 +547,8 @@ async def _handle_metrics(request: web.Request) -> web.Response:
     for reason, count in sorted(app[_REJECTED].items()):
         metrics[f"server/rejected_{reason}"] = float(count)
     metrics["server/rejected"] = float(sum(app[_REJECTED].values()))
+    metrics["server/sessions_open"] = float(len(app[_SESSIONS].open))
+    metrics["server/sessions_expired"] = float(app[_SESSIONS].expired)
     return web.json_response(metrics)
 
 

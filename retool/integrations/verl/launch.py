@@ -90,6 +90,8 @@ class VerlConfig(VerlSettings, TrainConfig):
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         require(self.gpus_per_node % self.tensor_parallel == 0, "tensor_parallel must divide gpus_per_node")
         require(self.mode == "retool", "verl runs retool mode only (the agent loop always declares the tool)")
+        require(self.interpreter == "stateless", "verl runs the stateless interpreter only (its agent loop "
+                "does not hold a session per trajectory); drop --interpreter stateful")
         require(self.loss == "ppo", "verl-config writes the PPO-clip loss only (loss = ppo)")
         require(self.refill_rounds == 0 and not self.drop_degenerate_groups,
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
