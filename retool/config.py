@@ -278,6 +278,9 @@ def resumed_config(cls: type[C], args: argparse.Namespace) -> C:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"--resume {args.resume}: config.json is not valid JSON ({err}); restore it "
                           "from a backup or start a new run") from None
+    upgrade = getattr(cls, "upgrade_saved", None)
+    if upgrade is not None:  # a config saved by an older retool
+        data = upgrade(data)
     data["run_dir"] = str(args.resume)
     if hasattr(args, "max_steps"):
         data["max_steps"] = args.max_steps
