@@ -9,12 +9,14 @@ documented losses, Adam and sampler).
 
 Faults are injected **below** the SDK, per endpoint (:meth:`TinkerHTTPFake.fail`): an
 HTTP status (401, 408, 429, 500), ``"drop"`` (the connection closes without an answer:
-the SDK sees a connection error) or ``"applied-500"`` (the request is carried out, then
-answered 500, as when a response is lost: the SDK re-sends it with the same sequence
-id, and the server — as Tinker's does — carries out each sequence id of a model once).
+the SDK sees a connection error), ``"delay:SECONDS"`` (a slow answer) or
+``"applied-500"`` (the request is carried out, then answered 500, as when a response is
+lost: the SDK re-sends it with the same sequence id, and this server carries out each
+sequence id of a model once — what the SDK's sequence ids are for; how the real service
+treats a re-sent id is not documented).
 
-Endpoints: client config, session (create, heartbeat), telemetry (counted: the SDK
-reports every retry there), create_model, get_info, forward_backward, optim_step,
+Endpoints: client config, session (create, heartbeat), telemetry (kept in
+:attr:`TinkerHTTPFake.telemetry`), create_model, get_info, forward_backward, optim_step,
 save_weights, save_weights_for_sampler, create_sampling_session, samplers/{id}, asample,
 retrieve_future. Not served (a test needing them uses :mod:`tests.fake_tinker`):
 load_weights (resume), weights download (export), REST listings, custom losses.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -65,10 +68,6 @@ class TinkerHTTPFake:
     def fail(self, endpoint: str, fault: int | str, times: int = 1) -> None:
         """The next ``times`` requests to ``endpoint`` (e.g. ``"asample"``) meet ``fault``."""
         self.faults[endpoint].extend([fault] * times)
-
-    def sdk_retries(self) -> int:
-        """Retries the SDK reported in its telemetry (events with a retry decision)."""
-        return sum(1 for e in self.telemetry if e.get("should_retry") or e.get("is_retryable"))
 
     # ------------------------------------------------------------ endpoints
 
@@ -256,6 +255,8 @@ def _handler(fake: TinkerHTTPFake) -> type:
             endpoint = self.path.split("?", 1)[0].removeprefix("/api/v1/")
             fake.hits[endpoint] += 1
             fault = fake.faults[endpoint].popleft() if fake.faults[endpoint] else None
+            if isinstance(fault, str) and fault.startswith("delay:"):
+                time.sleep(float(fault.split(":", 1)[1]))
             if fault == "drop":
                 self.close_connection = True
                 self.connection.shutdown(2)

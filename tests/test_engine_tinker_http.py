@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 
+import tinker  # noqa: F401 -- the test extra pins the SDK: missing, these tests fail, never skip
+
 from retool.cli import main as cli_main
 from retool.log import read_metrics
 from tests.fake_tinker_http import TinkerHTTPFake
 from tests.test_engine_tinker import train_args
-
-import tinker  # noqa: F401, E402  -- the test extra pins the SDK: missing, these tests fail, never skip
 
 pytestmark = pytest.mark.timeout(240)  # a tiny model trains over HTTP, with the SDK's retry backoffs
 SECRET = "tml-planted-http-secret-5555555555"
@@ -70,6 +70,19 @@ def test_a_fault_free_run_counts_no_retries(tmp_path, fake, capsys):
     row = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     assert row["engine/retries"] == 0 and row["engine/errors"] == 0
     assert fake.executed["optim_step"] == fake.hits["optim_step"] == 1
+
+
+def test_the_progress_timeout_retool_sets_is_the_sdks(tmp_path, fake, capsys):
+    """``--tinker-retry-timeout-s`` is the SDK's own ``RetryConfig.progress_timeout``: a
+    sample request that makes no progress for that long is given up by the SDK; retool
+    counts the error and the trainer re-runs the rollout (never the update)."""
+    fake.fail("asample", "delay:8")
+    args = http_train_args(tmp_path, fake, steps=1) + ["--tinker-retry-timeout-s", "2"]
+    assert cli_main(args) == 0, capsys.readouterr().err
+    row = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert row["engine/errors"] >= 1 and row["engine/retries"] >= 1
+    assert fake.executed["optim_step"] == 1
+    assert "No progress made in 2" in capsys.readouterr().err  # the SDK's own message, via the rollout retry
 
 
 @pytest.mark.parametrize("endpoint", ["client/config", "create_session", "create_model"])
