@@ -427,7 +427,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the run in RUN_DIR from its last checkpoint (its saved config is used; "
-                        "--max-steps may extend it)")
+                        "--max-steps may extend it, --max-cost raise its budget)")
     add_config_args(p, TrainConfig)
     p.set_defaults(func=_run_train_command)
 

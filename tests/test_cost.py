@@ -85,6 +85,12 @@ def test_local_train_is_priced_and_max_cost_stops_after_a_checkpoint(tmp_path, c
     err = capsys.readouterr().err
     assert "would pass --max-cost 0.3" in err and "usd=" in err
 
+    # a larger budget on --resume carries on from the checkpoint, with the bill so far
+    assert cli_main(["train", "--resume", str(run), "--max-cost", "100"]) == 0, capsys.readouterr().err
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[-1]["cost/total"] == pytest.approx(sum(r["cost/step"] for r in rows))
+
 
 def test_train_sums_the_sandbox_cpu_seconds_into_a_total():
     from retool.train import _add_totals

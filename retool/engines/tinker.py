@@ -43,8 +43,9 @@ both); the adapter adds no second layer around a request. Tinker's own retries a
 counted in ``engine/retries`` (:mod:`retool.engines.sdk_retries`). What still fails
 once the SDK gives up is counted in ``engine/errors`` and, when it may pass later (a
 timeout, 408/429/5xx), raised as ``TransientEngineError``: the trainer then re-runs the
-rollout (``--max-retries``; counted in ``engine/retries`` too). An ``optim_step`` is never re-sent. An authentication
-error or an unknown model stops the run at once with one line. Inputs are checked for
+rollout (``--max-retries``; counted in ``engine/retries`` too). An ``optim_step`` is
+never re-sent. An authentication error or an unknown model stops the run at once with
+one line. Inputs are checked for
 non-finite values before anything is sent, so a poisoned batch never reaches the service.
 Because ``optim_step`` is sent before ``forward_backward`` has answered, a step that fails
 on the service may have been applied there; the run then stops and ``--resume`` restores
