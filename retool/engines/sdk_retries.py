@@ -14,7 +14,10 @@ through its public API:
 :func:`watch_tinker` counts both: a filter on that logger (it lowers the logger's level
 to debug so the records exist, counts the retry records, and lets through only what the
 logger showed before) and a wrapper around the session's ``Telemetry.log``. Retrying
-stays entirely the SDK's; this only counts.
+stays entirely the SDK's; this only counts. The price: the SDK now builds its debug
+records (one holds a dump of each request's options), which are dropped unread — small
+next to a network round trip. Not counted: a 429 on a sample request, which the SDK
+treats as the service's backpressure and waits out without a log line or an event.
 
 Each retry is counted once; a request the SDK finally gives up on may count one more
 (its last failure is reported as retryable before the time limit ends the loop).
