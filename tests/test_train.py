@@ -166,10 +166,11 @@ def test_tiny_run_writes_metrics_trajectories_and_checkpoints(tmp_path):
                 "rollout/trajectory_tokens", "rollout/valid_tool_call_rate", "rollout/degenerate_group_rate",
                 "sandbox/success_rate", "sandbox/latency_p95", "train/loss", "train/clip_frac",
                 "train/sampler_logprob_diff", "train/grad_norm", "tokens/prefill", "tokens/sampled",
-                "tokens/trained", "tokens/sampled_total", "time/step"):
+                "tokens/trained", "tokens/sampled_total", "sandbox/cpu_s", "sandbox/cpu_s_total", "time/step"):
         assert key in rows[0], key
     assert rows[0]["reward/format"] > 0.5  # the boxed-digit model boxes its answers
     assert rows[1]["tokens/sampled_total"] == rows[0]["tokens/sampled"] + rows[1]["tokens/sampled"]
+    assert rows[1]["sandbox/cpu_s_total"] == pytest.approx(rows[0]["sandbox/cpu_s"] + rows[1]["sandbox/cpu_s"])
     assert [m.step for m in read_manifest(run)] == [1, 2]
     assert latest_checkpoint(run)[0] == 2
     with gzip.open(run / "trajectories" / "step_000001.jsonl.gz", "rt") as f:
