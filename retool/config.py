@@ -266,7 +266,8 @@ def config_from_dict(cls: type[C], data: dict[str, Any], source: str = "saved co
 
 def resumed_config(cls: type[C], args: argparse.Namespace) -> C:
     """The saved config of the run folder ``args.resume`` (its ``config.json``), with
-    ``run_dir`` pointing there and ``--max-steps`` applied when it was given.
+    ``run_dir`` pointing there and ``--max-steps`` (and ``--max-cost``, for a run that
+    stopped at its budget) applied when given.
 
     Raises :class:`ConfigError` when the folder has no ``config.json``.
     """
@@ -278,9 +279,13 @@ def resumed_config(cls: type[C], args: argparse.Namespace) -> C:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"--resume {args.resume}: config.json is not valid JSON ({err}); restore it "
                           "from a backup or start a new run") from None
+    upgrade = getattr(cls, "upgrade_saved", None)
+    if upgrade is not None:  # a config saved by an older retool
+        data = upgrade(data)
     data["run_dir"] = str(args.resume)
-    if hasattr(args, "max_steps"):
-        data["max_steps"] = args.max_steps
+    for name in ("max_steps", "max_cost"):
+        if hasattr(args, name):
+            data[name] = getattr(args, name)
     return config_from_dict(cls, data, str(saved))
 
 

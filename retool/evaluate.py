@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.cost import PriceTableOption, cost_meter
 from retool.data import require_usable_golds
 from retool.engines import EngineCheckpoint, EngineChoice, EngineSampler, Requirements, SamplerRequest, check_supported
 from retool.results import (
@@ -73,13 +74,14 @@ MODES = ("retool", "text")
 
 
 @dataclass
-class EvalConfig(RolloutBudgets, EngineChoice):
+class EvalConfig(PriceTableOption, RolloutBudgets, EngineChoice):
     """Every knob of ``retool eval``; defaults are the seed's evaluation (AIME 2025, 12
     samples a problem, temperature 1.0, top_p 0.7, 8,192-token trajectories, tool on).
 
     The engine fields come from :class:`retool.engines.EngineChoice` (an eval builds a
     sampler only), the rollout and sandbox budgets from
-    :class:`retool.rollout.RolloutBudgets` (shared with ``retool train``).
+    :class:`retool.rollout.RolloutBudgets` (shared with ``retool train``); ``--price-table``
+    prices this call's tokens and sandbox CPU (:mod:`retool.cost`).
     """
 
     # ---- what to evaluate
@@ -221,13 +223,14 @@ class ProblemSampler:
     With ``seed`` set, a request gets ``hash(seed, context tokens, occurrence)`` as its
     ``SamplingParams.seed``, where occurrence counts earlier requests with the same
     context (two trajectories that reached the same state still draw independently).
-    With ``seed=None`` requests pass through unchanged. ``requests``, ``sequences`` and
-    ``tokens`` count what was asked and returned.
+    With ``seed=None`` requests pass through unchanged. ``requests``, ``sequences``,
+    ``prefill`` (prompt tokens sent) and ``tokens`` (sampled) count what was asked and
+    returned.
     """
 
     def __init__(self, inner: Any, seed: int | None) -> None:
         self.inner, self.seed = inner, seed
-        self.requests = self.sequences = self.tokens = 0
+        self.requests = self.sequences = self.tokens = self.prefill = 0
         self._seen: Counter = Counter()
 
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int, sampling_params: Any) -> Any:
@@ -239,6 +242,7 @@ class ProblemSampler:
             request_seed = derive_seed(str(self.seed).encode(), context, str(occurrence).encode())
             params = dataclasses.replace(sampling_params, seed=request_seed)
         self.requests += 1
+        self.prefill += len(prompt_tokens)
         result = await self.inner.sample(prompt_tokens, num_samples, params)
         self.sequences += len(result.sequences)
         self.tokens += sum(len(s.tokens) for s in result.sequences)
@@ -328,6 +332,12 @@ class EvalReport:
     sampled_sequences: int
     sampled_tokens: int
     seconds: float
+    prefill_tokens: int = 0
+    """Prompt tokens this call sent to the sampler (one prompt per request)."""
+    sandbox_cpu_s: float = 0.0
+    """CPU seconds this call's code calls used in the sandbox."""
+    cost: float | None = None
+    """USD for this call's tokens and sandbox CPU, with ``--price-table``; else ``None``."""
 
 
 def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
@@ -341,13 +351,14 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
     dataset = load_dataset(cfg)
     choice = model.choice if model is not None else choose_model(cfg)
     header = build_header(cfg, choice, dataset)
+    meter = cost_meter(cfg, cfg.engine, choice.model)  # a bad price table fails before the model loads
     results = _open_results(cfg, default_output(cfg, choice, dataset), header, dataset)
     pending = [(i, p) for i, p in enumerate(dataset.problems) if p.id not in results.done]
     resumed = len(dataset.problems) - len(pending)
     if resumed:
         print(f"resuming {results.path}: {resumed} of {len(dataset.problems)} problems already done",
               file=sys.stderr)
-    counts = Counter()
+    counts, cpu_s = Counter(), 0.0
     if pending:
         require_usable_golds(dataset.path, [p for _, p in pending])
         sandbox = cfg.start_sandbox() if cfg.mode == "retool" else None  # before the model: strict refuses early
@@ -359,10 +370,13 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
                 model.close()
         finally:
             if sandbox is not None:
+                cpu_s = sandbox.metrics(reset=False)["sandbox/cpu_s"]
                 sandbox.close()
     summary = results.finish()
+    cost = None if meter is None else meter.prices.step_cost(
+        {"tokens/prefill": counts["prefill"], "tokens/sampled": counts["tokens"], "sandbox/cpu_s": cpu_s})
     return EvalReport(results.path, results.header, summary, len(pending), resumed, counts["requests"],
-                      counts["sequences"], counts["tokens"], time.monotonic() - t0)
+                      counts["sequences"], counts["tokens"], time.monotonic() - t0, counts["prefill"], cpu_s, cost)
 
 
 def _open_results(cfg: EvalConfig, path: Path, header: ResultsHeader, dataset: Dataset) -> ResultsFile:
@@ -387,7 +401,8 @@ async def _sample_pending(cfg: EvalConfig, model: EvalModel, sandbox: Any, pendi
         async with semaphore:
             result, sampler = await _sample_problem(cfg, model, renderer, rollout_config, sandbox, index, problem)
         results.append(result)
-        counts.update(requests=sampler.requests, sequences=sampler.sequences, tokens=sampler.tokens)
+        counts.update(requests=sampler.requests, sequences=sampler.sequences, tokens=sampler.tokens,
+                      prefill=sampler.prefill)
         progress.update(len(results.done), average=results.running_average(),
                         tok_s=counts["tokens"] / max(time.monotonic() - t0, 1e-9))
 
@@ -476,6 +491,9 @@ def format_summary(report: EvalReport) -> str:
     s, h = report.summary, report.header
     k = s.k
     unbiased = "  ".join(f"pass@{j} {100 * v:.2f}%" for j, v in s.pass_at_k_unbiased.items())
+    cost = [] if report.cost is None else [
+        f"  cost of this run: {report.cost:.4g} USD ({report.prefill_tokens} prompt tokens, "
+        f"{report.sampled_tokens} sampled tokens, {report.sandbox_cpu_s:.1f} sandbox CPU-s)"]
     return "\n".join([
         f"{h.label} on {h.dataset} ({h.mode} mode), {s.num_problems} problems × {k} samples",
         f"  Average@{k} {100 * s.average_at_k:.2f}% ± {100 * s.average_at_k_stderr:.2f}  "
@@ -485,5 +503,6 @@ def format_summary(report: EvalReport) -> str:
         f"correct {s.num_correct}/{s.num_samples}  solved {s.num_solved}/{s.num_problems}",
         f"  this run: sampled {report.sampled_problems} problems ({report.sampler_requests} sampler requests, "
         f"{report.sampled_tokens} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
+        *cost,
         f"  results: {report.path}",
     ])

@@ -46,6 +46,7 @@ from typing import Any
 from retool import runs
 from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
+from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported
 from retool.protocol import INTERPRETERS, TOOL_NAME, system_prompt
 from retool.types import Datum
@@ -55,12 +56,13 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
-class SFTConfig(ModelConfig):
+class SFTConfig(CostOptions, ModelConfig):
     """Every knob of ``retool sft``.
 
     The engine, model and adapter fields come from :class:`retool.engines.ModelConfig`,
     shared with ``retool train``: keep them equal in both runs, since the RL run's
-    ``--init-from`` loads this run's adapter.
+    ``--init-from`` loads this run's adapter. ``--price-table`` and ``--max-cost`` price
+    the trained tokens (:class:`retool.cost.CostOptions`).
     """
 
     # ---- data
@@ -94,6 +96,7 @@ class SFTConfig(ModelConfig):
         for name in ("batch_size", "save_every", "max_seq_tokens", "max_tool_response_tokens"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         self.validate_model()
+        self.validate_cost()
         require(self.max_steps is None or self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
         require(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -421,6 +424,8 @@ class SFTRun:
     engine: Any
     datums: tuple[Datum, ...]
     total_steps: int
+    cost: Any = None
+    """A :class:`retool.cost.CostMeter` when the run has a ``--price-table``."""
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {"tokens/trained_total": 0.0})
 
     def checkpoint_state(self, step: int) -> runs.TrainerState:
@@ -445,12 +450,16 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
     trained = float(sum(d.num_trained for d in batch))
     run.totals["tokens/trained_total"] += trained
     grad_norm = {"sft/grad_norm": opt.metrics["train/grad_norm"]} if "train/grad_norm" in opt.metrics else {}
-    return {  # a service engine reports no gradient norm unless its service does
+    metrics = {  # a service engine reports no gradient norm unless its service does
         "sft/loss": fb.metrics["train/loss"], **grad_norm, "sft/lr": lr,
         "sft/epoch": step * cfg.batch_size / len(run.datums), "sft/sequences": float(len(batch)),
         "tokens/trained": trained, "tokens/sequence": float(sum(d.num_tokens for d in batch)),
         **run.totals, "time/step": time.monotonic() - t0,
     }
+    metrics.update({k: v for k, v in opt.metrics.items() if k.startswith("engine/")})
+    if run.cost is not None:
+        metrics.update(run.cost.charge(metrics, run.totals))
+    return metrics
 
 
 # ---------------------------------------------------------------- a run
@@ -460,12 +469,13 @@ def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SF
     """Load the engine and turn ``dialogues`` into datums."""
     from retool.render import Renderer
 
+    cost = cost_meter(cfg, cfg.engine, cfg.model)  # a bad price table fails before the model loads
     engine = runs.load_engine(cfg, cfg.seed)
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=True, model_name=cfg.model,
                         interpreter=cfg.interpreter)
     data = build_sft_data(dialogues, renderer, max_seq_tokens=cfg.max_seq_tokens,
                           max_tool_response_tokens=cfg.max_tool_response_tokens)
-    return SFTRun(cfg, engine, data.datums, total_steps(cfg, len(data.datums))), data
+    return SFTRun(cfg, engine, data.datums, total_steps(cfg, len(data.datums)), cost), data
 
 
 def sft(cfg: SFTConfig, *, resume: bool = False) -> Path:
@@ -484,14 +494,18 @@ def sft(cfg: SFTConfig, *, resume: bool = False) -> Path:
     runs.run_steps(runs.StepLoop(
         run_dir, cfg, run.total_steps, run.engine, step=lambda step: sft_step(run, step),
         progress_fields=_progress_fields, checkpoint_state=run.checkpoint_state,
-        restore_state=run.restore_state, description="sft"), resume=resume)
+        restore_state=run.restore_state, description="sft", stop=run.cost.stop_reason if run.cost else None),
+        resume=resume)
     if runs.latest_checkpoint(run_dir) is None:
         raise RuntimeError(f"{run_dir}: the run ended without a checkpoint")
     return run_dir
 
 
 def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
-    return {"loss": metrics["sft/loss"], "lr": metrics["sft/lr"]}
+    fields = {"loss": metrics["sft/loss"], "lr": metrics["sft/lr"]}
+    if "cost/total" in metrics:
+        fields["usd"] = metrics["cost/total"]
+    return fields
 
 
 def _report_data(run_dir: Path, data: SFTData, data_info: dict[str, str]) -> None:
@@ -519,7 +533,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the run in RUN_DIR from its last checkpoint (its saved config is used; "
-                        "--max-steps may extend it)")
+                        "--max-steps may extend it, --max-cost raise its budget)")
     add_config_args(p, SFTConfig)
     p.set_defaults(func=_run_sft_command)
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from retool import runs
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
+from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported
 from retool.rollout import RolloutBudgets
 
@@ -51,14 +52,15 @@ MODES = ("retool", "text")
 
 
 @dataclass
-class TrainConfig(RolloutBudgets, ModelConfig):
+class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     """Every knob of ``retool train``; defaults are the seed's configuration (Qwen3.5-4B,
     LoRA 32, 8 problems x 8 trajectories, Adam lr 4e-5 betas (0.9, 0.95), PPO clip
     [0.8, 1.28], seed 42).
 
     The engine, model and adapter fields come from :class:`retool.engines.ModelConfig`
     (shared with ``retool sft``), the rollout and sandbox budgets from
-    :class:`retool.rollout.RolloutBudgets` (shared with ``retool eval``).
+    :class:`retool.rollout.RolloutBudgets` (shared with ``retool eval``), ``--price-table``
+    and ``--max-cost`` from :class:`retool.cost.CostOptions` (shared with ``retool sft``).
     """
 
     # ---- data and batch
@@ -101,6 +103,7 @@ class TrainConfig(RolloutBudgets, ModelConfig):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         self.validate_model()
         self.validate_budgets()
+        self.validate_cost()
         require(self.group_size >= 2, f"group_size must be >= 2 for group-centred advantages, got {self.group_size}")
         require(self.max_turn_tokens < self.max_trajectory_tokens,
                 "max_turn_tokens must be smaller than max_trajectory_tokens")
@@ -143,9 +146,10 @@ class Trainer:
     problems: list
     sandbox: Any
     cost: Any = None
-    """A :class:`retool.cost.CostMeter` when the engine's settings name a price table."""
+    """A :class:`retool.cost.CostMeter` when the run has a ``--price-table``."""
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {
-        "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0})
+        "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0,
+        "sandbox/cpu_s_total": 0.0})
     store: runs.GroupStore | None = None
     """Finished groups of the step in progress, kept for a mid-step resume (``None``: not kept)."""
     reused_groups: int = 0
@@ -221,9 +225,9 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     flat = [t for g in groups for t in g]
     usage = trainer.rollout.take_usage()
     trained = float(sum(d.num_trained for d in datums))
-    _add_totals(trainer.totals, usage["prefill"], usage["sampled"], trained)
     metrics.update(rollout_metrics(flat))
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
+    _add_totals(trainer.totals, usage["prefill"], usage["sampled"], trained, metrics.get("sandbox/cpu_s", 0.0))
     metrics.update({
         "rollout/degenerate_group_rate": sum(degenerate_B) / len(groups),
         "train/datums": float(len(datums)),
@@ -250,10 +254,11 @@ def _loss_config(cfg: TrainConfig) -> dict[str, float]:
     return out
 
 
-def _add_totals(totals: dict[str, float], prefill: int, sampled: int, trained: float) -> None:
+def _add_totals(totals: dict[str, float], prefill: int, sampled: int, trained: float, cpu_s: float) -> None:
     totals["tokens/prefill_total"] += prefill
     totals["tokens/sampled_total"] += sampled
     totals["tokens/trained_total"] += trained
+    totals["sandbox/cpu_s_total"] = totals.get("sandbox/cpu_s_total", 0.0) + cpu_s
 
 
 def _rollout_with_retries(trainer: Trainer, problems: list, step: int, round_: int) -> list:
@@ -348,7 +353,7 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
     from retool.reward import agrade
     from retool.rollout import Rollout
 
-    cost = _cost_meter(cfg)  # a bad price table fails before anything loads
+    cost = cost_meter(cfg, cfg.engine, cfg.model)  # a bad price table fails before anything loads
     problems = load_problems(cfg.train_data) if problems is None else problems
     tools = cfg.mode == "retool"
     sandbox = cfg.start_sandbox() if tools else None  # before the model: strict refuses early
@@ -368,16 +373,6 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost)
-
-
-def _cost_meter(cfg: TrainConfig) -> Any:
-    """The cost hook: a meter when the engine's settings name a price table, else ``None``."""
-    settings = cfg.engine_settings()
-    if getattr(settings, "price_table", None) is None:
-        return None
-    from retool.cost import CostMeter, load_prices
-
-    return CostMeter(load_prices(settings.price_table, cfg.engine, cfg.model), settings.max_cost)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
@@ -405,7 +400,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
 def _step_with_trajectories(trainer: Trainer, run_dir: Path, step: int) -> dict[str, float]:
     """One step; its trajectories go to the run folder when ``save_trajectories`` is on."""
     metrics, groups = train_step(trainer, step)
-    if trainer.cost is not None:  # the cost hook (service engines with a price table)
+    if trainer.cost is not None:  # the cost hook (a run with a price table)
         metrics.update(trainer.cost.charge(metrics, trainer.totals))
     if trainer.config.save_trajectories:
         runs.save_trajectories(run_dir, step, groups)
@@ -433,7 +428,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the run in RUN_DIR from its last checkpoint (its saved config is used; "
-                        "--max-steps may extend it)")
+                        "--max-steps may extend it, --max-cost raise its budget)")
     add_config_args(p, TrainConfig)
     p.set_defaults(func=_run_train_command)
 

@@ -22,8 +22,10 @@ services' semantics rather than retool's:
   with a real service), named ``tinker://fake/<kind>/<name>``.
 
 Faults: :meth:`FakeService.fail` makes the next call of a method fail with the SDK's
-own exception (429, 500, timeout, 401); the SDK's transport retries are not part of the
-fake, so the failure is what the SDK would raise once its own retries are spent.
+own exception (429, 500, timeout, 401); the SDK's transport retries are not part of this
+fake, so the failure is what the SDK would raise once its own retries are spent. For
+Tinker, :mod:`tests.fake_tinker_http` serves the same computations over HTTP to the
+unmodified SDK, so its retries run (faults injected below it).
 
 Use :func:`install` (monkeypatches ``tinker.ServiceClient`` / ``pytrio.ServiceClient``),
 or run ``python -m tests.fake_tinker ROOT FLAVOUR MODEL_ALPHA -- retool args...`` for a

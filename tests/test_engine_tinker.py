@@ -523,8 +523,8 @@ def test_max_cost_stops_cleanly_after_a_checkpoint(tmp_path, monkeypatch, capsys
     table = tmp_path / "prices.toml"
     table.write_text("[pytrio]\nprefill = 100.0\nsample = 1000.0\ntrain = 1000.0\n")
     run = tmp_path / "run"
-    args = train_args(tmp_path, run, "pytrio", steps=5) + ["--save-every", "10", "--pytrio-price-table", str(table),
-                                                           "--pytrio-max-cost", "0.3"]
+    args = train_args(tmp_path, run, "pytrio", steps=5) + ["--save-every", "10", "--price-table", str(table),
+                                                           "--max-cost", "0.3"]
     assert cli_main(args) == 0, capsys.readouterr().err
     rows = read_metrics(run / "metrics.jsonl")
     assert 1 <= len(rows) < 5

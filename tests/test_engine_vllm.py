@@ -350,7 +350,7 @@ def test_32_concurrent_requests_all_complete(vllm_server, local_engine):
 
 # ---------------------------------------------------------------- the CLI on the real server
 
-TIMING_METRICS = ("time/", "tok_s", "sandbox/latency")
+TIMING_METRICS = ("time/", "tok_s", "sandbox/latency", "sandbox/cpu_s")
 """Metric names whose values may differ between two runs (wall-clock timings); every
 other metric of a resumed run must equal the uninterrupted run's."""
 

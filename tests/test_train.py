@@ -166,10 +166,11 @@ def test_tiny_run_writes_metrics_trajectories_and_checkpoints(tmp_path):
                 "rollout/trajectory_tokens", "rollout/valid_tool_call_rate", "rollout/degenerate_group_rate",
                 "sandbox/success_rate", "sandbox/latency_p95", "train/loss", "train/clip_frac",
                 "train/sampler_logprob_diff", "train/grad_norm", "tokens/prefill", "tokens/sampled",
-                "tokens/trained", "tokens/sampled_total", "time/step"):
+                "tokens/trained", "tokens/sampled_total", "sandbox/cpu_s", "sandbox/cpu_s_total", "time/step"):
         assert key in rows[0], key
     assert rows[0]["reward/format"] > 0.5  # the boxed-digit model boxes its answers
     assert rows[1]["tokens/sampled_total"] == rows[0]["tokens/sampled"] + rows[1]["tokens/sampled"]
+    assert rows[1]["sandbox/cpu_s_total"] == pytest.approx(rows[0]["sandbox/cpu_s"] + rows[1]["sandbox/cpu_s"])
     assert [m.step for m in read_manifest(run)] == [1, 2]
     assert latest_checkpoint(run)[0] == 2
     with gzip.open(run / "trajectories" / "step_000001.jsonl.gz", "rt") as f:
@@ -287,8 +288,8 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
 
 
 TIMING_METRICS = ("time/rollout", "time/train", "time/step", "sandbox/latency_mean", "sandbox/latency_p50",
-                  "sandbox/latency_p95")
-"""Metrics that measure wall time; every other metric of a resumed run equals the uninterrupted one's."""
+                  "sandbox/latency_p95", "sandbox/cpu_s", "sandbox/cpu_s_total")
+"""Metrics that measure wall or CPU time; every other metric of a resumed run equals the uninterrupted one's."""
 
 
 def test_sigkill_mid_rollout_reuses_the_finished_groups(tmp_path, monkeypatch):
@@ -341,7 +342,8 @@ def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
     from retool.runs import GroupKey, GroupStore, run_fingerprint
     from retool.types import ExecStatus, ExecutionResult, Grade, StopReason, ToolCall, ToolExchange, Trajectory, Turn
 
-    exchange = ToolExchange(ToolCall("print(2)"), ExecutionResult(ExecStatus.OK, stdout="2\n"), "2", latency_s=0.1)
+    exchange = ToolExchange(ToolCall("print(2)"), ExecutionResult(ExecStatus.OK, stdout="2\n", cpu_s=0.25), "2",
+                            latency_s=0.1)
     trajectory = Trajectory("p0", 2, (1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.5, -0.25),
                             (Turn("call", 1, StopReason.STOP, exchange), Turn("\\boxed{2}", 1, StopReason.STOP)),
                             Grade(1.0, True, True, "2"), StopReason.STOP)
@@ -375,6 +377,7 @@ def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
     assert trainer.rollout.usage == {"prefill": 10, "sampled": 4} and trainer.reused_groups == 1
     assert metrics["sandbox/calls"] == 1 and metrics["sandbox/success_rate"] == 1.0
     assert metrics["sandbox/latency_mean"] == pytest.approx(0.1)
+    assert metrics["sandbox/cpu_s"] == pytest.approx(0.25)  # its CPU time is counted (and priced) again
 
 
 def test_docs_list_every_flag():

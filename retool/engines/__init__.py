@@ -85,17 +85,11 @@ class ServiceSettings:
     sample_concurrency: int = option(64, "most sample requests in flight at once")
     retry_timeout_s: float | None = option(None, "how long the SDK keeps retrying a request that makes no progress "
                                                  "before it fails (its own retries; none = the SDK's default)")
-    price_table: str | None = option(None, "TOML price table, your own USD per million tokens (configs/prices/); "
-                                           "adds cost/step and cost/total; none = no cost metrics")
-    max_cost: float | None = option(None, "stop cleanly, after a checkpoint, before another step would pass "
-                                          "this many USD of cost/total (needs price_table)")
 
     def validate(self) -> None:
         require(self.sample_concurrency >= 1, f"sample_concurrency must be >= 1, got {self.sample_concurrency}")
         require(self.retry_timeout_s is None or self.retry_timeout_s > 0,
                 f"retry_timeout_s must be > 0, got {self.retry_timeout_s}")
-        require(self.max_cost is None or self.max_cost > 0, f"max_cost must be > 0, got {self.max_cost}")
-        require(self.max_cost is None or self.price_table is not None, "max_cost needs a price_table")
 
 
 @dataclass(frozen=True)
@@ -214,6 +208,20 @@ class EngineChoice:
     def validate_engine(self) -> None:
         engine_spec(self.engine)
         validate_sections(self)
+
+    @staticmethod
+    def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
+        """A run folder's saved config in today's layout: ``price_table`` and ``max_cost``
+        were service settings (``tinker.max_cost``) and are now the command's own."""
+        for name in ("tinker", "pytrio"):
+            section = data.get(name)
+            if not isinstance(section, dict):
+                continue
+            for key in ("price_table", "max_cost"):
+                value = section.pop(key, None)
+                if value is not None and data.get("engine") == name:
+                    data.setdefault(key, value)
+        return data
 
 
 @dataclass

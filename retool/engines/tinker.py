@@ -36,13 +36,16 @@ are in flight. The metrics the local engine reports (``train/loss``,
 ``train/sampler_logprob_diff``, ``train/approx_kl``, ``train/clip_frac``) are computed
 here from the logprobs the service returns, with ``retool.algo``'s losses.
 
-**Faults.** The SDKs retry transient failures themselves (Tinker with its progress
-timeout, PyTRIO with ``pytrio.configure`` retries; ``retry_timeout_s`` sets both); the
-adapter adds no second layer.
-What still fails is counted (``engine/errors``) and, when it may pass on a retry (a
-timeout, 408/429/5xx), raised as ``TransientEngineError`` so the trainer retries the
-rollout (``engine/retries``). An ``optim_step`` is never re-sent. An authentication
-error or an unknown model stops the run at once with one line. Inputs are checked for
+**Faults.** The SDKs retry transient failures themselves (Tinker: its HTTP client, its
+request layer and futures, and its sampling ``RetryConfig`` with the progress timeout;
+PyTRIO: ``pytrio.configure`` retries; ``retry_timeout_s`` sets the sampling timeout of
+both); the adapter adds no second layer around a request. Tinker's own retries are
+counted in ``engine/retries`` (:mod:`retool.engines.sdk_retries`). What still fails
+once the SDK gives up is counted in ``engine/errors`` and, when it may pass later (a
+timeout, 408/429/5xx), raised as ``TransientEngineError``: the trainer then re-runs the
+rollout (``--max-retries``; counted in ``engine/retries`` too). An ``optim_step`` is
+never re-sent. An authentication error or an unknown model stops the run at once with
+one line. Inputs are checked for
 non-finite values before anything is sent, so a poisoned batch never reaches the service.
 Because ``optim_step`` is sent before ``forward_backward`` has answered, a step that fails
 on the service may have been applied there; the run then stops and ``--resume`` restores
@@ -89,6 +92,7 @@ from retool.engines.base import (
     SamplingParams,
     TransientEngineError,
 )
+from retool.engines.sdk_retries import RetryCounter, watch_tinker
 from retool.types import Datum, StopReason
 
 IGNORE_TARGET = -100
@@ -259,10 +263,13 @@ class _Counters:
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
+        self.sdk = RetryCounter()
+        """The SDK's own retries (:func:`retool.engines.sdk_retries.watch_tinker`)."""
 
     def take(self) -> dict[str, float]:
+        sdk_retries = self.sdk.take()
         with self.lock:
-            out = {"engine/errors": float(self.errors), "engine/retries": float(self.retries)}
+            out = {"engine/errors": float(self.errors), "engine/retries": float(self.retries + sdk_retries)}
             self.errors = self.retries = 0
         return out
 
@@ -324,12 +331,13 @@ class ServiceTrainingClient:
     """Our ``TrainingClient`` over a service's SDK training client (module docstring)."""
 
     def __init__(self, flavour: Flavour, service: Any, sdk_client: Any, model: str, lora_rank: int,
-                 tokenizer: Any, sample_concurrency: int = 64, retry_timeout_s: float | None = None) -> None:
+                 tokenizer: Any, sample_concurrency: int = 64, retry_timeout_s: float | None = None,
+                 counters: _Counters | None = None) -> None:
         self.flavour, self.service, self.sdk_client = flavour, service, sdk_client
         self.retry_timeout_s = retry_timeout_s
         self.model, self.lora_rank, self.tokenizer = model, lora_rank, tokenizer
         self.optim_steps = 0
-        self.counters = _Counters()
+        self.counters = counters or _Counters()
         self._sample_pool = ThreadPoolExecutor(sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
         self._result_pool = ThreadPoolExecutor(2, thread_name_prefix=f"{flavour.name}-result")
         self._pending_gradient = False
@@ -454,13 +462,16 @@ def _check_data(data: Sequence[Datum], loss_fn: str) -> float:
 def _create(flavour: Flavour, counters: _Counters, what: str, fn: Callable[[], Any]) -> Any:
     """Call a ``create_*`` method (Tinker's return futures, PyTRIO's clients); a failure
     (an unknown model, a missing checkpoint) stops the run with one line."""
+    result = _setup(flavour, counters, what, fn)
+    return _setup(flavour, counters, what, result.result) if flavour.create_returns_future else result
+
+
+def _setup(flavour: Flavour, counters: _Counters, what: str, fn: Callable[[], Any]) -> Any:
+    """Call ``fn`` while setting up; any failure stops the run with one line."""
     try:
-        result = _call(flavour, counters, what, fn, retryable=False)
-        if flavour.create_returns_future:
-            result = _call(flavour, counters, what, result.result, retryable=False)
+        return _call(flavour, counters, what, fn, retryable=False)
     except RuntimeError as err:
         raise ServiceError(str(err)) from None
-    return result
 
 
 def _sampling_client(flavour: Flavour, service: Any, model: str, path: str | None,
@@ -481,16 +492,22 @@ def _sampling_client(flavour: Flavour, service: Any, model: str, path: str | Non
                    lambda: service.create_sampling_client(base_model=model, model_path=path))
 
 
-def service_client(flavour: Flavour, base_url: str | None = None, retry_timeout_s: float | None = None) -> Any:
-    """The SDK's ``ServiceClient``; the SDK reads the API key from its environment."""
+def service_client(flavour: Flavour, base_url: str | None = None, retry_timeout_s: float | None = None,
+                   retries: RetryCounter | None = None) -> Any:
+    """The SDK's ``ServiceClient``; the SDK reads the API key from its environment. With
+    ``retries``, Tinker's own retries are counted there from the start (its session is
+    opened now, so a refused key stops here)."""
     sdk = flavour.sdk()
     if flavour is PYTRIO and retry_timeout_s is not None:
         sdk.configure(training_retry_timeout_seconds=retry_timeout_s, sampling_retry_timeout_seconds=retry_timeout_s)
     if flavour is TINKER:
-        return _call(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(base_url=base_url), retryable=False)
+        service = _setup(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(base_url=base_url))
+        if retries is not None:
+            _setup(flavour, _Counters(), "connecting", lambda: watch_tinker(service, retries))
+        return service
     if base_url:
         sdk.configure(base_url=base_url)
-    return _call(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient(), retryable=False)
+    return _setup(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient())
 
 
 def _engine_json(path: str | Path) -> dict[str, Any]:
@@ -524,8 +541,8 @@ def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_
     """A training client on the service: a fresh LoRA adapter on ``model``, or the weights
     (not the optimizer) of the checkpoint folder ``init_from``."""
     flavour = FLAVOURS[flavour] if isinstance(flavour, str) else flavour
-    service = service_client(flavour, base_url, retry_timeout_s)
     counters = _Counters()
+    service = service_client(flavour, base_url, retry_timeout_s, counters.sdk)
     if init_from:
         checkpoint = _read_checkpoint(flavour, init_from)
         sdk_client = _create(flavour, counters, "create_training_client_from_state",
@@ -535,7 +552,7 @@ def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_
                              lambda: service.create_lora_training_client(base_model=model, rank=lora_rank, seed=seed,
                                                                          train_unembed=False))
     return ServiceTrainingClient(flavour, service, sdk_client, model, lora_rank, load_tokenizer(model),
-                                 sample_concurrency, retry_timeout_s)
+                                 sample_concurrency, retry_timeout_s, counters)
 
 
 def training_client(cfg: Any, seed: int, init_from: str | None, flavour: Flavour = TINKER) -> ServiceTrainingClient:

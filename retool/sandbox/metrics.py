@@ -1,4 +1,4 @@
-"""Per-window sandbox metrics: outcome rates, latency percentiles, counts by status.
+"""Per-window sandbox metrics: outcome rates, latency percentiles, counts by status, CPU time.
 
 The trainer reads and resets them once per step (``snapshot(reset=True)``), so every
 number describes one collection window, never the whole run.
@@ -29,11 +29,13 @@ class SandboxMetrics:
         self._latencies: list[float] = []
         self._counts = {status: 0 for status in ExecStatus}
         self._restarts = 0
+        self._cpu_s = 0.0
 
     def record(self, result: ExecutionResult, latency_s: float) -> None:
         with self._lock:
             self._latencies.append(latency_s)
             self._counts[result.status] += 1
+            self._cpu_s += result.cpu_s
 
     def record_restart(self) -> None:
         with self._lock:
@@ -42,12 +44,15 @@ class SandboxMetrics:
     def snapshot(self, reset: bool = True) -> dict[str, float]:
         """``sandbox/*`` metrics of the window; rates are 0.0 when there were no calls.
 
-        ``latency`` is the caller's end-to-end time (queueing included), in seconds.
+        ``latency`` is the caller's end-to-end time (queueing included), in seconds;
+        ``cpu_s`` the user + system CPU seconds the calls' processes used (what a priced
+        sandbox bills, :mod:`retool.cost`).
         """
         with self._lock:
             latencies = sorted(self._latencies)
             counts = dict(self._counts)
             restarts = self._restarts
+            cpu_s = self._cpu_s
             if reset:
                 self.__init__()
         n = len(latencies)
@@ -61,6 +66,7 @@ class SandboxMetrics:
             "sandbox/latency_p50": percentile(latencies, 50),
             "sandbox/latency_p95": percentile(latencies, 95),
             "sandbox/worker_restarts": float(restarts),
+            "sandbox/cpu_s": cpu_s,
         }
         out.update({f"sandbox/count_{status.value}": float(c) for status, c in counts.items()})
         return out
