@@ -64,6 +64,8 @@ class DemoConfig:
     rl_lr: float = option(1e-4, "RL learning rate (3e-4 eroded the call format in 10 steps)")
     eval_problems: int = option(64, "held-out test problems (the paired s.e. of RL's gain shrinks with more)")
     eval_samples: int = option(2, "samples per held-out problem (k of Average@k)")
+    base_eval_problems: int = option(16, "of those, how many the base model is evaluated on before SFT (it never "
+                                         "calls the tool, so a few show it; the paired RL-vs-SFT comparison uses all)")
     max_turn_tokens: int = option(128, "tokens per assistant turn")
     max_trajectory_tokens: int = option(1024, "tokens per trajectory")
     max_code_calls: int = option(2, "code executions per trajectory")
@@ -80,7 +82,7 @@ class DemoConfig:
 
     def validate(self) -> None:
         for name in ("sft_dialogues", "sft_steps", "sft_batch_size", "rl_problems", "rl_steps", "rl_batch_size",
-                     "eval_problems", "eval_samples", "max_turn_tokens", "max_trajectory_tokens",
+                     "eval_problems", "eval_samples", "base_eval_problems", "max_turn_tokens", "max_trajectory_tokens",
                      "max_assistant_turns"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
@@ -94,6 +96,7 @@ class DemoConfig:
         return dataclasses.replace(self, sft_dialogues=min(self.sft_dialogues, 96), sft_steps=min(self.sft_steps, 6),
                                    rl_problems=min(self.rl_problems, 64), rl_steps=min(self.rl_steps, 1),
                                    rl_batch_size=min(self.rl_batch_size, 2), eval_problems=min(self.eval_problems, 4),
+                                   base_eval_problems=min(self.base_eval_problems, 4),
                                    eval_samples=min(self.eval_samples, 2))
 
 
@@ -122,19 +125,21 @@ def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     return paths
 
 
-def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint: Path | None) -> EvalSummary:
-    """Evaluate one stage on the held-out problems; return its summary."""
+def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint: Path | None,
+             problems: int | None = None) -> EvalSummary:
+    """Evaluate one stage on the first ``problems`` held-out problems (all by default); return its summary."""
     from retool.config import make_config
     from retool.evaluate import EvalConfig, evaluate
 
-    _say(f"eval {label}: {cfg.eval_problems} problems x {cfg.eval_samples} samples")
+    problems = min(problems or cfg.eval_problems, cfg.eval_problems)
+    _say(f"eval {label}: {problems} problems x {cfg.eval_samples} samples")
     eval_cfg = make_config(
         EvalConfig, dataset=str(test_path), mode="retool", model=cfg.model, chat_template=cfg.chat_template,
         checkpoint=str(checkpoint) if checkpoint else None, label=label, val_n=cfg.eval_samples,
         max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, seed=cfg.seed,
-        sandbox_workers=4, concurrency=cfg.eval_problems, device=cfg.device, dtype=cfg.dtype,
-        output=str(eval_path(out, label)))
+        sandbox_workers=4, concurrency=problems, device=cfg.device, dtype=cfg.dtype,
+        limit=problems if problems < cfg.eval_problems else None, output=str(eval_path(out, label)))
     return evaluate(eval_cfg).summary
 
 
@@ -232,11 +237,11 @@ def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, qui
     """The demo's tables as Markdown (the same numbers the console shows)."""
     from retool.report.compare import format_table
 
-    rows = ["| stage | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| stage | problems × k | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
+            "|---|---|---|---|---|---|---|---|"]
     for stage, s in summaries.items():
-        rows.append(f"| {stage} | {s.average_at_k:.1%} | {s.average_at_k_stderr:.1%} | {s.pass_at_k:.1%} | "
-                    f"{s.format:.1%} | {s.used_tool_rate:.1%} | {s.code_calls:.2f} |")
+        rows.append(f"| {stage} | {s.num_problems} × {s.k} | {s.average_at_k:.1%} | {s.average_at_k_stderr:.1%} | "
+                    f"{s.pass_at_k:.1%} | {s.format:.1%} | {s.used_tool_rate:.1%} | {s.code_calls:.2f} |")
     rows += ["", f"**{gain_sentence(gain)}.**", "", "After RL against after SFT (`retool compare`: per-problem "
              "differences, so each problem's difficulty cancels):", "", format_table(gain)]
     if quick:
@@ -250,10 +255,10 @@ def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, 
     from rich.table import Table
 
     table = Table(title=f"retool demo — held-out arithmetic, tool on ({seconds / 60:.1f} min)")
-    for column in ("stage", "accuracy", "± s.e.", "Pass@k", "format", "used the tool", "code calls"):
-        table.add_column(column, justify="right" if column != "stage" else "left")
+    for column in ("stage", "problems × k", "accuracy", "± s.e.", "Pass@k", "format", "used the tool", "code calls"):
+        table.add_column(column, justify="right" if column != "stage" else "left", no_wrap=column == "stage")
     for stage, s in summaries.items():
-        table.add_row(stage, f"{s.average_at_k:.1%}", f"{s.average_at_k_stderr:.1%}", f"{s.pass_at_k:.1%}",
+        table.add_row(stage, f"{s.num_problems} × {s.k}", f"{s.average_at_k:.1%}", f"{s.average_at_k_stderr:.1%}", f"{s.pass_at_k:.1%}",
                       f"{s.format:.1%}", f"{s.used_tool_rate:.1%}", f"{s.code_calls:.2f}")
     console = Console()
     console.print(table)
@@ -273,7 +278,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     out.mkdir(parents=True, exist_ok=True)
     resolve_model_name(cfg.model)  # converts the bundled model once, or says how to install it
     paths = make_data(cfg, out)
-    summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None)}
+    summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
     sft_dir = run_sft(cfg, out, paths["sft"])
     summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
     rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)

@@ -15,7 +15,7 @@ from tests.tiny import small_vocab_model_dir
 pytestmark = pytest.mark.timeout(900)  # the demo test runs every stage: SFT, RL and three evals
 
 TINY_ARGS = ["--quick", "--sft-dialogues", "16", "--sft-steps", "2", "--rl-problems", "8", "--rl-steps", "2",
-             "--eval-problems", "2", "--eval-samples", "2", "--max-turn-tokens", "16",
+             "--eval-problems", "2", "--eval-samples", "2", "--base-eval-problems", "1", "--max-turn-tokens", "16",
              "--max-trajectory-tokens", "900"]
 
 
@@ -29,7 +29,9 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     summaries = json.loads((out / "summary.json").read_text())
     gain = summaries.pop("rl_vs_sft")
     assert list(summaries) == list(STAGES)
-    assert all(s["num_problems"] == 2 and s["k"] == 2 for s in summaries.values())
+    # the base model is evaluated on the first --base-eval-problems only; SFT and RL on all
+    assert [s["num_problems"] for s in summaries.values()] == [1, 2, 2]
+    assert all(s["k"] == 2 for s in summaries.values())
     # The paired comparison is retool compare's, on the after-SFT and after-RL eval files.
     expected = compare(out / "eval" / "after-sft.jsonl", out / "eval" / "after-rl.jsonl").metric("accuracy")
     assert gain["problems"] == 2 and gain["accuracy"]["difference"] == expected.difference
@@ -47,7 +49,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     assert (out / "rl" / "metrics.jsonl").read_text().splitlines() == rl_rows
     for stage in STAGES:
         lines = (out / "eval" / f"{stage.replace(' ', '-').lower()}.jsonl").read_text().splitlines()
-        assert sum(json.loads(line)["type"] == "problem" for line in lines) == 2
+        assert sum(json.loads(line)["type"] == "problem" for line in lines) == (1 if stage == STAGES[0] else 2)
 
 
 def test_quick_shrinks_the_defaults():
