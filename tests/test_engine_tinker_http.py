@@ -6,8 +6,7 @@ answer lost after the request was carried out — so the SDK's own machinery ret
 (its HTTP client, its request layer, its futures, its sampling retry handler); the run
 counts those retries in ``engine/retries`` and never re-sends anything itself. A 401
 stops the run with one line. What this does not cover: PyTRIO (its SDK has its own
-transport; the in-process fake in ``tests/fake_tinker.py`` stands in for it), and
-resume/export over HTTP (``load_weights`` and weight downloads are not served; the
+transport: ``tests/test_engine_pytrio_http.py``), and resume/export over HTTP (``load_weights`` and weight downloads are not served; the
 in-process fake covers them)."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ here from the logprobs the service returns, with ``retool.algo``'s losses.
 **Faults.** The SDKs retry transient failures themselves (Tinker: its HTTP client, its
 request layer and futures, and its sampling ``RetryConfig`` with the progress timeout;
 PyTRIO: ``pytrio.configure`` retries; ``retry_timeout_s`` sets the sampling timeout of
-both); the adapter adds no second layer around a request. Tinker's own retries are
+both); the adapter adds no second layer around a request. The SDKs' own retries are
 counted in ``engine/retries`` (:mod:`retool.engines.sdk_retries`). What still fails
 once the SDK gives up is counted in ``engine/errors`` and, when it may pass later (a
 timeout, 408/429/5xx), raised as ``TransientEngineError``: the trainer then re-runs the
@@ -92,7 +92,7 @@ from retool.engines.base import (
     SamplingParams,
     TransientEngineError,
 )
-from retool.engines.sdk_retries import RetryCounter, watch_tinker
+from retool.engines.sdk_retries import RetryCounter, watch_pytrio, watch_tinker
 from retool.types import Datum, StopReason
 
 IGNORE_TARGET = -100
@@ -495,7 +495,7 @@ def _sampling_client(flavour: Flavour, service: Any, model: str, path: str | Non
 def service_client(flavour: Flavour, base_url: str | None = None, retry_timeout_s: float | None = None,
                    retries: RetryCounter | None = None) -> Any:
     """The SDK's ``ServiceClient``; the SDK reads the API key from its environment. With
-    ``retries``, Tinker's own retries are counted there from the start (its session is
+    ``retries``, the SDK's own retries are counted there from the start (its session is
     opened now, so a refused key stops here)."""
     sdk = flavour.sdk()
     if flavour is PYTRIO and retry_timeout_s is not None:
@@ -507,6 +507,8 @@ def service_client(flavour: Flavour, base_url: str | None = None, retry_timeout_
         return service
     if base_url:
         sdk.configure(base_url=base_url)
+    if retries is not None:
+        return _setup(flavour, _Counters(), "connecting", lambda: watch_pytrio(retries, sdk.ServiceClient))
     return _setup(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient())
 
 
