@@ -112,8 +112,10 @@ class PytrioHTTPFake:
         """Every request to ``endpoint`` answers ``status`` for ``seconds`` from the next one."""
         self.faults[endpoint].append(f"for:{seconds}:{status}")
 
-    def _next_fault(self, endpoint: str) -> Any:
+    def _arrived(self, endpoint: str) -> Any:
+        """Count a request to ``endpoint``; the fault it meets, if any."""
         with self._lock:
+            self.hits[endpoint] += 1
             queue = self.faults[endpoint]
             fault = queue[0] if queue else None
             if not (isinstance(fault, str) and fault.startswith("for:")):
@@ -190,7 +192,8 @@ class PytrioHTTPFake:
             except Exception as err:  # the fake service's refusal: the event fails, as on the Actor
                 result = {"status": "failed", "error": {"code": type(err).__name__, "message": str(err)},
                           "usage": {"input_tokens": 0, "output_tokens": 0}}
-            self.executed[kind] += 1
+            with self._lock:
+                self.executed[kind] += 1
             self._events[event_id] = {"version": 1, "event_id": event_id, "type": kind, **result}
         if fault == "applied-500":
             raise _HTTPError(500, "internal", "fake HTTP 500 after the event was carried out")
@@ -260,7 +263,8 @@ class PytrioHTTPFake:
             [t for chunk in body["prompt"]["chunks"] for t in chunk["tokens"]])
         response = self._samplers[sampling_run].submit(
             prompt, int(body.get("num_samples", 1)), pytrio.types.SamplingParams(**params)).result()
-        self.executed["sample"] += 1
+        with self._lock:
+            self.executed["sample"] += 1
         return {"request_id": body["request_id"], "sampling_run": sampling_run,
                 "sequences": [{"tokens": list(s.tokens), "logprobs": list(s.logprobs), "stop_reason": s.stop_reason}
                               for s in response.sequences],
@@ -303,8 +307,7 @@ def _handler(fake: PytrioHTTPFake) -> type:
                     endpoint = body["type"]
             except _HTTPError as err:
                 return self._error(err)
-            fake.hits[endpoint] += 1
-            fault = fake._next_fault(endpoint)
+            fault = fake._arrived(endpoint)
             if isinstance(fault, str) and fault.startswith("delay:"):
                 time.sleep(float(fault.split(":", 1)[1]))
             if fault == "drop":
