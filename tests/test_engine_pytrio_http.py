@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-import pytrio  # noqa: F401 -- the test extra pins the SDK: missing, these tests fail, never skip
+import pytrio  # the test extra pins the SDK: missing, these tests fail, never skip
 from pytrio.config import config as pytrio_config
 
 from retool.cli import main as cli_main
