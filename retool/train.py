@@ -45,6 +45,7 @@ from retool import runs
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.engines import ModelConfig, Requirements, check_supported
 from retool.rollout import RolloutBudgets
+from retool.seeding import derive_seed
 
 LOSSES = ("ppo", "importance_sampling")
 MODES = ("retool", "text")
@@ -281,8 +282,6 @@ async def _rollout_groups(trainer: Trainer, problems: list, step: int, round_: i
     and sandbox outcomes counted as if sampled now), and each new group is kept as it
     finishes.
     """
-    from retool.rollout import derive_seed
-
     cfg = trainer.config
 
     async def one(index: int, problem: Any) -> list:
