@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hashlib
 import json
 import re
 import sys
@@ -66,8 +65,9 @@ from retool.results import (
     SamplingSettings,
     SandboxSettings,
 )
-from retool.rollout import RolloutBudgets, derive_seed
+from retool.rollout import RolloutBudgets
 from retool.runs import resolve_checkpoint
+from retool.seeding import context_digest, derive_seed
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
 MODES = ("retool", "text")
@@ -236,7 +236,7 @@ class ProblemSampler:
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int, sampling_params: Any) -> Any:
         params = sampling_params
         if self.seed is not None:
-            context = hashlib.sha256(",".join(map(str, prompt_tokens)).encode()).digest()
+            context = context_digest(prompt_tokens)
             occurrence = self._seen[context]
             self._seen[context] += 1
             request_seed = derive_seed(str(self.seed).encode(), context, str(occurrence).encode())

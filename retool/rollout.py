@@ -40,7 +40,6 @@ tools other than ``code_interpreter``, reward shaping.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import sys
 import time
 from collections import Counter
@@ -60,6 +59,7 @@ from retool.protocol import (
 from retool.render import Renderer, Segment
 from retool.sandbox import Sandbox, SandboxConfig
 from retool.sandbox.executor import MAX_TIMEOUT_S
+from retool.seeding import derive_seed
 from retool.stats import trajectory_stats
 from retool.types import (
     ExecutionResult,
@@ -186,16 +186,6 @@ class CodeRunner:
 
     def session(self) -> Any:  # pragma: no cover
         raise NotImplementedError
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from ``parts`` (bytes as they are, anything else as its ``str``),
-    stable across processes and machines."""
-    h = hashlib.sha256()
-    for part in parts:
-        raw = part if isinstance(part, bytes) else str(part).encode()
-        h.update(len(raw).to_bytes(8, "little") + raw)
-    return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from retool.config import ConfigError, add_config_args, config_from_args, option
 from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported
 from retool.rollout import RolloutBudgets
+from retool.seeding import derive_seed
 
 LOSSES = ("ppo", "importance_sampling")
 MODES = ("retool", "text")
@@ -286,8 +287,6 @@ async def _rollout_groups(trainer: Trainer, problems: list, step: int, round_: i
     and sandbox outcomes counted as if sampled now), and each new group is kept as it
     finishes.
     """
-    from retool.rollout import derive_seed
-
     cfg = trainer.config
 
     async def one(index: int, problem: Any) -> list:

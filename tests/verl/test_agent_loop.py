@@ -129,6 +129,22 @@ def test_registered_under_retool_and_subclasses_the_real_base():
         "retool.integrations.verl.agent_loop.RetoolAgentLoop"
 
 
+def test_the_loop_settings_are_retools_budgets_and_the_yaml_sets_each_field():
+    from dataclasses import fields
+
+    from retool.config import ConfigError, make_config
+    from retool.integrations.verl.launch import VerlConfig, agent_loop_settings
+    from retool.rollout import RolloutBudgets
+
+    budgets = {f.name: f.default for f in fields(RolloutBudgets)}
+    settings = loop_module.LoopSettings()
+    assert {name: getattr(settings, name) for name in budgets} == budgets
+    assert set(agent_loop_settings(make_config(VerlConfig))) == {f.name for f in fields(loop_module.LoopSettings)}
+    assert loop_module.LoopSettings(sandbox_strict=True).sandbox_config().strict
+    with pytest.raises(ConfigError, match="max_turn_tokens must be >= 1"):
+        loop_module.LoopSettings(max_turn_tokens=0)
+
+
 def test_tool_call_result_and_boxed_answer():
     tok = qwen25_tokenizer()
     script = [hermes_call("print(6*7)"), "So the product is \\boxed{42}."]

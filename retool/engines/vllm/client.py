@@ -35,7 +35,6 @@ in ``bench/vllm.py`` with a 1-token request).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import urllib.error
 import urllib.request
@@ -45,6 +44,7 @@ from typing import Any
 
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams, TransientEngineError
 from retool.engines.vllm.server import FAILED_REQUEST_GRACE_S
+from retool.seeding import context_digest, derive_seed
 from retool.types import StopReason
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -71,15 +71,6 @@ def mode_problem(mode: str, params: SamplingParams) -> str | None:
     return None
 
 
-def digest(*parts: Any) -> int:
-    """A 63-bit seed from ``parts``, stable across processes and machines."""
-    h = hashlib.sha256()
-    for part in parts:
-        data = part if isinstance(part, bytes) else str(part).encode()
-        h.update(len(data).to_bytes(8, "little") + data)
-    return int.from_bytes(h.digest()[:8], "little") >> 1
-
-
 class VLLMSamplingClient:
     """Samples from one model name (the base model or a loaded adapter) on a vLLM server."""
 
@@ -103,13 +94,13 @@ class VLLMSamplingClient:
             raise ValueError(f"engine vllm: {problem}; the server runs with --logprobs-mode {self.mode}")
         base_seed = sampling_params.seed
         if base_seed is None:
-            context = hashlib.sha256(",".join(map(str, prompt_tokens)).encode()).digest()
+            context = context_digest(prompt_tokens)
             occurrence, self._seen[context] = self._seen[context], self._seen[context] + 1
-            base_seed = digest(self.seed, self.generation, context, occurrence)
+            base_seed = derive_seed(self.seed, self.generation, context, occurrence)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             sequences = await asyncio.gather(*(
-                self._one(session, list(prompt_tokens), sampling_params, digest(base_seed, i))
+                self._one(session, list(prompt_tokens), sampling_params, derive_seed(base_seed, i))
                 for i in range(num_samples)))
         return SampleResult(tuple(sequences))
 

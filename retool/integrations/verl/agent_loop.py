@@ -39,37 +39,34 @@ Not covered: multimodal prompts, verl's own tool registry (``tools``) and its
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
+from retool.config import option
 from retool.integrations.verl.sampler import ServerManagerSampler
 from retool.protocol import build_messages
 from retool.render import Renderer
 from retool.reward import agrade
-from retool.rollout import Rollout, RolloutConfig, rollout_metrics
+from retool.rollout import Rollout, RolloutBudgets, RolloutConfig, rollout_metrics
 from retool.types import ExecStatus, Grade, InvalidToolCall, Problem, Trajectory
 
 AGENT_NAME = "retool"
 
 
-@dataclass(frozen=True)
-class LoopSettings:
-    """What the agent-loop YAML entry sets (``retool verl-config`` writes every field)."""
+@dataclass
+class LoopSettings(RolloutBudgets):
+    """What the agent-loop YAML entry sets (``retool verl-config`` writes every field):
+    retool's rollout and sandbox budgets — :class:`retool.rollout.RolloutBudgets`, the
+    fields and defaults ``retool train`` has — plus where the sandbox runs and the template."""
 
-    max_code_calls: int = 4
-    max_assistant_turns: int = 6
-    max_trajectory_tokens: int = 8192
-    max_turn_tokens: int = 1024
-    max_tool_response_tokens: int = 512
-    sandbox_timeout_s: float = 30.0
-    sandbox_memory_mb: int = 2048
-    sandbox_workers: int = 8
-    sandbox_url: str | None = None
-    """A ``retool sandbox serve`` URL; ``None`` runs a warm sandbox in this process."""
-    chat_template: str | None = None
-    enable_thinking: bool = False
+    sandbox_url: str | None = option(None, "a `retool sandbox serve` URL; none = a warm sandbox in this process")
+    chat_template: str | None = option(None, "chat-template override: 'hermes', a .jinja file, or Jinja source")
+    enable_thinking: bool = option(False, "render prompts with the template's thinking mode on")
+
+    def __post_init__(self) -> None:
+        self.validate_budgets()
 
 
 _RENDERERS: dict[tuple, Renderer] = {}
@@ -87,18 +84,16 @@ def shared_renderer(tokenizer: Any, settings: LoopSettings) -> Renderer:
 
 def shared_sandbox(settings: LoopSettings) -> Any:
     """One sandbox (or client of a sandbox server) per process and settings."""
-    key = (settings.sandbox_url, settings.sandbox_timeout_s, settings.sandbox_memory_mb, settings.sandbox_workers)
+    key = (settings.sandbox_url, settings.sandbox_config())
     if key not in _SANDBOXES:
         if settings.sandbox_url:
             from retool.sandbox.client import SandboxClient
 
             _SANDBOXES[key] = SandboxClient(settings.sandbox_url)
         else:
-            from retool.sandbox import Sandbox, SandboxConfig
+            from retool.sandbox import Sandbox
 
-            _SANDBOXES[key] = Sandbox(SandboxConfig(timeout_s=settings.sandbox_timeout_s,
-                                                    memory_mb=settings.sandbox_memory_mb,
-                                                    workers=settings.sandbox_workers))
+            _SANDBOXES[key] = Sandbox(settings.sandbox_config())
     return _SANDBOXES[key]
 
 
@@ -128,15 +123,11 @@ class RetoolAgentLoop(AgentLoopBase):
         return to_output(trajectory, time.monotonic() - start, grading.seconds)
 
     def _rollout_config(self, sampling_params: dict[str, Any], prompt_len: int) -> RolloutConfig:
-        s = self.settings
-        top_k = int(sampling_params.get("top_k", -1))
-        return RolloutConfig(
-            max_code_calls=s.max_code_calls, max_assistant_turns=s.max_assistant_turns,
-            max_trajectory_tokens=min(s.max_trajectory_tokens, prompt_len + self.response_length),
-            max_turn_tokens=s.max_turn_tokens, max_tool_response_tokens=s.max_tool_response_tokens,
-            temperature=float(sampling_params.get("temperature", 1.0)),
-            top_p=float(sampling_params.get("top_p", 1.0)), top_k=max(top_k, 0),
-            sandbox_timeout_s=s.sandbox_timeout_s)
+        config = self.settings.rollout_config(temperature=float(sampling_params.get("temperature", 1.0)),
+                                              top_p=float(sampling_params.get("top_p", 1.0)),
+                                              top_k=max(int(sampling_params.get("top_k", -1)), 0))
+        budget = min(config.max_trajectory_tokens, prompt_len + self.response_length)
+        return replace(config, max_trajectory_tokens=budget)
 
 
 class _TimedGrader:

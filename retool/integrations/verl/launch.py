@@ -32,11 +32,12 @@ import math
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.rollout import RolloutBudgets
 from retool.train import TrainConfig
 
 ROLLOUT_ENGINES = ("vllm", "sglang")
@@ -98,14 +99,10 @@ class VerlConfig(VerlSettings, TrainConfig):
 
 
 def agent_loop_settings(cfg: VerlConfig) -> dict[str, Any]:
-    """The agent-loop YAML entry's fields (``LoopSettings`` of the agent loop)."""
-    return {
-        "max_code_calls": cfg.max_code_calls, "max_assistant_turns": cfg.max_assistant_turns,
-        "max_trajectory_tokens": cfg.max_trajectory_tokens, "max_turn_tokens": cfg.max_turn_tokens,
-        "max_tool_response_tokens": cfg.max_tool_response_tokens, "sandbox_timeout_s": cfg.sandbox_timeout_s,
-        "sandbox_memory_mb": cfg.sandbox_memory_mb, "sandbox_workers": cfg.sandbox_workers,
-        "sandbox_url": cfg.sandbox_url, "chat_template": cfg.chat_template, "enable_thinking": False,
-    }
+    """The agent-loop YAML entry's fields (``LoopSettings`` of the agent loop): the run's
+    :class:`~retool.rollout.RolloutBudgets`, the sandbox URL and the chat template."""
+    budgets = {f.name: getattr(cfg, f.name) for f in fields(RolloutBudgets)}
+    return {**budgets, "sandbox_url": cfg.sandbox_url, "chat_template": cfg.chat_template, "enable_thinking": False}
 
 
 def overrides(cfg: VerlConfig, folder: str, train_rows: int) -> list[tuple[str, Any]]:
