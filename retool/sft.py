@@ -47,7 +47,7 @@ from retool import runs
 from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostOptions, cost_meter
-from retool.engines import ModelConfig, Requirements, check_supported
+from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
 from retool.protocol import INTERPRETERS, TOOL_NAME, system_prompt
 from retool.types import Datum
 
@@ -489,13 +489,20 @@ def sft(cfg: SFTConfig, *, resume: bool = False) -> Path:
     if resume:
         runs.check_same_data(run_dir, "sft_data.json", data_info)
     run, data = build_run(cfg, dialogues)
-    runs.create_run(run_dir, cfg)  # only now: a failed start or resume leaves the folder as it was
-    _report_data(run_dir, data, data_info)
-    runs.run_steps(runs.StepLoop(
-        run_dir, cfg, run.total_steps, run.engine, step=lambda step: sft_step(run, step),
-        progress_fields=_progress_fields, checkpoint_state=run.checkpoint_state,
-        restore_state=run.restore_state, description="sft", stop=run.cost.stop_reason if run.cost else None),
-        resume=resume)
+    ended: BaseException | None = None
+    try:
+        runs.create_run(run_dir, cfg)  # only now: a failed start or resume leaves the folder as it was
+        _report_data(run_dir, data, data_info)
+        runs.run_steps(runs.StepLoop(
+            run_dir, cfg, run.total_steps, run.engine, step=lambda step: sft_step(run, step),
+            progress_fields=_progress_fields, checkpoint_state=run.checkpoint_state,
+            restore_state=run.restore_state, description="sft", stop=run.cost.stop_reason if run.cost else None),
+            resume=resume)
+    except BaseException as err:
+        ended = err
+        raise
+    finally:
+        close_training_client(run.engine, ended)
     if runs.latest_checkpoint(run_dir) is None:
         raise RuntimeError(f"{run_dir}: the run ended without a checkpoint")
     return run_dir

@@ -44,7 +44,7 @@ from typing import Any
 from retool import runs
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostOptions, cost_meter
-from retool.engines import ModelConfig, Requirements, check_supported
+from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
 from retool.rollout import RolloutBudgets
 from retool.seeding import derive_seed
 
@@ -382,6 +382,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
     cfg = runs.with_absolute_paths(cfg)
     inputs = check_inputs(cfg, resume=resume)
     trainer = build_trainer(cfg, inputs.problems)
+    ended: BaseException | None = None
     try:
         runs.create_run(run_dir, cfg)
         atomic_write_json(run_dir / TRAIN_DATA_RECORD, {**inputs.fingerprint, "problems": len(inputs.problems)})
@@ -390,7 +391,11 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
             progress_fields=_progress_fields, checkpoint_state=trainer.checkpoint_state,
             restore_state=trainer.restore_state, stop=trainer.cost.stop_reason if trainer.cost else None),
             resume=resume)
+    except BaseException as err:
+        ended = err
+        raise
     finally:
+        close_training_client(trainer.engine, ended)
         if trainer.sandbox is not None:
             trainer.sandbox.close()
     return run_dir

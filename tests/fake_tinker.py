@@ -436,6 +436,10 @@ class TinkerServiceClient:
         type(self).last_retry_config = retry_config
         return self._later(lambda: TinkerSamplingClient(self.service.sampler(model_path, base_model)))
 
+    def close(self, status, detail=None):
+        type(self).closed_with = status
+        return self.service.future(None)
+
 
 class PytrioTrainingClient:
     """``pytrio.TrainingClient``'s methods the adapter uses, with the real signatures."""

@@ -15,7 +15,8 @@ lost: the SDK re-sends it with the same sequence id, and this server carries out
 sequence id of a model once — what the SDK's sequence ids are for; how the real service
 treats a re-sent id is not documented).
 
-Endpoints: client config, session (create, heartbeat), telemetry (kept in
+Endpoints: client config, session (create, heartbeat, finish: kept in
+:attr:`TinkerHTTPFake.finished`), telemetry (kept in
 :attr:`TinkerHTTPFake.telemetry`), create_model, get_info, forward_backward, optim_step,
 save_weights, save_weights_for_sampler, create_sampling_session, samplers/{id}, asample,
 retrieve_future. Not served (a test needing them uses :mod:`tests.fake_tinker`):
@@ -27,7 +28,6 @@ from __future__ import annotations
 import collections
 import json
 import threading
-import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -47,12 +47,16 @@ class TinkerHTTPFake:
         self.executed: collections.Counter = collections.Counter()
         """Requests carried out per endpoint (a re-sent sequence id only once)."""
         self.telemetry: list[dict[str, Any]] = []
+        self.finished: list[tuple[str, str]] = []
+        """Sessions the SDK finished (``ServiceClient.close``): (session id, status)."""
         self._lock = threading.Lock()
         self._results: dict[str, Any] = {}
         self._done_seq: dict[tuple[str, int], str] = {}
         self._trainers: dict[str, Any] = {}
         self._samplers: dict[str, tuple[Any, str, str | None]] = {}
         self._model_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+        self.closing = threading.Event()
+        """Set when the server shuts down: a delayed answer still pending is dropped."""
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -62,6 +66,7 @@ class TinkerHTTPFake:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -84,6 +89,9 @@ class TinkerHTTPFake:
             return {"type": "create_session", "session_id": f"session-{uuid.uuid4().hex[:8]}"}
         if endpoint == "session_heartbeat":
             return {"type": "session_heartbeat"}
+        if endpoint.startswith("sessions/") and endpoint.endswith("/finish"):
+            self.finished.append((endpoint.split("/")[1], (body.get("reason") or {}).get("type", "")))
+            return None
         if endpoint == "telemetry":
             for event in body.get("events", []):
                 self.telemetry.append(event.get("event_data") or {})
@@ -256,8 +264,8 @@ def _handler(fake: TinkerHTTPFake) -> type:
             fake.hits[endpoint] += 1
             fault = fake.faults[endpoint].popleft() if fake.faults[endpoint] else None
             if isinstance(fault, str) and fault.startswith("delay:"):
-                time.sleep(float(fault.split(":", 1)[1]))
-            if fault == "drop":
+                fake.closing.wait(float(fault.split(":", 1)[1]))
+            if fault == "drop" or fake.closing.is_set():  # a closed server answers nothing more
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return

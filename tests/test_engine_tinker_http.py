@@ -69,6 +69,9 @@ def test_a_fault_free_run_counts_no_retries(tmp_path, fake, capsys):
     row = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     assert row["engine/retries"] == 0 and row["engine/errors"] == 0
     assert fake.executed["optim_step"] == fake.hits["optim_step"] == 1
+    # the run finished its session: the SDK's heartbeat, config refresh and telemetry for
+    # it stopped, so they cannot retry into a later run's count once this server is gone
+    assert [status for _, status in fake.finished] == ["success"]
 
 
 def test_the_progress_timeout_retool_sets_is_the_sdks(tmp_path, fake, capsys):
@@ -93,3 +96,5 @@ def test_a_401_stops_the_run_with_one_line(endpoint, tmp_path, fake, capsys):
     assert [line for line in err.splitlines() if line.startswith("error:")] == [err.strip().splitlines()[-1]]
     assert "Traceback" not in err
     assert fake.hits[endpoint] == 1  # not retried
+    # a session that was opened is finished even though the run could not start
+    assert [status for _, status in fake.finished] == (["errored"] if endpoint == "create_model" else [])

@@ -368,6 +368,27 @@ def load_training_client(cfg: ModelConfig, seed: int, init_from: str | None = No
     return _engine_module(cfg.engine).training_client(cfg, seed, init_from)
 
 
+def close_training_client(engine: Any, error: BaseException | None = None) -> None:
+    """Release what a training client holds when its run ends (``error``: what ended it,
+    ``None`` for a normal end). A service engine ends its SDK session there (Tinker:
+    the session is finished and the SDK's background heartbeat, config refresh and
+    telemetry stop); an engine without a ``close`` holds nothing to release. Never
+    raises: the run's own outcome stands."""
+    close = getattr(engine, "close", None)
+    if close is None:
+        return
+    if error is None:
+        status = "success"
+    elif isinstance(error, Exception):
+        status = "errored"
+    else:  # KeyboardInterrupt, SystemExit
+        status = "interrupted"
+    try:
+        close(status)
+    except Exception:  # noqa: BLE001 - closing is best effort
+        pass
+
+
 def load_sampler(engine: str, request: SamplerRequest) -> EngineSampler:
     """A sampler only (no optimiser, no training state) for ``retool eval``."""
     return _engine_module(engine).sampler(request)
@@ -378,5 +399,6 @@ __all__ = [
     "EngineSpec", "ForwardBackwardOutput", "LocalSettings", "ModelConfig", "OptimStepOutput", "Requirements",
     "SampleResult", "SampledSequence", "SamplerRequest", "SamplingClient", "SamplingParams", "ServiceSettings",
     "TrainingClient", "TransientEngineError", "VLLMSettings", "capabilities_table", "check_supported",
-    "create_training_client", "engine_spec", "load_sampler", "load_training_client", "reads_checkpoint", "run_now",
+    "close_training_client", "create_training_client", "engine_spec", "load_sampler", "load_training_client",
+    "reads_checkpoint", "run_now",
 ]

@@ -13,13 +13,25 @@ them through its public API:
 
 :func:`watch_tinker` counts both: a filter on that logger (it lowers the logger's level
 to debug so the records exist, counts the retry records, and lets through only what the
-logger showed before) and a wrapper around the session's ``Telemetry.log``. The price:
-the SDK now builds its debug records (one holds a dump of each request's options), which
-are dropped unread — small next to a network round trip. Not counted: a 429 on a sample
-request, which the SDK treats as the service's backpressure and waits out without a log
-line or an event. Each retry is counted once; a request the SDK finally gives up on may
-count one more (its last failure is reported as retryable before the time limit ends
-the loop).
+logger showed before) and a wrapper around the session's ``Telemetry.log``. Retrying
+stays entirely the SDK's; this only counts.
+
+**What is counted.** The retries of the run's own requests to the service: training,
+sampling, futures, checkpoints, session and model creation. Not the SDK's background
+traffic — its telemetry uploads, session heartbeats and dynamic-config refreshes
+(:data:`BACKGROUND_PATHS`) — which runs on a timer whatever the run does. The HTTP
+client's log record names only the request's path, not the client that sent it, so an
+HTTP retry is counted into every counter being watched in this process (in a CLI run:
+one); :func:`unwatch_tinker` stops a counter when its run ends, and the run closes its
+``ServiceClient`` (``retool.engines.tinker.close_service``), which stops that client's
+background loops. Before both, a run's counter also took the background retries of
+clients left over from earlier runs in the same process (telemetry sent to a service
+that was gone), and a fault-free run could report retries. The price: the SDK now builds its debug
+records (one holds a dump of each request's options), which are dropped unread — small
+next to a network round trip. Not counted: a 429 on a sample request, which the SDK
+treats as the service's backpressure and waits out without a log line or an event.
+Each retry is counted once; a request the SDK finally gives up on may count one more
+(its last failure is reported as retryable before the time limit ends the loop).
 
 **PyTRIO** (0.2.9) retries in its own transport (``httpx``), in three places, and neither
 logs nor reports a retry (its telemetry records only each request's final outcome):
@@ -75,6 +87,13 @@ TESTED_TINKER = "0.38"
 TESTED_PYTRIO = "0.2.9"
 HTTP_LOGGER = "tinker._base_client"
 HTTP_RETRY_MESSAGE = "Retrying request to %s in %f seconds"
+BACKGROUND_PATHS = ("/api/v1/telemetry", "/api/v1/session_heartbeat", "/api/v1/client/dynamic_config")
+"""The SDK's own periodic requests: their retries are not the run's."""
+
+
+def _is_background(url: object) -> bool:
+    path = str(url).split("?", 1)[0].rstrip("/")
+    return any(path.endswith(background) for background in BACKGROUND_PATHS)
 
 
 class RetryCounter:
@@ -95,8 +114,9 @@ class RetryCounter:
 
 
 class _HTTPRetryFilter(logging.Filter):
-    """Counts the HTTP client's retry records into every live counter; passes on only
-    records the logger would have shown at its own level."""
+    """Counts the HTTP client's retry records of the run's requests (not of
+    :data:`BACKGROUND_PATHS`) into every watched counter; passes on only records the
+    logger would have shown at its own level."""
 
     def __init__(self, shown_from: int) -> None:
         super().__init__()
@@ -104,7 +124,7 @@ class _HTTPRetryFilter(logging.Filter):
         self.counters: weakref.WeakSet[RetryCounter] = weakref.WeakSet()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == HTTP_RETRY_MESSAGE:
+        if record.msg == HTTP_RETRY_MESSAGE and not (record.args and _is_background(record.args[0])):
             for counter in list(self.counters):
                 counter.add()
         return record.levelno >= self.shown_from
@@ -127,8 +147,9 @@ def _http_filter() -> _HTTPRetryFilter:
 
 def watch_tinker(service_client: Any, counter: RetryCounter) -> bool:
     """Count into ``counter`` the retries of every request made through ``service_client``
-    (its HTTP retries: of any client in this process). Returns whether the SDK's
-    telemetry was there to be watched."""
+    (its HTTP retries: of any client in this process, background requests excepted),
+    until :func:`unwatch_tinker`. Returns whether the SDK's telemetry was there to be
+    watched."""
     _http_filter().counters.add(counter)
     try:
         telemetry = service_client.holder.get_telemetry()
@@ -231,3 +252,8 @@ def watch_pytrio(counter: RetryCounter, create_service: Callable[[], Any]) -> An
     if loop is not None:
         _pytrio_loops[loop] = counter
     return service
+
+
+def unwatch_tinker(counter: RetryCounter) -> None:
+    """Stop counting HTTP retries into ``counter`` (its run has ended)."""
+    _http_filter().counters.discard(counter)

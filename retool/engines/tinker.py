@@ -92,13 +92,17 @@ from retool.engines.base import (
     SamplingParams,
     TransientEngineError,
 )
-from retool.engines.sdk_retries import RetryCounter, watch_pytrio, watch_tinker
+from retool.engines.sdk_retries import RetryCounter, unwatch_tinker, watch_pytrio, watch_tinker
 from retool.types import Datum, StopReason
 
 IGNORE_TARGET = -100
 """PyTRIO's target id for a position that is neither trained nor counted."""
 
 STATE_FORMAT = 1
+
+CLOSE_WAIT_S = 10.0
+"""How long ending a run waits for Tinker to finish its session (it retries that request
+for minutes when the service is gone); the SDK's own cleanup carries on after that."""
 
 SAMPLER_TTL_S = 24 * 3600
 """Lifetime asked for the per-step sampler weights (checkpoints are kept: no TTL)."""
@@ -438,6 +442,14 @@ class ServiceTrainingClient:
         self.optim_steps = int(_engine_json(path).get("optim_steps", 0))
         self._pending_gradient = False
 
+    def close(self, status: str = "success") -> None:
+        """End the run's use of the service: stop counting SDK retries for it, release
+        the thread pools and close the SDK's session (:func:`close_service`)."""
+        unwatch_tinker(self.counters.sdk)
+        self._sample_pool.shutdown(wait=False, cancel_futures=True)
+        self._result_pool.shutdown(wait=False, cancel_futures=True)
+        close_service(self.flavour, self.service, status)
+
 
 def _check_data(data: Sequence[Datum], loss_fn: str) -> float:
     """Reject what the service would choke on, before sending: returns the trained weight."""
@@ -512,6 +524,22 @@ def service_client(flavour: Flavour, base_url: str | None = None, retry_timeout_
     return _setup(flavour, _Counters(), "connecting", lambda: sdk.ServiceClient())
 
 
+def close_service(flavour: Flavour, service: Any, status: str = "success") -> None:
+    """Close a ``ServiceClient`` when a run ends. Tinker's ``close`` marks the session
+    finished on the service (``status``: success, errored or interrupted) and stops the
+    SDK's background loops for it — session heartbeat, dynamic-config refresh, telemetry
+    flushes — which would otherwise run (and retry against a service that is gone) until
+    the process exits. It waits at most :data:`CLOSE_WAIT_S`; a failure is ignored (the
+    run's outcome stands). PyTRIO 0.2's ``ServiceClient`` has no ``close``: nothing to do."""
+    close = getattr(service, "close", None)
+    if flavour is not TINKER or close is None:
+        return
+    try:
+        close(status).result(timeout=CLOSE_WAIT_S)
+    except Exception:  # noqa: BLE001 - a session that cannot be finished expires on the service
+        pass
+
+
 def _engine_json(path: str | Path) -> dict[str, Any]:
     import json
 
@@ -545,15 +573,21 @@ def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_
     flavour = FLAVOURS[flavour] if isinstance(flavour, str) else flavour
     counters = _Counters()
     service = service_client(flavour, base_url, retry_timeout_s, counters.sdk)
-    if init_from:
-        checkpoint = _read_checkpoint(flavour, init_from)
-        sdk_client = _create(flavour, counters, "create_training_client_from_state",
-                             lambda: service.create_training_client_from_state(checkpoint.weights))
-    else:
-        sdk_client = _create(flavour, counters, f"create_lora_training_client({model})",
-                             lambda: service.create_lora_training_client(base_model=model, rank=lora_rank, seed=seed,
-                                                                         train_unembed=False))
-    return ServiceTrainingClient(flavour, service, sdk_client, model, lora_rank, load_tokenizer(model),
+    try:
+        if init_from:
+            checkpoint = _read_checkpoint(flavour, init_from)
+            sdk_client = _create(flavour, counters, "create_training_client_from_state",
+                                 lambda: service.create_training_client_from_state(checkpoint.weights))
+        else:
+            sdk_client = _create(flavour, counters, f"create_lora_training_client({model})",
+                                 lambda: service.create_lora_training_client(base_model=model, rank=lora_rank,
+                                                                             seed=seed, train_unembed=False))
+        tokenizer = load_tokenizer(model)
+    except BaseException:
+        unwatch_tinker(counters.sdk)
+        close_service(flavour, service, "errored")
+        raise
+    return ServiceTrainingClient(flavour, service, sdk_client, model, lora_rank, tokenizer,
                                  sample_concurrency, retry_timeout_s, counters)
 
 
@@ -581,7 +615,12 @@ def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
     pool = ThreadPoolExecutor(settings.sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
     sdk_sampler = _sampling_client(flavour, service, request.model, path, settings.retry_timeout_s)
     client = ServiceSamplingClient(flavour, sdk_sampler, pool, _Counters())
-    return EngineSampler(load_tokenizer(request.model), client, close=lambda: pool.shutdown(wait=False))
+
+    def close() -> None:
+        pool.shutdown(wait=False)
+        close_service(flavour, service)
+
+    return EngineSampler(load_tokenizer(request.model), client, close=close)
 
 
 # ---------------------------------------------------------------- export
@@ -596,14 +635,27 @@ def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path,
     checkpoints and downloaded as one archive (tar or zip), which is unpacked. Either way
     the folder must end up holding ``adapter_config.json`` and ``adapter_model.safetensors``.
     """
-    import tempfile
-
     _read_checkpoint(flavour, engine_dir)
     meta = _engine_json(engine_dir)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     counters = _Counters()
     service = service_client(flavour, base_url)
+    try:
+        _export(flavour, service, counters, meta, output, base_url)
+    finally:
+        close_service(flavour, service)
+    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (output / f).is_file()]
+    if missing:
+        raise RuntimeError(f"engine {flavour.name}: the downloaded checkpoint in {output} has no {', '.join(missing)}; "
+                           f"it holds {sorted(p.name for p in output.iterdir())}")
+    return output
+
+
+def _export(flavour: Flavour, service: Any, counters: _Counters, meta: dict[str, Any], output: Path,
+            base_url: str | None) -> None:
+    import tempfile
+
     if flavour is TINKER:
         trainer = _create(flavour, counters, "create_training_client_from_state",
                           lambda: service.create_training_client_from_state(meta["weights"]))
@@ -623,11 +675,6 @@ def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path,
             _call(flavour, counters, "download_checkpoint",
                   lambda: rest.download_checkpoint(checkpoint_id, archive).result())
             _unpack(archive, output)
-    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (output / f).is_file()]
-    if missing:
-        raise RuntimeError(f"engine {flavour.name}: the downloaded checkpoint in {output} has no {', '.join(missing)}; "
-                           f"it holds {sorted(p.name for p in output.iterdir())}")
-    return output
 
 
 def _download(url: str, target: Path) -> None:
