@@ -60,6 +60,7 @@ def test_config_view_and_demo_summaries_survive_a_kill_mid_write(tmp_path, monke
     from retool import demo
     from retool.config import save_config
     from retool.report import view
+    from retool.report.compare import Comparison, MetricComparison
     from retool.sft import SFTConfig
 
     for name in ("config.json", "view.html", "summary.json", "summary.md"):
@@ -71,7 +72,8 @@ def test_config_view_and_demo_summaries_survive_a_kill_mid_write(tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         save_config(SFTConfig(), tmp_path / "config.json")
     with pytest.raises(KeyboardInterrupt):
-        demo.report(demo.DemoConfig(), tmp_path, {}, tmp_path)
+        gain = Comparison(tmp_path / "a", tmp_path / "b", 1, 0, 0, (MetricComparison("accuracy", 0.5, 0.5, None),))
+        demo.report(demo.DemoConfig(), tmp_path, {}, gain, tmp_path)
     monkeypatch.undo()
     _kill_before_rename(monkeypatch)
     fixtures = Path(__file__).parent / "fixtures" / "report" / "run"

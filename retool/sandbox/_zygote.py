@@ -35,6 +35,7 @@ import atexit
 import base64
 import builtins
 import collections
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -535,17 +536,19 @@ class Zygote:
     def _fork(self, call: Call, child_fds: dict[str, int], uid: int) -> None:
         """Start the call: with PID namespaces, a tiny init as pid 1 of a fresh namespace
         (killing it makes the kernel kill everything in it), then the runner as pid 2."""
-        if self.pidns_fd is not None:
-            unshare(CLONE_NEWPID)  # affects only our next children; undone by setns below
-        try:
+        with self._children_in_new_pid_namespace():
             if self.pidns_fd is not None:
                 call.init_pid = self._spawn_init()
-            call.pid = os.fork()
-            if call.pid == 0:
-                try:
-                    run_snippet(self, call, child_fds, uid)
-                finally:
-                    os._exit(EXIT_SETUP_FAILED)
+            call.pid = _fork_running(run_snippet, self, call, child_fds, uid)
+
+    @contextlib.contextmanager
+    def _children_in_new_pid_namespace(self):
+        """With PID namespaces, the children forked inside the block start a fresh one
+        (``unshare`` affects only our next children; ``setns`` undoes it on the way out)."""
+        if self.pidns_fd is not None:
+            unshare(CLONE_NEWPID)
+        try:
+            yield
         finally:
             if self.pidns_fd is not None:
                 setns(self.pidns_fd, CLONE_NEWPID)
@@ -700,18 +703,8 @@ class Zygote:
             _prepare_directory(session.dir, {}, session.uid, "")
             child_fds, session.fds = _make_pipes(None)
             child_fds["control"], session.fds["control"] = os.pipe()
-            if self.pidns_fd is not None:
-                unshare(CLONE_NEWPID)
-            try:
-                session.pid = os.fork()
-                if session.pid == 0:
-                    try:
-                        run_session(self, session, child_fds, req)
-                    finally:
-                        os._exit(EXIT_SETUP_FAILED)
-            finally:
-                if self.pidns_fd is not None:
-                    setns(self.pidns_fd, CLONE_NEWPID)
+            with self._children_in_new_pid_namespace():
+                session.pid = _fork_running(run_session, self, session, child_fds, req)
         except BaseException:
             self._end_interpreter(session, "sandbox_error")
             raise
@@ -1029,6 +1022,19 @@ def _fetch_files(directory: str, names: list[str], max_bytes: int) -> dict[str, 
 
 
 # ---------------------------------------------------------------- one call
+
+
+def _fork_running(runner, *args) -> int:
+    """Fork a child that runs ``runner(*args)`` and never returns into the zygote's code
+    (it exits with :data:`EXIT_SETUP_FAILED` if the runner returns or raises); the
+    child's pid to the parent."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            runner(*args)
+        finally:
+            os._exit(EXIT_SETUP_FAILED)
+    return pid
 
 
 def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int) -> None:
