@@ -16,9 +16,13 @@ Stages (each one resumes if the demo is re-run with the same output folder):
 Every eval uses the same held-out problems, sampling settings and grader. The output
 folder holds every stage's own run folder, so anything can be inspected or re-plotted.
 
-Not covered: GPU or hub models (use ``retool train``/``retool eval`` with a preset),
-a statistically strong result — the demo is sized to finish in tens of minutes on two
-cores, and its table reports standard errors so the reader can judge.
+The printed table and ``summary.md`` compare after RL with after SFT on the same held-out
+problems, as ``retool compare`` does (difference, paired standard error, z, and whether
+the gain exceeds two standard errors), so the reader can judge what RL bought.
+
+Not covered: hub models (use ``retool train``/``retool eval`` with a preset); a
+guaranteed significant gain — the demo is sized for tens of minutes on two cores, and
+with the current sizes its RL gain is not yet reliably beyond the noise (docs/demo.md).
 """
 
 from __future__ import annotations
