@@ -62,9 +62,10 @@ class DemoConfig:
     sft_batch_size: int = option(4, "dialogues per SFT step")
     sft_lr: float = option(1e-3, "SFT learning rate (calibrated in docs/sft.md)")
     rl_problems: int = option(400, "RL training problems")
-    rl_steps: int = option(16, "RL steps (docs/cpu-experiment.md runs 20)")
+    rl_steps: int = option(12, "RL steps (docs/cpu-experiment.md runs 20)")
     rl_batch_size: int = option(2, "problems per RL step")
-    rl_group_size: int = option(4, "trajectories per problem")
+    rl_group_size: int = option(8, "trajectories per problem (groups of 8 split into mixed rewards far more "
+                                   "often than groups of 4: more informative groups per step)")
     rl_lr: float = option(1e-4, "RL learning rate (3e-4 eroded the call format in 10 steps)")
     eval_problems: int = option(64, "held-out test problems (the paired s.e. of RL's gain shrinks with more)")
     eval_samples: int = option(2, "samples per held-out problem (k of Average@k)")
