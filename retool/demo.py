@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from retool.algo import PACKINGS
 from retool.atomic import atomic_write_text
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.protocol import INTERPRETERS
 from retool.results import EvalSummary
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ class DemoConfig:
     rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
     rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
                                       "have mixed rewards (see retool train --help)")
+    interpreter: str = option("stateless", "stateless: every code call starts a fresh Python (the SFT dialogues "
+                                           "make one call); stateful: one interpreter per trajectory keeps its "
+                                           "variables (two-call dialogues that reuse them) — for every stage",
+                              choices=INTERPRETERS)
     rl_save_every: int = option(0, "also keep an RL checkpoint every N steps (0: only the last)")
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
@@ -113,6 +118,30 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
+IDENTITY = ("model", "seed", "interpreter")  # what the stored stages were made with; a change needs a new folder
+
+
+def check_identity(cfg: DemoConfig, out: Path) -> None:
+    """Record the model, seed and interpreter of a new output folder; refuse a re-run that changes them.
+
+    Re-running resumes every finished stage, so a folder made with one seed or interpreter mode
+    would otherwise silently mix its stages with another's.
+    """
+    path = out / "demo.json"
+    mine = {name: getattr(cfg, name) for name in IDENTITY}
+    if not path.exists():
+        atomic_write_text(path, json.dumps(mine, indent=2) + "\n")
+        return
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path} is unreadable ({err}); use another --output-dir") from None
+    changed = [f"--{name.replace('_', '-')} {stored.get(name)!r} → {mine[name]!r}" for name in IDENTITY
+               if stored.get(name) != mine[name]]
+    require(not changed, f"{out} holds a demo made with other settings ({', '.join(changed)}); its stages would "
+                         "be resumed, not redone: use another --output-dir")
+
+
 def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     """Write the three disjoint splits of the arithmetic task (skipped when present)."""
     from retool import tasks
@@ -127,7 +156,8 @@ def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
         tasks.write_jsonl(paths["test"], map(to_jsonable, tasks.make_problems(cfg.eval_problems, cfg.seed, "test")))
     if not paths["sft"].exists():
         _say(f"generating {cfg.sft_dialogues} SFT dialogues (tool outputs from the real sandbox)")
-        tasks.write_jsonl(paths["sft"], tasks.make_sft_conversations(cfg.sft_dialogues, cfg.seed))
+        tasks.write_jsonl(paths["sft"], tasks.make_sft_conversations(cfg.sft_dialogues, cfg.seed,
+                                                                     interpreter=cfg.interpreter))
     return paths
 
 
@@ -144,7 +174,7 @@ def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint
         checkpoint=str(checkpoint) if checkpoint else None, label=label, val_n=cfg.eval_samples,
         max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, seed=cfg.seed,
-        sandbox_workers=4, concurrency=problems, device=cfg.device, dtype=cfg.dtype,
+        interpreter=cfg.interpreter, sandbox_workers=4, concurrency=problems, device=cfg.device, dtype=cfg.dtype,
         limit=problems if problems < cfg.eval_problems else None, output=str(eval_path(out, label)))
     return evaluate(eval_cfg).summary
 
@@ -163,7 +193,7 @@ def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
     sft_cfg = make_config(SFTConfig, model=cfg.model, chat_template=cfg.chat_template, data=str(sft_path),
                           batch_size=cfg.sft_batch_size, max_steps=cfg.sft_steps, lr=cfg.sft_lr,
                           max_seq_tokens=cfg.max_trajectory_tokens, packing=cfg.packing,
-                          micro_batch_tokens=cfg.micro_batch_tokens, run_dir=str(run_dir),
+                          micro_batch_tokens=cfg.micro_batch_tokens, interpreter=cfg.interpreter, run_dir=str(run_dir),
                           save_every=cfg.sft_steps, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
     return sft(sft_cfg, resume=(run_dir / "config.json").exists())
 
@@ -185,7 +215,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p,
-        refill_rounds=cfg.rl_refill_rounds, sandbox_workers=4, run_dir=str(run_dir),
+        refill_rounds=cfg.rl_refill_rounds, interpreter=cfg.interpreter, sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
         dtype=cfg.dtype)
     return train(train_cfg, resume=(run_dir / "config.json").exists())
@@ -220,7 +250,8 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
                              "significant": accuracy.significant}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    atomic_write_text(out / "summary.md", summary_markdown(summaries, gain, quick=cfg.quick))
+    atomic_write_text(out / "summary.md", summary_markdown(summaries, gain, quick=cfg.quick,
+                                                                      interpreter=cfg.interpreter))
     return written
 
 
@@ -236,14 +267,18 @@ def gain_sentence(gain: Comparison) -> str:
             f"paired s.e. {100 * acc.stderr:.1f}, z = {acc.z:+.2f} ({verdict})")
 
 
+INTERPRETER_NOTE = {"stateless": "every code call starts a fresh Python",
+                    "stateful": "one interpreter per trajectory keeps its variables across calls"}
 QUICK_NOTE = "--quick is a smoke run of every stage: far too small to show learning (run without it to see RL's gain)."
 
 
-def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, quick: bool = False) -> str:
+def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, quick: bool = False,
+                     interpreter: str = "stateless") -> str:
     """The demo's tables as Markdown (the same numbers the console shows)."""
     from retool.report.compare import format_table
 
-    rows = ["| stage | problems × k | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
+    rows = [f"Interpreter: {interpreter} — {INTERPRETER_NOTE[interpreter]}.", ""] if interpreter != "stateless" else []
+    rows += ["| stage | problems × k | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
             "|---|---|---|---|---|---|---|---|"]
     for stage, s in summaries.items():
         rows.append(f"| {stage} | {s.num_problems} × {s.k} | {s.average_at_k:.1%} | {s.average_at_k_stderr:.1%} | "
@@ -256,11 +291,12 @@ def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, qui
 
 
 def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, seconds: float,
-                quick: bool) -> None:
+                quick: bool, interpreter: str = "stateless") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"retool demo — held-out arithmetic, tool on ({seconds / 60:.1f} min)")
+    mode = "" if interpreter == "stateless" else f", {interpreter} interpreter"
+    table = Table(title=f"retool demo — held-out arithmetic, tool on{mode} ({seconds / 60:.1f} min)")
     for column in ("stage", "problems × k", "accuracy", "± s.e.", "Pass@k", "format", "used the tool", "code calls"):
         table.add_column(column, justify="right" if column != "stage" else "left", no_wrap=column == "stage")
     for stage, s in summaries.items():
@@ -282,6 +318,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     start = time.monotonic()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_identity(cfg, out)
     resolve_model_name(cfg.model)  # converts the bundled model once, or says how to install it
     paths = make_data(cfg, out)
     summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
@@ -291,7 +328,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
     report(cfg, out, summaries, gain, rl_dir)
-    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick)
+    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter)
     return summaries
 
 
@@ -306,11 +343,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_demo_command(args: argparse.Namespace) -> int:
     from retool.bundled import BundledModelMissing
+    from retool.protocol import TemplateError
     from retool.report import ReportInputError
+    from retool.sft import ConversationError
 
     try:
         run_demo(config_from_args(DemoConfig, args))
-    except (ConfigError, BundledModelMissing, ReportInputError) as err:
+    except (ConfigError, BundledModelMissing, ReportInputError, ConversationError, TemplateError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

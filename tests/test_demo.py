@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from retool.cli import main as cli_main
-from retool.demo import STAGES, DemoConfig, gain_sentence
+from retool.config import ConfigError
+from retool.demo import STAGES, DemoConfig, check_identity, gain_sentence
+from retool.protocol import system_prompt
 from retool.report.compare import Comparison, MetricComparison, compare
 from tests.tiny import small_vocab_model_dir
 
@@ -50,6 +52,46 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     for stage in STAGES:
         lines = (out / "eval" / f"{stage.replace(' ', '-').lower()}.jsonl").read_text().splitlines()
         assert sum(json.loads(line)["type"] == "problem" for line in lines) == (1 if stage == STAGES[0] else 2)
+
+
+def test_stateful_demo_teaches_and_runs_every_stage_in_sessions(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["demo", "--model", str(small_vocab_model_dir()), "--output-dir", str(out), "--interpreter", "stateful",
+            *TINY_ARGS, "--max-trajectory-tokens", "1200"]  # two-call dialogues are longer
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "stateful interpreter" in printed
+    # SFT dialogues of two calls, the second reusing the first's variables, with the stateful prompt
+    dialogue = json.loads((out / "data" / "sft.jsonl").read_text().splitlines()[0])
+    assert sum(m["role"] == "tool" for m in dialogue["messages"]) == 2
+    assert dialogue["messages"][0]["content"] == system_prompt("stateful")
+    assert json.loads((out / "sft" / "config.json").read_text())["interpreter"] == "stateful"
+    assert json.loads((out / "rl" / "config.json").read_text())["interpreter"] == "stateful"
+    for stage in STAGES:
+        header = json.loads((out / "eval" / f"{stage.replace(' ', '-').lower()}.jsonl").read_text().splitlines()[0])
+        assert header["sandbox"]["interpreter"] == "stateful", stage
+    assert (out / "summary.md").read_text().startswith("Interpreter: stateful")
+
+
+def test_a_rerun_with_another_seed_or_interpreter_is_refused(tmp_path, capsys):
+    out = tmp_path / "demo"
+    check_identity(DemoConfig(seed=7), out.mkdir() or out)
+    check_identity(DemoConfig(seed=7, rl_steps=20), out)  # sizes may change: the stages resume or extend
+    assert cli_main(["demo", "--output-dir", str(out), "--seed", "8", "--interpreter", "stateful"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seed 7 → 8" in err and "--interpreter 'stateless' → 'stateful'" in err
+    assert "use another --output-dir" in err
+    (out / "demo.json").write_text("{")
+    with pytest.raises(ConfigError, match="unreadable"):
+        check_identity(DemoConfig(seed=7), out)
+
+
+def test_sft_dialogues_over_the_trajectory_budget_are_one_error_line(tmp_path, capsys):
+    argv = ["demo", "--model", str(small_vocab_model_dir()), "--output-dir", str(tmp_path / "demo"), *TINY_ARGS,
+            "--max-trajectory-tokens", "200"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: all 16 dialogues are longer than max_seq_tokens=200"), err[-1]
 
 
 def test_quick_shrinks_the_defaults():

@@ -657,13 +657,17 @@ class Zygote:
             "files": _fetch_files(call.dir, call.req.get("fetch_files") or [], self.cfg["max_file_bytes"]),
         }
 
-    def _cleanup(self, call: Call) -> None:
-        for fd in [*call.fds.values(), *([call.pidfd] if call.pidfd is not None else [])]:
+    def _close_fds(self, pipes: dict, pidfd: int | None) -> None:
+        """Stop watching and close a child's output pipes and pidfd."""
+        for fd in [*pipes.values(), *([pidfd] if pidfd is not None else [])]:
             try:
                 self.sel.unregister(fd)
             except (KeyError, ValueError):
                 pass
             os.close(fd)
+
+    def _cleanup(self, call: Call) -> None:
+        self._close_fds(call.fds, call.pidfd)
         shutil.rmtree(call.dir, ignore_errors=True)
         call.done = True
         self.calls.pop(call.id, None)
@@ -875,12 +879,7 @@ class Zygote:
             _kill_tree_of(session.pid, namespace=self.pidns_fd is not None)
             _reap(session.pid)
             session.pid = 0
-        for fd in [*session.fds.values(), *([session.pidfd] if session.pidfd is not None else [])]:
-            try:
-                self.sel.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-            os.close(fd)
+        self._close_fds(session.fds, session.pidfd)
         session.fds, session.pidfd = {}, None
         session.outbuf.clear()
         if session.dir:
