@@ -269,8 +269,7 @@ def gain_sentence(gain: Comparison) -> str:
             f"paired s.e. {100 * acc.stderr:.1f}, z = {acc.z:+.2f} ({verdict})")
 
 
-INTERPRETER_NOTE = {"stateless": "every code call starts a fresh Python",
-                    "stateful": "one interpreter per trajectory keeps its variables across calls"}
+STATEFUL_NOTE = "Interpreter: stateful — one interpreter per trajectory keeps its variables across calls."
 QUICK_NOTE = "--quick is a smoke run of every stage: far too small to show learning (run without it to see RL's gain)."
 
 
@@ -279,7 +278,7 @@ def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, qui
     """The demo's tables as Markdown (the same numbers the console shows)."""
     from retool.report.compare import format_table
 
-    rows = [f"Interpreter: {interpreter} — {INTERPRETER_NOTE[interpreter]}.", ""] if interpreter != "stateless" else []
+    rows = [STATEFUL_NOTE, ""] if interpreter == "stateful" else []
     rows += ["| stage | problems × k | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
             "|---|---|---|---|---|---|---|---|"]
     for stage, s in summaries.items():
