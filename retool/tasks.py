@@ -1,7 +1,8 @@
 """A synthetic, tool-worthy arithmetic task: the CPU demo's problems and cold-start data.
 
 Small models cannot multiply five-digit numbers, reduce ``7^613 mod 9973`` or count
-the divisors of 83,160 in their heads, but a one-line Python snippet can. This module
+the divisors of 83,160 in their heads, but a short Python snippet can (every stateless
+snippet is ``import math`` and one ``print`` line, operands inline: :data:`PRELUDE`). This module
 draws such problems (integer answers, several operations and paraphrases) and writes:
 
 - :func:`make_problems` — :class:`~retool.types.Problem` records for RL training
@@ -81,11 +82,27 @@ def _plan(what: str) -> str:
     return f"I need {what}. That is error-prone by hand, so I will compute it with Python."
 
 
+PRELUDE = "import math\n"
+"""The first line of every stateless snippet, whatever the kind.
+
+With the import only where a kind needs it (gcd, lcm) and a ``n = …`` line only in the
+divisor snippets, RL on seed 11 of the demo taught the model to start every snippet with
+``print(`` — the first token of most kinds — and those kinds then failed with ``NameError``
+(docs/demo.md). One shared first line, and operands written inline, leave no kind with a
+setup line of its own to drop.
+"""
+
+
+def _snippet(line: str) -> str:
+    """A stateless call's code: the shared prelude, then one line that prints the answer."""
+    return PRELUDE + line
+
+
 def _product(rng: random.Random) -> Draw:
     a, b = rng.randint(100, 99_999), rng.randint(1_000, 99_999)
     question = rng.choice((f"What is {a} × {b}?", f"Compute the product of {a} and {b}.",
                            f"Multiply {a} by {b}. What is the result?"))
-    return Draw("product", (a, b), question, f"print({a} * {b})", a * b, _plan(f"{a} * {b}"),
+    return Draw("product", (a, b), question, _snippet(f"print({a} * {b})"), a * b, _plan(f"{a} * {b}"),
                 f"{a} × {b} = {a * b}.")
 
 
@@ -94,7 +111,7 @@ def _modpow(rng: random.Random) -> Draw:
     answer = pow(base, exponent, modulus)
     question = rng.choice((f"What is the remainder when {base}^{exponent} is divided by {modulus}?",
                            f"Find {base}^{exponent} mod {modulus}."))
-    return Draw("modpow", (base, exponent, modulus), question, f"print(pow({base}, {exponent}, {modulus}))",
+    return Draw("modpow", (base, exponent, modulus), question, _snippet(f"print(pow({base}, {exponent}, {modulus}))"),
                 answer, _plan(f"pow({base}, {exponent}, {modulus})"), f"The remainder is {answer}.")
 
 
@@ -103,7 +120,7 @@ def _digit_sum_power(rng: random.Random) -> Draw:
     answer = sum(map(int, str(base**exponent)))
     question = rng.choice((f"What is the sum of the digits of {base}^{exponent}?",
                            f"Find the digit sum of {base} raised to the power {exponent}."))
-    code = f"print(sum(int(d) for d in str({base} ** {exponent})))"
+    code = _snippet(f"print(sum(int(d) for d in str({base} ** {exponent})))")
     return Draw("digit_sum_power", (base, exponent), question, code, answer,
                 _plan(f"the digit sum of {base} ** {exponent}"),
                 f"The digit sum of {base}^{exponent} is {answer}.")
@@ -114,7 +131,7 @@ def _divisors(rng: random.Random) -> Draw:
     answer = sum(1 if d * d == n else 2 for d in range(1, math.isqrt(n) + 1) if n % d == 0)
     question = rng.choice((f"How many positive divisors does {n} have?",
                            f"Count the positive integers that divide {n}."))
-    code = f"n = {n}\nprint(sum(1 for d in range(1, n + 1) if n % d == 0))"
+    code = _snippet(f"print(sum(1 for d in range(1, {n} + 1) if {n} % d == 0))")
     return Draw("divisors", (n,), question, code, answer, _plan(f"the number of divisors of {n}"),
                 f"{n} has {answer} divisors.")
 
@@ -124,7 +141,7 @@ def _range_sum(rng: random.Random) -> Draw:
     b = a + rng.randint(100, 99_999)
     question = rng.choice((f"What is the sum of all integers from {a} to {b} inclusive?",
                            f"Add up every whole number from {a} through {b}."))
-    return Draw("range_sum", (a, b), question, f"print(sum(range({a}, {b} + 1)))", (a + b) * (b - a + 1) // 2,
+    return Draw("range_sum", (a, b), question, _snippet(f"print(sum(range({a}, {b} + 1)))"), (a + b) * (b - a + 1) // 2,
                 _plan(f"sum(range({a}, {b} + 1))"), f"The sum is {(a + b) * (b - a + 1) // 2}.")
 
 
@@ -137,14 +154,14 @@ def _gcd_operands(rng: random.Random) -> tuple[int, int]:
 def _gcd(rng: random.Random) -> Draw:
     a, b = _gcd_operands(rng)
     question = rng.choice((f"What is the greatest common divisor of {a} and {b}?", f"Find gcd({a}, {b})."))
-    return Draw("gcd", (a, b), question, f"import math\nprint(math.gcd({a}, {b}))", math.gcd(a, b),
+    return Draw("gcd", (a, b), question, _snippet(f"print(math.gcd({a}, {b}))"), math.gcd(a, b),
                 _plan(f"math.gcd({a}, {b})"), f"The greatest common divisor is {math.gcd(a, b)}.")
 
 
 def _lcm(rng: random.Random) -> Draw:
     a, b = _gcd_operands(rng)
     question = rng.choice((f"What is the least common multiple of {a} and {b}?", f"Find lcm({a}, {b})."))
-    return Draw("lcm", (a, b), question, f"import math\nprint(math.lcm({a}, {b}))", math.lcm(a, b),
+    return Draw("lcm", (a, b), question, _snippet(f"print(math.lcm({a}, {b}))"), math.lcm(a, b),
                 _plan(f"math.lcm({a}, {b})"), f"The least common multiple is {math.lcm(a, b)}.")
 
 
@@ -153,7 +170,7 @@ def _multiples_sum(rng: random.Random) -> Draw:
     answer = sum(range(0, n, k))
     question = rng.choice((f"What is the sum of all positive multiples of {k} that are less than {n}?",
                            f"Add up all the multiples of {k} below {n}."))
-    code = f"print(sum(x for x in range(1, {n}) if x % {k} == 0))"
+    code = _snippet(f"print(sum(x for x in range(1, {n}) if x % {k} == 0))")
     return Draw("multiples_sum", (k, n), question, code, answer,
                 _plan(f"the sum of the multiples of {k} below {n}"), f"The sum is {answer}.")
 
@@ -179,7 +196,7 @@ def _word_problem(rng: random.Random) -> Draw:
     a, b, c = rng.randint(100, 9_999), rng.randint(12, 999), rng.randint(13, 999)
     answer = solve(a, b, c)
     formula = expression.format(a=a, b=b, c=c)
-    return Draw("word_problem", (index, a, b, c), template.format(a=a, b=b, c=c), f"print({formula})", answer,
+    return Draw("word_problem", (index, a, b, c), template.format(a=a, b=b, c=c), _snippet(f"print({formula})"), answer,
                 _plan(formula), f"The answer is {answer}.")
 
 
