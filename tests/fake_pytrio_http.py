@@ -48,13 +48,14 @@ import threading
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tests.fake_tinker import FakeService
+from tests.http_fake import FakeHTTPHandler
 
 _CONTROL_ROUTES = [  # (method, path pattern under /api/, endpoint name)
     ("GET", r"openapi/v1/api-key/verify", "api-key/verify"),
@@ -283,20 +284,8 @@ class _HTTPError(Exception):
 
 
 def _handler(fake: PytrioHTTPFake) -> type:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:  # quiet
-            pass
-
-        def do_GET(self) -> None:
-            self._serve("GET", b"")
-
-        def do_POST(self) -> None:
-            length = int(self.headers.get("content-length") or 0)
-            self._serve("POST", self.rfile.read(length) if length else b"")
-
-        def _serve(self, method: str, raw: bytes) -> None:
+    class Handler(FakeHTTPHandler):
+        def serve(self, method: str, raw: bytes) -> None:
             import msgpack
 
             msgpack_body = "msgpack" in self.headers.get("content-type", "")
@@ -311,9 +300,7 @@ def _handler(fake: PytrioHTTPFake) -> type:
             if isinstance(fault, str) and fault.startswith("delay:"):
                 time.sleep(float(fault.split(":", 1)[1]))
             if fault == "drop":
-                self.close_connection = True
-                self.connection.shutdown(2)
-                return
+                return self.drop_connection()
             if isinstance(fault, int):
                 return self._error(_HTTPError(fault, "fake_fault", f"fake HTTP {fault}"))
             try:

@@ -29,11 +29,12 @@ import collections
 import json
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from tests.fake_tinker import FakeService
+from tests.http_fake import FakeHTTPHandler
 
 
 class TinkerHTTPFake:
@@ -242,33 +243,19 @@ class _HTTPError(Exception):
 
 
 def _handler(fake: TinkerHTTPFake) -> type:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:  # quiet
-            pass
-
-        def do_GET(self) -> None:
-            self._serve({})
-
-        def do_POST(self) -> None:
-            length = int(self.headers.get("content-length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            if "json" in self.headers.get("content-type", ""):
-                self._serve(json.loads(raw) if raw else {})
+    class Handler(FakeHTTPHandler):
+        def serve(self, method: str, raw: bytes) -> None:
+            if method == "GET" or "json" in self.headers.get("content-type", ""):
+                body = json.loads(raw) if raw else {}
             else:
-                self._serve({"_raw": raw})
-
-        def _serve(self, body: dict[str, Any]) -> None:
+                body = {"_raw": raw}
             endpoint = self.path.split("?", 1)[0].removeprefix("/api/v1/")
             fake.hits[endpoint] += 1
             fault = fake.faults[endpoint].popleft() if fake.faults[endpoint] else None
             if isinstance(fault, str) and fault.startswith("delay:"):
                 fake.closing.wait(float(fault.split(":", 1)[1]))
             if fault == "drop" or fake.closing.is_set():  # a closed server answers nothing more
-                self.close_connection = True
-                self.connection.shutdown(2)
-                return
+                return self.drop_connection()
             if isinstance(fault, int):
                 return self._send(fault, {"detail": f"fake HTTP {fault}"})
             try:

@@ -67,23 +67,9 @@ def test_max_cost_needs_a_price_table_and_a_positive_budget(tmp_path, capsys):
 
 
 def test_local_train_is_priced_and_max_cost_stops_after_a_checkpoint(tmp_path, capsys):
-    from tests.test_engine_tinker import train_args
+    from tests.test_engine_tinker import run_to_max_cost
 
-    table = price_table(tmp_path, "[local]\nprefill = 100.0\nsample = 1000.0\ntrain = 1000.0\n")
-    run = tmp_path / "run"
-    args = train_args(tmp_path, run, "local", steps=5) + ["--save-every", "10", "--price-table", str(table),
-                                                          "--max-cost", "0.3"]
-    assert cli_main(args) == 0, capsys.readouterr().err
-    rows = read_metrics(run / "metrics.jsonl")
-    assert 1 <= len(rows) < 5
-    last = rows[-1]
-    assert last["cost/step"] == pytest.approx((last["tokens/prefill"] * 100 + last["tokens/sampled"] * 1000
-                                               + last["tokens/trained"] * 1000) / 1e6)
-    assert last["cost/total"] == pytest.approx(sum(r["cost/step"] for r in rows))
-    assert last["cost/total"] <= 0.3 < last["cost/total"] + last["cost/step"]
-    assert latest_checkpoint(run)[0] == len(rows)
-    err = capsys.readouterr().err
-    assert "would pass --max-cost 0.3" in err and "usd=" in err
+    run, _ = run_to_max_cost(tmp_path, "local", capsys)
 
     # a larger budget on --resume carries on from the checkpoint, with the bill so far
     assert cli_main(["train", "--resume", str(run), "--max-cost", "100"]) == 0, capsys.readouterr().err

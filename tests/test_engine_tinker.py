@@ -515,16 +515,18 @@ def test_price_tables_give_the_step_cost(tmp_path):
     assert load_prices(REPO / "configs" / "prices" / "example.toml", "tinker", "Qwen/Qwen3.5-4B") == Prices()
 
 
-def test_max_cost_stops_cleanly_after_a_checkpoint(tmp_path, monkeypatch, capsys):
+def run_to_max_cost(tmp_path, engine: str, capsys) -> tuple[Path, list[dict]]:
+    """Train 5 steps on ``engine`` under a price table and ``--max-cost 0.3``; check that it
+    stops cleanly after a checkpoint with the bill priced from the step's tokens, and
+    return the run folder and its metric rows (shared by the engines' cost tests)."""
     from retool.log import read_metrics
     from retool.runs import latest_checkpoint
 
-    install(FakeService(tmp_path / "service", "pytrio"), monkeypatch)
     table = tmp_path / "prices.toml"
-    table.write_text("[pytrio]\nprefill = 100.0\nsample = 1000.0\ntrain = 1000.0\n")
+    table.write_text(f"[{engine}]\nprefill = 100.0\nsample = 1000.0\ntrain = 1000.0\n")
     run = tmp_path / "run"
-    args = train_args(tmp_path, run, "pytrio", steps=5) + ["--save-every", "10", "--price-table", str(table),
-                                                           "--max-cost", "0.3"]
+    args = train_args(tmp_path, run, engine, steps=5) + ["--save-every", "10", "--price-table", str(table),
+                                                         "--max-cost", "0.3"]
     assert cli_main(args) == 0, capsys.readouterr().err
     rows = read_metrics(run / "metrics.jsonl")
     assert 1 <= len(rows) < 5
@@ -534,7 +536,14 @@ def test_max_cost_stops_cleanly_after_a_checkpoint(tmp_path, monkeypatch, capsys
                                                + last["tokens/trained"] * 1000) / 1e6)
     assert last["cost/total"] <= 0.3 < last["cost/total"] + last["cost/step"]
     assert latest_checkpoint(run)[0] == len(rows)  # checkpointed at the stop
-    assert "would pass --max-cost" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "would pass --max-cost 0.3" in err and "usd=" in err
+    return run, rows
+
+
+def test_max_cost_stops_cleanly_after_a_checkpoint(tmp_path, monkeypatch, capsys):
+    install(FakeService(tmp_path / "service", "pytrio"), monkeypatch)
+    run_to_max_cost(tmp_path, "pytrio", capsys)
 
 
 def test_docs_show_the_service_settings():
