@@ -1,8 +1,8 @@
 """A synthetic, tool-worthy arithmetic task: the CPU demo's problems and cold-start data.
 
 Small models cannot multiply five-digit numbers, reduce ``7^613 mod 9973`` or count
-the divisors of 83,160 in their heads, but a short Python snippet can (every stateless
-snippet is ``import math`` and one ``print`` line, operands inline: :data:`PRELUDE`). This module
+the divisors of 83,160 in their heads, but a short Python snippet can (every snippet
+starts with the same ``import math`` line, :data:`PRELUDE`). This module
 draws such problems (integer answers, several operations and paraphrases) and writes:
 
 - :func:`make_problems` — :class:`~retool.types.Problem` records for RL training
@@ -83,7 +83,7 @@ def _plan(what: str) -> str:
 
 
 PRELUDE = "import math\n"
-"""The first line of every stateless snippet, whatever the kind.
+"""The first line of every stateless snippet and of every stateful dialogue's first call.
 
 With the import only where a kind needs it (gcd, lcm) and a ``n = …`` line only in the
 divisor snippets, RL on seed 11 of the demo taught the model to start every snippet with
@@ -229,14 +229,17 @@ MIX: dict[str, float] = {
 
 def stateful_steps(draw: Draw) -> tuple[str, str, str]:
     """The two calls of a stateful dialogue: (code that defines the question's numbers as
-    variables and prints them, what the second call computes, code that computes the
-    answer from those variables only). The second snippet fails alone (``NameError``)."""
+    variables and prints them — after the :data:`PRELUDE`, as every first call — what the
+    second call computes, code that computes the answer from those variables only). The
+    second snippet fails alone (``NameError``)."""
     key = draw.key
     if draw.kind == "word_problem":
         _, expression, _ = _STORIES[key[0]]
         setup = f"a, b, c = {key[1]}, {key[2]}, {key[3]}\nprint(a, b, c)"
-        return setup, "the answer from a, b and c", f"print({expression.format(a='a', b='b', c='c')})"
-    return _STATEFUL_STEPS[draw.kind](*key)
+        what, second = "the answer from a, b and c", f"print({expression.format(a='a', b='b', c='c')})"
+    else:
+        setup, what, second = _STATEFUL_STEPS[draw.kind](*key)
+    return PRELUDE + setup, what, second
 
 
 _STATEFUL_STEPS: dict[str, Callable[..., tuple[str, str, str]]] = {
@@ -253,13 +256,14 @@ _STATEFUL_STEPS: dict[str, Callable[..., tuple[str, str, str]]] = {
     "range_sum": lambda a, b: (
         f"numbers = range({a}, {b} + 1)\nprint(len(numbers), 'numbers')", "the sum of numbers",
         "print(sum(numbers))"),
-    "gcd": lambda a, b: (f"import math\na, b = {a}, {b}\nprint(a, b)", "math.gcd(a, b)", "print(math.gcd(a, b))"),
-    "lcm": lambda a, b: (f"import math\na, b = {a}, {b}\nprint(a, b)", "math.lcm(a, b)", "print(math.lcm(a, b))"),
+    "gcd": lambda a, b: (f"a, b = {a}, {b}\nprint(a, b)", "math.gcd(a, b)", "print(math.gcd(a, b))"),
+    "lcm": lambda a, b: (f"a, b = {a}, {b}\nprint(a, b)", "math.lcm(a, b)", "print(math.lcm(a, b))"),
     "multiples_sum": lambda k, n: (
         f"multiples = [x for x in range(1, {n}) if x % {k} == 0]\nprint(len(multiples), 'multiples')",
         "the sum of multiples", "print(sum(multiples))"),
 }
-"""Per kind, from the draw's operands: (setup call, what the second call computes, second call)."""
+"""Per kind, from the draw's operands: (setup call without the :data:`PRELUDE`, what the second
+call computes, second call)."""
 
 
 # ---------------------------------------------------------------- drawing

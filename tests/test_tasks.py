@@ -147,6 +147,7 @@ def test_stateful_dialogues_reuse_variables_and_record_real_outputs(sandbox):
         assert row["messages"][0]["content"] == STATEFUL_SYSTEM_PROMPT
         setup, compute = (json.loads(row["messages"][i]["tool_calls"][0]["function"]["arguments"])["code"]
                           for i in (2, 4))
+        assert setup.startswith(tasks.PRELUDE) and not compute.startswith(tasks.PRELUDE)
         with sandbox.session() as session:  # the recorded outputs are what a session prints
             assert [session.run_sync(setup).observation, session.run_sync(compute).observation] == \
                 [row["messages"][3]["content"], row["messages"][5]["content"]]
