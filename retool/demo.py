@@ -20,11 +20,11 @@ The printed table and ``summary.md`` compare after RL with after SFT on the same
 problems, as ``retool compare`` does (difference, paired standard error, z, and whether
 the gain exceeds two standard errors), so the reader can judge what RL bought.
 
-Not covered: hub models (use ``retool train``/``retool eval`` with a preset); a
-guaranteed significant gain — the demo is sized for about half an hour on two cores
-(32–34 min measured); with the current sizes RL's gain exceeded two paired standard errors
-for one of the two seeds measured end to end (seed 7: +24.2 points, z 5.3; seed 11: +10.2,
-z 1.8; docs/demo.md).
+Sized for about 37 minutes on two idle cores; with the default sizes RL's gain over the
+cold start exceeded two paired standard errors for both seeds measured end to end (seed 7:
++10.9 points, z 2.6, 37.2 min; seed 11: +9.9, z 3.5, 36.2 min; docs/demo.md) — measured,
+not guaranteed for every seed. Not covered: hub models (use ``retool train``/``retool
+eval`` with a preset).
 """
 
 from __future__ import annotations
