@@ -156,6 +156,15 @@ def test_stateful_dialogues_reuse_variables_and_record_real_outputs(sandbox):
         assert alone.status.value == "error" and "NameError" in alone.observation
         assert [t.code for t in parse_dialogue(row).turns if t.code] == [setup, compute]
     assert len(kinds) >= 6
+    # each plan states what its call computes: the first the stateless plan (the expression with
+    # the question's numbers), the second the expression over the variables
+    stateless = tasks.make_sft_conversations(len(rows), seed=7, sandbox=sandbox)
+    for row, plain in zip(rows, stateless):
+        assert row["id"] == plain["id"]
+        assert row["messages"][2]["content"].startswith(plain["messages"][2]["content"] + " ")
+        compute = json.loads(row["messages"][4]["tool_calls"][0]["function"]["arguments"])["code"]
+        if row["id"].split("-")[1] == "word_problem":
+            assert compute.removeprefix("print(").removesuffix(")") in row["messages"][4]["content"]
 
 
 def test_cli_writes_stateful_dialogues(tmp_path):
