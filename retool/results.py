@@ -187,7 +187,10 @@ def _flat(header: ResultsHeader, keys: tuple[str, ...]) -> dict:
         if key == "engine":
             value = value or "local"  # every file written before the engine was recorded
         if dataclasses.is_dataclass(value):
-            out.update({f"{key}.{k}": v for k, v in dataclasses.asdict(value).items()})
+            nested = dataclasses.asdict(value)
+            if isinstance(value, SandboxSettings) and value.interpreter is None:
+                nested["interpreter"] = "stateless"  # the default, left out of the file
+            out.update({f"{key}.{k}": v for k, v in nested.items()})
         else:
             out[key] = value
     return out

@@ -152,3 +152,13 @@ def test_legitimate_differences_are_printed_above_the_table(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["differences"]["mode"] == {"before": "retool", "after": "text"}
     assert main(["compare", str(EVAL / "base.jsonl"), str(EVAL / "step-100.jsonl")]) == 0
     assert "differs:" not in capsys.readouterr().out  # same settings: nothing printed
+
+
+def test_interpreter_modes_are_named_in_the_differences(tmp_path, capsys):
+    """A stateless file leaves the interpreter out of its header; compare names it anyway."""
+    sandbox = {"timeout_s": 10.0, "memory_mb": 1024}
+    before = _edited(tmp_path, EVAL / "base.jsonl", "stateless.jsonl", _header(sandbox=sandbox))
+    after = _edited(tmp_path, EVAL / "step-100.jsonl", "stateful.jsonl",
+                    _header(sandbox={**sandbox, "interpreter": "stateful"}))
+    assert main(["compare", str(before), str(after)]) == 0
+    assert "differs: sandbox.interpreter: 'stateless' before, 'stateful' after" in capsys.readouterr().out
