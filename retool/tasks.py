@@ -351,7 +351,7 @@ def _stateful_calls(draw: Draw) -> list[tuple[str, str]]:
     as the stateless plan does: the first repeats the stateless plan (the expression with the
     question's numbers), the second names the expression over the variables. With a generic
     first plan ("I will put the numbers into variables") the cold start chose the wrong
-    kind's setup for most questions: 23 % held-out after SFT on demo seed 7 (docs/demo.md)."""
+    kind's setup for many questions: 23 % held-out after SFT on demo seed 7 (docs/demo.md)."""
     setup, what, compute = stateful_steps(draw)
     return [(f"{draw.plan} Its numbers go into Python variables first; they stay defined for the next call.",
              setup),

@@ -158,10 +158,9 @@ def test_stateful_dialogues_reuse_variables_and_record_real_outputs(sandbox):
     assert len(kinds) >= 6
     # each plan states what its call computes: the first the stateless plan (the expression with
     # the question's numbers), the second the expression over the variables
-    stateless = tasks.make_sft_conversations(len(rows), seed=7, sandbox=sandbox)
-    for row, plain in zip(rows, stateless):
-        assert row["id"] == plain["id"]
-        assert row["messages"][2]["content"].startswith(plain["messages"][2]["content"] + " ")
+    for row, draw in zip(rows, tasks.draw_problems(len(rows), 7, "sft")):
+        assert row["id"] == tasks._problem(draw).id
+        assert row["messages"][2]["content"].startswith(draw.plan + " ")
         compute = json.loads(row["messages"][4]["tool_calls"][0]["function"]["arguments"])["code"]
         if row["id"].split("-")[1] == "word_problem":
             assert compute.removeprefix("print(").removesuffix(")") in row["messages"][4]["content"]
