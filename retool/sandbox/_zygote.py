@@ -41,6 +41,7 @@ import errno
 import fcntl
 import gc
 import importlib
+import importlib.util
 import io
 import json
 import linecache
@@ -81,6 +82,25 @@ WORK_DIR = "/sandbox/work"
 """Where every call's working directory appears inside the sandbox (a bind mount in the
 call's private mount namespace): the same neutral path for every call, never a host path.
 Without a private mount namespace the call runs in its real directory."""
+
+
+
+def _load_sibling(name: str) -> types.ModuleType:
+    """Import ``retool/sandbox/<name>.py`` as a plain file: this script runs with ``-P`` and
+    without the ``retool`` package (nor its imports) in the warm parent."""
+    spec = importlib.util.spec_from_file_location(f"_retool_sandbox_{name}", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+seccomp = _load_sibling("seccomp")
+SYSCALL_FILTER: seccomp.Filter | None = None
+"""The calls' syscall filter, compiled by the launcher before it leaves the host's
+filesystem (libseccomp is found there); None where it could not be (``FILTER_PROBLEM``)."""
+FILTER_PROBLEM = "not compiled"
 
 _libc = None
 
@@ -229,6 +249,7 @@ def launcher_main() -> None:
     base = tempfile.mkdtemp(prefix="retool-sandbox-", dir=cfg.get("base_dir"))
     os.chmod(base, 0o755)
     parent_fd = os.open(os.path.dirname(base), os.O_RDONLY | os.O_DIRECTORY)  # the host's view
+    _compile_syscall_filter(cfg)
     isolation, warnings, calls_dir = setup_namespaces(cfg, base)
     pid = os.fork()
     if pid == 0:
@@ -251,6 +272,17 @@ def launcher_main() -> None:
     else:
         shutil.rmtree(base, ignore_errors=True)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _compile_syscall_filter(cfg: dict) -> None:
+    global SYSCALL_FILTER, FILTER_PROBLEM
+    if "seccomp" in cfg.get("benchmark_skip", ()):
+        FILTER_PROBLEM = "left out (benchmark_skip)"
+        return
+    try:
+        SYSCALL_FILTER = seccomp.compile_filter()
+    except (seccomp.FilterUnavailable, OSError) as exc:
+        FILTER_PROBLEM = str(exc)
 
 
 def _remove_mount_point(name: str, parent_fd: int) -> None:
@@ -334,6 +366,7 @@ class Zygote:
         self.private_mounts = False
         self.work_dir: str | None = None  # the fixed path calls run at, when they can
         self.sleep_binary = shutil.which("sleep", path="/usr/bin:/bin")
+        self.confine = False  # a fresh session keyring and the syscall filter, once probed
 
     # ---- start-up
 
@@ -425,6 +458,23 @@ class Zygote:
             self.isolation += ["uid_drop" if self.root else "caps_drop", "no_new_privs"]
         if "rlimits" not in self.skip:
             self.isolation.append("rlimits")
+        self._probe_syscall_filter()
+
+    def _probe_syscall_filter(self) -> None:
+        """Try the keyring switch and the filter once in a throw-away child: the calls
+        get them only if they work on this kernel (a call must not fail for want of them)."""
+        if SYSCALL_FILTER is None:
+            self.warnings.append(f"no syscall filter ({FILTER_PROBLEM})")
+            return
+        pid = _fork_running(_probe_confinement)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code in (0, PROBE_NO_KEYCTL):
+            self.isolation += ["seccomp"] + (["fresh_keyring"] if code == 0 else [])
+            self.confine = True
+        else:
+            self.warnings.append(f"no syscall filter (installing it failed in a test child, exit code {code})")
+        if code == PROBE_NO_KEYCTL:
+            self.warnings.append("keyctl is refused here already: no fresh session keyring needed")
 
     # ---- control channel
 
@@ -1055,6 +1105,8 @@ def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int)
         if "privilege_drop" not in zygote.skip:
             _drop_privileges(uid, zygote.root)
         namespace = _fresh_interpreter_state(workdir, zygote.env)
+        if zygote.confine:
+            _confine()
     except BaseException:  # never run the snippet half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
@@ -1088,6 +1140,8 @@ def run_session(zygote: Zygote, session: Session, child_fds: dict[str, int], req
         if "privilege_drop" not in zygote.skip:
             _drop_privileges(session.uid, zygote.root)
         namespace = _fresh_interpreter_state(workdir, zygote.env)
+        if zygote.confine:
+            _confine()
     except BaseException:  # never run code half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
@@ -1247,6 +1301,22 @@ def _drop_privileges(uid: int, root: bool) -> None:
         drop_all_capabilities()
     if sys.platform.startswith("linux"):
         prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+
+PROBE_NO_KEYCTL = 3
+"""Exit code of the start-up probe child when the filter went on but keyctl was refused."""
+
+
+def _confine() -> bool:
+    """The last step before a snippet runs: a fresh anonymous session keyring, then the
+    syscall filter (for good: this process and all it starts). False if keyctl is refused."""
+    joined = seccomp.join_fresh_session_keyring(SYSCALL_FILTER)
+    seccomp.install(SYSCALL_FILTER)
+    return joined
+
+
+def _probe_confinement() -> None:
+    os._exit(0 if _confine() else PROBE_NO_KEYCTL)
 
 
 def _fresh_interpreter_state(directory: str, env: dict) -> dict:
