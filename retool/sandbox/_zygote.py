@@ -1319,6 +1319,11 @@ def _probe_confinement() -> None:
     os._exit(0 if _confine() else PROBE_NO_KEYCTL)
 
 
+_ORIGINAL_STREAMS: list[io.TextIOWrapper] = []
+"""The call's own stdout and stderr, flushed at its end even if the snippet rebinds
+``sys.stdout`` and ``sys.__stdout__`` (as the interpreter's teardown flushes them)."""
+
+
 def _fresh_interpreter_state(directory: str, env: dict) -> dict:
     """Make the forked interpreter look like ``python main.py`` started in ``directory``:
     environment, ``sys.argv``/``sys.path``, standard streams, ``__main__``, atexit."""
@@ -1330,6 +1335,7 @@ def _fresh_interpreter_state(directory: str, env: dict) -> dict:
     sys.stdin = sys.__stdin__ = _std_stream(0, sys.__stdin__, "r", "<stdin>")
     sys.stdout = sys.__stdout__ = _std_stream(1, sys.__stdout__, "w", "<stdout>")
     sys.stderr = sys.__stderr__ = _std_stream(2, sys.__stderr__, "w", "<stderr>")
+    _ORIGINAL_STREAMS[:] = [sys.stdout, sys.stderr]
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
@@ -1393,7 +1399,7 @@ def execute(source: str, namespace: dict, frames: int, filename: str, auto_print
     try:
         blocks = compile_script(source, filename, auto_print)
     except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes in the source
-        _report_exception(exc, frames, show_frames=False)
+        _report_exception(exc, frames, show_frames=False, session=session)
         blocks, code = [], 1
     try:
         for block in blocks:
@@ -1402,7 +1408,7 @@ def execute(source: str, namespace: dict, frames: int, filename: str, auto_print
         code = _exit_code(exc)
     except BaseException as exc:  # user code: report like the interpreter, never propagate
         code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
-        _report_exception(exc, frames)
+        _report_exception(exc, frames, session=session)
     if session:
         _join_threads()
         flushed = _flush_std_streams()
@@ -1430,13 +1436,18 @@ def _finalize() -> bool:
 
 
 def _flush_std_streams() -> bool:
-    """Flush stdout and stderr; False when flushing stdout failed (reported as Python does)."""
-    flushed = True
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name, None)
+    """Flush stdout and stderr, then the original streams if the snippet replaced them (text
+    written to ``sys.__stdout__`` is not lost: the interpreter's teardown flushes them too);
+    False when flushing ``sys.stdout`` failed (reported as Python reports it)."""
+    flushed, seen = True, []
+    streams = [("stdout", getattr(sys, "stdout", None)), ("stderr", getattr(sys, "stderr", None)),
+               *zip(("__stdout__", "__stderr__"), _ORIGINAL_STREAMS)]
+    for name, stream in streams:
+        if stream is None or any(stream is other for other in seen):
+            continue
+        seen.append(stream)
         try:
-            if stream is not None:
-                stream.flush()
+            stream.flush()
         except BaseException as exc:  # the snippet replaced or broke the stream
             flushed = flushed and name != "stdout"
             _write_fd(2, f"Exception ignored on flushing sys.{name}:\n{type(exc).__name__}: {exc}\n")
@@ -1472,14 +1483,19 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _report_exception(exc: BaseException, frames: int, show_frames: bool = True) -> None:
+def _report_exception(exc: BaseException, frames: int, show_frames: bool = True, session: bool = False) -> None:
     """Print ``exc`` through ``sys.excepthook`` as the interpreter does (minus the
     sandbox's own frames) and report a short traceback, for the model, on fd 3.
-    ``show_frames=False`` (a SyntaxError of the file): no traceback, as Python prints it."""
+    ``show_frames=False`` (a SyntaxError of the file): no traceback, as Python prints it.
+    ``session``: the call's file exists only in :mod:`linecache`, which the built-in hook
+    does not read (it opens the file), so the same report is printed by :mod:`traceback`."""
     tb = _user_frames(exc.__traceback__) if show_frames else None
     exc.__traceback__ = tb
     try:
-        sys.excepthook(type(exc), exc, tb)
+        if session and sys.excepthook is sys.__excepthook__:
+            traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+        else:
+            sys.excepthook(type(exc), exc, tb)
     except BaseException:  # a broken hook, or no memory left: what the interpreter falls back to
         try:
             sys.__excepthook__(type(exc), exc, tb)
