@@ -68,6 +68,20 @@ reading secrets, writing into the repository, signalling the trainer). Isolated:
   output is read with a cap while the process runs; a wall-clock timeout kills the tree.
   The OOM killer prefers snippets (``oom_score_adj`` 1000) over the trainer.
 - *Network.* A network namespace with no interfaces up (unless ``network=True``).
+- *System calls* (``seccomp``). Just before the snippet runs, after the privilege drop, a
+  seccomp-BPF filter goes on every call's and session's process, for good (its children
+  inherit it; it cannot be removed, ``no_new_privs`` cannot be unset, a filter the snippet
+  adds only narrows it): ``keyctl``/``add_key``/``request_key``, ``ptrace``,
+  ``process_vm_readv/writev``, ``unshare``/``setns``, mounting and ``chroot``, ``bpf``,
+  ``perf_event_open``, ``userfaultfd``, ``io_uring_*``, module and ``kexec`` loading, ``clone``
+  with a namespace flag and every i386/x32 call fail with ``EPERM`` (a ``PermissionError``);
+  ``clone3`` fails with ``ENOSYS`` (glibc falls back to ``clone``). The full list is
+  ``retool.sandbox.seccomp.DENIED_SYSCALLS``; numpy, sympy, threads, ``multiprocessing`` and
+  ``subprocess`` are unaffected.
+- *Keyrings* (``fresh_keyring``). Each call and session leaves the session keyring the
+  server was started in for a new, empty one before the filter goes on, and cannot use
+  ``keyctl`` after it: the host's keys and its uid's user keyring (``@u``, which outlives a
+  call, and uids are reused) are out of reach.
 
 Not isolated / known limits:
 
@@ -78,7 +92,8 @@ Not isolated / known limits:
   requests and output read so far are dropped in the child, but their bytes may remain in
   freed memory, readable by code that scans its own memory (ctypes).
 - CPU time and disk bandwidth are not shared fairly; a call can slow its neighbours.
-- The kernel is shared: a kernel exploit escapes everything here (no seccomp, no VM).
+- The kernel is shared: a kernel exploit through a system call the filter allows escapes
+  everything here (the filter is a deny list, not an allow list; there is no VM).
 - Without root or unprivileged user namespaces (some containers), and on non-Linux
   systems, only rlimits, the scrubbed environment and the process-group kill apply:
   children that ``setsid()`` can outlive a call, the network and the filesystem are
