@@ -233,13 +233,16 @@ libc = ctypes.CDLL(None, use_errno=True)
 def keyctl(*args):
     ctypes.set_errno(0)
     return libc.syscall(ctypes.c_long({keyctl}), *args), ctypes.get_errno()
-serial, err = keyctl(ctypes.c_long(10), ctypes.c_long({keyring}), b"user", {description!r}, ctypes.c_long(0))
+# KEYCTL_SEARCH, linking what it finds into the thread keyring (-1): then this thread
+# possesses the key, which lets it read the key even from a session keyring it cannot search
+serial, err = keyctl(ctypes.c_long(10), ctypes.c_long({keyring}), b"user", {description!r}, ctypes.c_long(-1))
 payload = ""
-if serial > 0:  # KEYCTL_SEARCH found it: KEYCTL_READ it
+if serial > 0:  # found it: KEYCTL_READ it
     buf = ctypes.create_string_buffer(256)
     size, err = keyctl(ctypes.c_long(11), ctypes.c_long(serial), buf, ctypes.c_long(256))
     payload = buf.raw[:max(size, 0)].decode(){then}
-print(json.dumps({{"payload": payload, "errno": err}}))
+listed = {description!r}.decode() in open("/proc/keys").read()  # descriptions of keys it may view
+print(json.dumps({{"payload": payload, "errno": err, "listed": listed}}))
 """
 INVALIDATE = "\n    keyctl(ctypes.c_long(21), ctypes.c_long(serial))  # KEYCTL_INVALIDATE: leave nothing behind"
 
@@ -264,10 +267,12 @@ def test_the_servers_session_keyring_is_out_of_reach(sb):
     try:
         code = key_probe(description, -3)
         outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        assert json.loads(outside.stdout)["payload"] == payload  # the probe finds its own control key
-        inside = probe(sb, code)
-        assert inside == {"payload": "", "errno": errno.EPERM}
-        by_serial = probe(sb, code.replace("serial, err = keyctl(", f"serial = {serial}\n_ = keyctl(", 1))
+        assert json.loads(outside.stdout) == {"payload": payload, "errno": 0, "listed": True}  # not blind
+        with Sandbox(SandboxConfig(timeout_s=20, workers=1, preload=())) as started_here:  # in this keyring
+            inside = probe(started_here, code)
+            by_serial = probe(started_here, code.replace("serial, err = keyctl(", f"serial = {serial}\n_ = keyctl(", 1))
+        # the filter refuses keyctl; the fresh keyring keeps even the key's description out of /proc/keys
+        assert inside == {"payload": "", "errno": errno.EPERM, "listed": False}
         assert by_serial["payload"] == ""
     finally:
         ctypes.CDLL(None).syscall(ctypes.c_long(nr("keyctl")), ctypes.c_long(21), ctypes.c_long(serial))
@@ -292,9 +297,10 @@ def test_a_key_written_to_the_uids_user_keyring_does_not_reach_a_later_call(sb, 
         written = probe(box, write)
         later = probe(box, key_probe(description, USER_KEYRING, invalidate=True))  # same slot: same uid
         if blocked:
-            assert written == {"serial": -1, "errno": errno.EPERM} and later == {"payload": "", "errno": errno.EPERM}
+            assert written == {"serial": -1, "errno": errno.EPERM}
+            assert later == {"payload": "", "errno": errno.EPERM, "listed": False}
         else:
-            assert written["serial"] > 0 and later["payload"] == "left-behind", (written, later)
+            assert written["serial"] > 0 and later["payload"] == "left-behind" and later["listed"], (written, later)
 
 
 # ---------------------------------------------------------------- what snippets need still works

@@ -3,7 +3,8 @@
 This file runs as its own script (``python -s -B -P _zygote.py CONFIG_JSON``), started by
 :mod:`retool.sandbox.executor` through a clean ``exec`` with a scrubbed environment, so
 nothing of the trainer's memory or environment is ever in it. It imports only the
-standard library itself; the modules named in ``preload`` (numpy, sympy, ...) are
+standard library itself (and its sibling file ``seccomp.py``, whose compiler uses pyseccomp
+when installed); the modules named in ``preload`` (numpy, sympy, ...) are
 imported once and every call's child inherits them already loaded.
 
 Process tree (Linux, with namespaces available)::
@@ -19,9 +20,10 @@ Process tree (Linux, with namespaces available)::
      |          that namespace: how a call's tree dies, setsid/double-fork included.
      +- runner  per call: forked into that namespace as pid 2; takes a private /proc,
                 /dev/shm and IPC namespace, applies rlimits, drops to the call slot's
-                unprivileged uid (or all capabilities), resets interpreter state and
-                runs the snippet as ``python main.py`` would (written to its working
-                directory, seen at WORK_DIR), plus ast-based auto-print when asked
+                unprivileged uid (or all capabilities), resets interpreter state, joins
+                a fresh session keyring, installs the syscall filter (``seccomp.py``)
+                and runs the snippet as ``python main.py`` would (written to its
+                working directory, seen at WORK_DIR), plus ast-based auto-print when asked
 
 Control protocol: JSON lines on stdin (requests) and stdout (replies); bytes travel as
 base64. Children never hold the control pipes. The zygote is single-threaded, so
@@ -82,7 +84,6 @@ WORK_DIR = "/sandbox/work"
 """Where every call's working directory appears inside the sandbox (a bind mount in the
 call's private mount namespace): the same neutral path for every call, never a host path.
 Without a private mount namespace the call runs in its real directory."""
-
 
 
 def _load_sibling(name: str) -> types.ModuleType:

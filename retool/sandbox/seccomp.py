@@ -123,7 +123,9 @@ def compile_filter() -> Filter:
     for flag in NAMESPACE_CLONE_FLAGS.values():
         rules.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     rules.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    return Filter(program=_export(rules), keyctl_nr=sc.resolve_syscall(arch, "keyctl"))
+    compiled = Filter(program=_export(rules), keyctl_nr=sc.resolve_syscall(arch, "keyctl"))
+    _libc_handle(), _prepared(compiled.program)  # made once here, inherited by every forked child
+    return compiled
 
 
 def _export(rules) -> bytes:
@@ -147,13 +149,22 @@ def install(compiled: Filter) -> None:
     """Put ``compiled`` on the calling thread for good (the sandbox's child is single-threaded
     here: its threads and children created later inherit it). Sets ``no_new_privs`` first,
     as the kernel requires of an unprivileged caller. Raises ``OSError`` on failure."""
-    libc = _libc_handle()
-    count = len(compiled.program) // ctypes.sizeof(_SockFilter)
-    instructions = (_SockFilter * count).from_buffer_copy(compiled.program)
-    prog = _SockFprog(count, instructions)
+    libc, prog = _libc_handle(), _prepared(compiled.program)
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     _check(libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0),
            "prctl(PR_SET_SECCOMP)")
+
+
+_PREPARED: dict[bytes, tuple[_SockFprog, ctypes.Array]] = {}
+
+
+def _prepared(program: bytes) -> _SockFprog:
+    """The ``struct sock_fprog`` for ``program`` (kept with the instructions it points to)."""
+    if program not in _PREPARED:
+        count = len(program) // ctypes.sizeof(_SockFilter)
+        instructions = (_SockFilter * count).from_buffer_copy(program)
+        _PREPARED[program] = (_SockFprog(count, instructions), instructions)
+    return _PREPARED[program][0]
 
 
 def join_fresh_session_keyring(compiled: Filter) -> bool:
