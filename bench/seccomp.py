@@ -9,7 +9,9 @@ Two numbers per variant, measured in alternating blocks so that load drifts hit 
 - *per call*: p50/p90 latency of a trivial stateless call (``x = 1``) and of a trivial
   session call — the filter goes on once per call (one ``prctl``) or once per session;
 - *per system call*: ns per ``os.getppid()`` inside a call (a system call that glibc never
-  caches), where the filter's BPF program runs on every call into the kernel.
+  caches), where the filter's BPF program runs on every call into the kernel;
+- *in the child*: µs that the keyring switch and the filter's installation take in a
+  freshly forked process (measured directly, without a sandbox around it).
 
 Timings on a shared machine are noisy: read the ratios, printed beside the load average.
 """
@@ -17,17 +19,18 @@ Timings on a shared machine are noisy: read the ratios, printed beside the load 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
 
-from retool.sandbox import Sandbox, SandboxConfig
+from retool.sandbox import Sandbox, SandboxConfig, seccomp
 
 SYSCALLS = 200_000
 SYSCALL_LOOP = (f"import os, time\nt = time.perf_counter()\nfor _ in range({SYSCALLS}): os.getppid()\n"
                 f"print((time.perf_counter() - t) / {SYSCALLS} * 1e9)")
 VARIANTS = {"with filter": (), "without": ("seccomp",)}
-BLOCK = 10
+BLOCK = 5
 
 
 def call_latency(sb: Sandbox, calls: int) -> list[float]:
@@ -55,6 +58,27 @@ def ns_per_syscall(sb: Sandbox) -> float:
     return float(res.stdout)
 
 
+def confine_cost_us(children: int = 50) -> tuple[float, float]:
+    """Median µs of the keyring switch and of installing the filter, in forked children."""
+    compiled = seccomp.compile_filter()
+    samples = []
+    for _ in range(children):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            start = time.perf_counter()
+            seccomp.join_fresh_session_keyring(compiled)
+            joined = time.perf_counter()
+            seccomp.install(compiled)
+            os.write(write_end, json.dumps([joined - start, time.perf_counter() - joined]).encode())
+            os._exit(0)
+        os.close(write_end)
+        samples.append(json.loads(os.read(read_end, 100)))
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    return tuple(statistics.median(s[i] for s in samples) * 1e6 for i in (0, 1))
+
+
 def quantiles_ms(latencies: list[float]) -> tuple[float, float]:
     cuts = statistics.quantiles(latencies, n=10)
     return statistics.median(latencies) * 1e3, cuts[8] * 1e3
@@ -69,8 +93,9 @@ def measure(calls: int) -> dict[str, dict[str, list[float]]]:
             sb.start()
             print(f"{name}: isolation {', '.join(sb.isolation)}")
             call_latency(sb, 3)  # warm up
-        for _ in range(max(1, calls // BLOCK)):
-            for name, sb in boxes.items():
+        for round_ in range(max(1, calls // BLOCK)):
+            order = list(boxes.items())
+            for name, sb in order if round_ % 2 else reversed(order):  # ABBA: drifts hit both alike
                 found[name]["call"] += call_latency(sb, BLOCK)
                 found[name]["session"] += session_latency(sb, BLOCK)
                 found[name]["syscall"].append(ns_per_syscall(sb))
@@ -89,6 +114,8 @@ def report(found: dict[str, dict[str, list[float]]]) -> None:
         s50, s90 = quantiles_ms(rows["session"])
         print(f"{name:<12} {c50:>11.2f} {c90:>7.2f} {s50:>19.2f} {s90:>7.2f} {statistics.median(rows['syscall']):>10.0f}")
     mine = found["with filter"]
+    keyring_us, install_us = confine_cost_us()
+    print(f"in a forked child: fresh keyring {keyring_us:.0f} us, filter install {install_us:.0f} us")
     print("ratio with/without: call p50 {:.3f}, session call p50 {:.3f}, per syscall {:.3f}".format(
         statistics.median(mine["call"]) / statistics.median(base["call"]),
         statistics.median(mine["session"]) / statistics.median(base["session"]),
