@@ -128,6 +128,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.calls < BLOCK:
         parser.error(f"--calls must be at least {BLOCK}")
+    try:
+        seccomp.compile_filter()
+    except seccomp.FilterUnavailable as exc:
+        parser.error(f"nothing to measure: {exc}")
     report(measure(args.calls))
     return 0
 

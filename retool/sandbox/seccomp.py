@@ -145,16 +145,6 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def install(compiled: Filter) -> None:
-    """Put ``compiled`` on the calling thread for good (the sandbox's child is single-threaded
-    here: its threads and children created later inherit it). Sets ``no_new_privs`` first,
-    as the kernel requires of an unprivileged caller. Raises ``OSError`` on failure."""
-    libc, prog = _libc_handle(), _prepared(compiled.program)
-    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-    _check(libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0),
-           "prctl(PR_SET_SECCOMP)")
-
-
 _PREPARED: dict[bytes, tuple[_SockFprog, ctypes.Array]] = {}
 
 
@@ -165,6 +155,16 @@ def _prepared(program: bytes) -> _SockFprog:
         instructions = (_SockFilter * count).from_buffer_copy(program)
         _PREPARED[program] = (_SockFprog(count, instructions), instructions)
     return _PREPARED[program][0]
+
+
+def install(compiled: Filter) -> None:
+    """Put ``compiled`` on the calling thread for good (the sandbox's child is single-threaded
+    here: its threads and children created later inherit it). Sets ``no_new_privs`` first,
+    as the kernel requires of an unprivileged caller. Raises ``OSError`` on failure."""
+    libc, prog = _libc_handle(), _prepared(compiled.program)
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _check(libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0),
+           "prctl(PR_SET_SECCOMP)")
 
 
 def join_fresh_session_keyring(compiled: Filter) -> bool:
