@@ -112,7 +112,8 @@ def report(found: dict[str, dict[str, list[float]]]) -> None:
     for name, rows in found.items():
         c50, c90 = quantiles_ms(rows["call"])
         s50, s90 = quantiles_ms(rows["session"])
-        print(f"{name:<12} {c50:>11.2f} {c90:>7.2f} {s50:>19.2f} {s90:>7.2f} {statistics.median(rows['syscall']):>10.0f}")
+        syscall_ns = statistics.median(rows["syscall"])
+        print(f"{name:<12} {c50:>11.2f} {c90:>7.2f} {s50:>19.2f} {s90:>7.2f} {syscall_ns:>10.0f}")
     mine = found["with filter"]
     keyring_us, install_us = confine_cost_us()
     print(f"in a forked child: fresh keyring {keyring_us:.0f} us, filter install {install_us:.0f} us")

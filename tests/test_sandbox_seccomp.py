@@ -212,8 +212,8 @@ unset_nnp = libc.prctl(38, ctypes.c_ulong(0), 0, 0, 0), ctypes.get_errno()  # PR
 ctypes.set_errno(0)
 keyctl = libc.syscall(ctypes.c_long({nr("keyctl")}), ctypes.c_long(0), ctypes.c_long(-3), 0), ctypes.get_errno()
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-child = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])"],
-                       capture_output=True, text=True).stdout.strip()
+seccomp_mode = "print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])"
+child = subprocess.run([sys.executable, "-c", seccomp_mode], capture_output=True, text=True).stdout.strip()
 print(json.dumps({{"added": added, "unset_nnp": unset_nnp, "keyctl": keyctl, "nnp": libc.prctl(39, 0, 0, 0, 0),
                    "filters": int(status["Seccomp_filters"]), "child": child}}))
 """
@@ -236,12 +236,12 @@ def keyctl(*args):
 # KEYCTL_SEARCH, linking what it finds into the thread keyring (-1): then this thread
 # possesses the key, which lets it read the key even from a session keyring it cannot search
 serial, err = keyctl(ctypes.c_long(10), ctypes.c_long({keyring}), b"user", {description!r}, ctypes.c_long(-1))
+listed = {description!r}.decode() in open("/proc/keys").read()  # what it may view, before invalidating
 payload = ""
 if serial > 0:  # found it: KEYCTL_READ it
     buf = ctypes.create_string_buffer(256)
     size, err = keyctl(ctypes.c_long(11), ctypes.c_long(serial), buf, ctypes.c_long(256))
     payload = buf.raw[:max(size, 0)].decode(){then}
-listed = {description!r}.decode() in open("/proc/keys").read()  # descriptions of keys it may view
 print(json.dumps({{"payload": payload, "errno": err, "listed": listed}}))
 """
 INVALIDATE = "\n    keyctl(ctypes.c_long(21), ctypes.c_long(serial))  # KEYCTL_INVALIDATE: leave nothing behind"

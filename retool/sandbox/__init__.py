@@ -29,7 +29,8 @@ Stateful interpreter (opt-in; ``--interpreter stateful``)::
         (await s.run("len(x)")).stdout          # '3\n': the globals carry over
 
 A session is one interpreter forked from the warm parent exactly as a call's runner is
-(same namespaces, its own unprivileged uid, rlimits, scrubbed environment, output caps),
+(same namespaces, its own unprivileged uid, rlimits, scrubbed environment, output caps,
+fresh session keyring and syscall filter),
 started at its first call; its calls run one after the other in the same globals, each
 as the file ``call<n>.py``. Limits are per call, never summed: before each call the
 interpreter's soft CPU limit is its CPU time so far + the call's allowance and its
