@@ -67,7 +67,8 @@ NAMESPACE_CLONE_FLAGS = {
     "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
     "CLONE_NEWNET": 0x40000000,
 }
-"""``clone`` flags that create a namespace: ``clone`` with any of them fails with ``EPERM``."""
+"""``clone`` flags that create a namespace: ``clone`` with any of them fails with ``EPERM``
+(``CLONE_NEWTIME`` exists only for ``unshare`` and ``clone3``, which are denied outright)."""
 
 KEYCTL_JOIN_SESSION_KEYRING = 1
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
