@@ -230,6 +230,60 @@ def test_shared_prefix_packing_gives_the_bucketed_logprobs_and_gradient(make_eng
     assert_same(grads(bucketed), grads(shared))
 
 
+def test_train_entropy_is_the_mean_policy_entropy_over_trained_tokens(make_engine):
+    engine = make_engine()
+    datums = rl_datums(3)
+    out = engine.forward_backward(datums, "ppo", {"temperature": 0.7})
+    total, count = 0.0, 0
+    for d in datums:
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([list(d.input_tokens_N)])).logits[0].float() / 0.7
+        p = logits.softmax(-1)
+        entropy_N = -(p * p.log()).sum(-1)
+        trained_N = torch.tensor(d.weights_N) != 0
+        total += entropy_N[trained_N].sum().item()
+        count += int(trained_N.sum())
+    assert out.metrics["train/entropy"] == pytest.approx(total / count, rel=1e-5)
+    assert 0 < out.metrics["train/entropy"] < math.log(VOCAB)
+
+
+@pytest.mark.parametrize("packing", ["bucketed", "packed", "shared-prefix"])
+@pytest.mark.parametrize("loss_fn", ["ppo", "cross_entropy"])
+def test_chunked_logprobs_give_the_full_logits_values_and_gradients(make_engine, packing, loss_fn):
+    full, chunked = make_engine(packing=packing), make_engine(packing=packing, logprob_chunk_tokens=7)
+    perturb_lora_b(full)
+    perturb_lora_b(chunked)
+    datums = prompt_sharing_datums()
+    a = full.forward_backward(datums, loss_fn)
+    b = chunked.forward_backward(datums, loss_fn)
+    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D, strict=True):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    for key in ("train/loss", "train/entropy"):
+        assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-5)
+    assert_same(grads(full), grads(chunked))
+
+
+def test_chunked_logprobs_in_bfloat16_match_within_bf16_rounding(make_engine):
+    full, chunked = make_engine(dtype="bfloat16"), make_engine(dtype="bfloat16", logprob_chunk_tokens=5)
+    perturb_lora_b(full)
+    perturb_lora_b(chunked)
+    a = full.forward_backward(rl_datums(3), "ppo")
+    b = chunked.forward_backward(rl_datums(3), "ppo")
+    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D, strict=True):
+        assert lp_a == pytest.approx(lp_b, abs=2e-2)
+    assert_same(grads(full), grads(chunked), rel=2e-2)
+
+
+def test_chunked_logprobs_refuse_a_model_whose_logits_are_not_the_head_output(make_engine):
+    engine = make_engine()
+    trainer.check_chunkable(engine.model)
+    engine.model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        trainer.check_chunkable(engine.model)
+    with pytest.raises(ValueError, match="logprob_chunk_tokens must be >= 0"):
+        make_engine(logprob_chunk_tokens=-1)
+
+
 def test_gradient_checkpointing_gives_the_same_gradient(make_engine):
     plain, checkpointed = make_engine(), make_engine(gradient_checkpointing=True)
     assert any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.model.modules())

@@ -249,6 +249,10 @@ class ModelConfig(EngineChoice):
                           "a row's attention grows with its length squared, so keep micro_batch_tokens "
                           "~1-2k on a CPU)",
                           choices=PACKINGS)
+    logprob_chunk_tokens: int = option(0, "compute the output layer and log-softmax this many tokens at a time, "
+                                          "recomputed in the backward (logits memory N x vocabulary instead of "
+                                          "micro-batch x vocabulary; same values); 0 = full logits; local and "
+                                          "vllm engines (services compute logprobs on their side)")
     init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
 
     def validate_model(self) -> None:
@@ -256,6 +260,7 @@ class ModelConfig(EngineChoice):
         self.validate_engine()
         for name in ("lora_rank", "micro_batch_tokens"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.logprob_chunk_tokens >= 0, f"logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}")
         require(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
         require(self.dtype in ("auto", "float32", "bfloat16"),
                 f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
