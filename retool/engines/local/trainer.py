@@ -456,9 +456,9 @@ def _rows_logprobs(scaled_PV: Any, rows_N: Any, targets_N: Any) -> tuple[Any, An
     return logprobs_N, _entropy(scaled_PV)[rows_N]
 
 
-ENTROPY_ROWS = 1024
-"""Positions whose entropy is computed together when the full logits exist (bounds the
-extra memory of the entropy to one ``ENTROPY_ROWS x vocabulary`` block)."""
+ENTROPY_BLOCK_FLOATS = 2**24
+"""Floats (64 MiB) of the blocks in which entropies are computed from logits that exist
+already: the entropy's extra memory is a small block, not another copy of the logits."""
 
 
 def _entropy(scaled: Any) -> Any:
@@ -467,7 +467,8 @@ def _entropy(scaled: Any) -> Any:
 
     with torch.no_grad():
         flat = scaled.detach().reshape(-1, scaled.shape[-1])
-        blocks = [_block_entropy(block) for block in flat.split(ENTROPY_ROWS)]
+        rows = max(1, ENTROPY_BLOCK_FLOATS // flat.shape[-1])
+        blocks = [_block_entropy(block) for block in flat.split(rows)]
         return torch.cat(blocks).reshape(scaled.shape[:-1])
 
 
