@@ -284,6 +284,36 @@ def test_chunked_logprobs_refuse_a_model_whose_logits_are_not_the_head_output(ma
         make_engine(logprob_chunk_tokens=-1)
 
 
+@pytest.mark.parametrize("loss_fn", ["ppo", "importance_sampling"])
+def test_token_tis_gradient_is_the_hand_computed_weighted_policy_gradient(make_engine, loss_fn):
+    """With --behaviour-is token-tis the gradient is -sum(A * min(pi_old/mu, C) * grad logprob) / tokens,
+    pi_old being the trainer's own logprobs (the datums' mu are far off, so many weights are capped)."""
+    engine, reference = make_engine(), make_engine()
+    perturb_lora_b(engine)
+    perturb_lora_b(reference)
+    datums = rl_datums(3)
+    out = engine.forward_backward(datums, loss_fn, {"behaviour_token_cap": 2.0})
+    total = sum(d.num_trained for d in datums)
+    loss, ratios = 0.0, []
+    for d in datums:
+        ids = torch.tensor([list(d.input_tokens_N)])
+        logprobs_N = reference.model(input_ids=ids).logits[0].log_softmax(-1).gather(
+            -1, torch.tensor(d.target_tokens_N)[:, None]).squeeze(-1)
+        weights_N, trained_N = torch.tensor(d.weights_N), torch.tensor(d.weights_N) != 0
+        ratio_N = (logprobs_N.detach() - torch.tensor(d.sampler_logprobs_N)).exp()
+        ratios += ratio_N[trained_N].tolist()
+        loss = loss - (torch.tensor(d.advantages_N) * ratio_N.clamp(max=2.0) * logprobs_N * weights_N).sum() / total
+    loss.backward()
+    assert_same(grads(reference), grads(engine))
+    m = out.metrics
+    assert m["train/behaviour_ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-4)
+    assert m["train/behaviour_ratio_max"] == pytest.approx(max(ratios), rel=1e-4)
+    assert m["train/behaviour_limited_frac"] == pytest.approx(sum(r > 2.0 for r in ratios) / len(ratios))
+    assert 0 < m["train/behaviour_limited_frac"] < 1
+    if loss_fn == "ppo":
+        assert m["train/clip_frac"] == 0.0  # the ratio is pi_theta / pi_old = 1: nothing to clip
+
+
 def test_gradient_checkpointing_gives_the_same_gradient(make_engine):
     plain, checkpointed = make_engine(), make_engine(gradient_checkpointing=True)
     assert any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.model.modules())

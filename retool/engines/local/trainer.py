@@ -18,6 +18,7 @@ checkpoint folder, never inside).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -149,6 +150,8 @@ class LocalTrainingClient:
         inputs = algo.LossInputs()
         if loss_fn in algo.RL_LOSSES:
             inputs = algo.LossInputs(self._cat(batch, "sampler_logprobs_N"), self._cat(batch, "advantages_N"))
+        if loss_fn in algo.RL_LOSSES and algo.behaviour_correction_on(config):
+            inputs = self._with_behaviour_weights(batch, logprobs_B, inputs, config, stats)
         terms = algo.LOSSES[loss_fn](logprobs_N, inputs, config)
         loss = algo.weighted_sum(terms.loss_N, weights_N, total_weight)
         if not torch.isfinite(loss):
@@ -158,6 +161,21 @@ class LocalTrainingClient:
         loss.backward()
         stats.add(loss, logprobs_N.detach(), weights_N, inputs, terms, torch.cat(entropy_B))
         return [tuple(lp.detach().float().cpu().tolist()) for lp in logprobs_B]
+
+    def _with_behaviour_weights(self, batch: list[Datum], logprobs_B: list[Any], inputs: algo.LossInputs,
+                                config: dict[str, float], stats: _LossStats) -> algo.LossInputs:
+        """``inputs`` with each datum's sampler-trainer weights (``algo.behaviour_weights``),
+        ``pi_old`` being this forward's logprobs, detached."""
+        import torch
+
+        weights_B = []
+        for d, logprobs_N in zip(batch, logprobs_B):
+            sampler_N = torch.tensor(d.sampler_logprobs_N, dtype=torch.float32, device=self.device)
+            trained_N = torch.tensor(d.weights_N, device=self.device) != 0
+            weights = algo.behaviour_weights(logprobs_N.detach().float(), sampler_N, trained_N, config)
+            stats.add_behaviour(weights, trained_N)
+            weights_B.append(weights.weight_N)
+        return dataclasses.replace(inputs, behaviour_weights_N=torch.cat(weights_B))
 
     def _cat(self, batch: list[Datum], name: str) -> Any:
         import torch
@@ -539,6 +557,17 @@ class _LossStats:
     kl: float = 0.0
     entropy: float = 0.0
     clip_seen: bool = False
+    behaviour_tokens: int = 0
+    behaviour_ratio: float = 0.0
+    behaviour_max: float = 0.0
+    behaviour_limited: int = 0
+
+    def add_behaviour(self, weights: algo.BehaviourWeights, trained_N: Any) -> None:
+        ratio_N = weights.ratio_N[trained_N]
+        self.behaviour_tokens += int(trained_N.sum())
+        self.behaviour_ratio += ratio_N.sum().item()
+        self.behaviour_max = max(self.behaviour_max, ratio_N.max().item() if ratio_N.numel() else 0.0)
+        self.behaviour_limited += int(weights.limited_N.sum())
 
     def add(self, loss: Any, logprobs_N: Any, weights_N: Any, inputs: algo.LossInputs,
             terms: algo.LossTerms, entropy_N: Any) -> None:
@@ -563,6 +592,10 @@ class _LossStats:
             out["train/approx_kl"] = self.kl / self.tokens
         if self.clip_seen:
             out["train/clip_frac"] = self.clipped / self.tokens
+        if self.behaviour_tokens:
+            out["train/behaviour_ratio_mean"] = self.behaviour_ratio / self.behaviour_tokens
+            out["train/behaviour_ratio_max"] = self.behaviour_max
+            out["train/behaviour_limited_frac"] = self.behaviour_limited / self.behaviour_tokens
         return out
 
 
