@@ -199,6 +199,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     """Run one RL step; return its metrics and the trajectory groups (with advantages)."""
     from retool.engines.base import AdamParams
     from retool.rollout import rollout_metrics
+    from retool.stats import behaviour_figures, trajectory_stats
 
     cfg, t0 = trainer.config, time.monotonic()
     problems = [trainer.problems[i] for i in runs.batch_indices(step, cfg.batch_size, len(trainer.problems), cfg.seed)]
@@ -251,6 +252,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     usage = trainer.rollout.take_usage()
     trained = float(sum(d.num_trained for d in datums))
     metrics.update(rollout_metrics(flat))
+    metrics.update({f"behaviour/{k}": v for k, v in behaviour_figures(trajectory_stats(flat)).items()})
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
     _add_totals(trainer.totals, usage["prefill"], usage["sampled"], trained, metrics.get("sandbox/cpu_s", 0.0))
     metrics.update({
