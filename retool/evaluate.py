@@ -496,7 +496,7 @@ def format_behaviour(figures: Mapping[str, float]) -> str:
     if "first_call_position" in figures:
         parts.append(f"first call at {100 * figures['first_call_position']:.0f}% of the response")
     parts.append(f"{figures['self_corrections']:.2f} self-corrections per sample")
-    return "  behaviour: " + ", ".join(parts)
+    return ", ".join(parts)
 
 
 def format_summary(report: EvalReport) -> str:
@@ -514,7 +514,7 @@ def format_summary(report: EvalReport) -> str:
         f"  unbiased  {unbiased}",
         f"  code calls {s.code_calls:.2f}  turns {s.turns:.2f}  tokens {s.tokens:.0f}  "
         f"correct {s.num_correct}/{s.num_samples}  solved {s.num_solved}/{s.num_problems}",
-        *([format_behaviour(s.behaviour)] if s.behaviour else []),
+        *([f"  behaviour: {format_behaviour(s.behaviour)}"] if s.behaviour else []),
         f"  this run: sampled {report.sampled_problems} problems ({report.sampler_requests} sampler requests, "
         f"{report.sampled_tokens} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
         *cost,
