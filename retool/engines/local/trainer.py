@@ -5,7 +5,11 @@ the Adam optimiser and the RNG streams. ``forward_backward`` splits the datums i
 micro-batches under a token budget (length-bucketed, padding-free packed or packed with
 a shared prompt prefix computed once; ``retool.algo.plan_micro_batches``) and scales
 every micro-batch by the whole batch's token count, so accumulated gradients equal the
-full-batch gradient of the token-mean loss. ``optim_step`` applies Adam(W);
+full-batch gradient of the token-mean loss. The same forward gives the policy's entropy
+(``train/entropy``) and, with ``logprob_chunk_tokens``, computes the output layer and
+log-softmax chunk by chunk (:func:`chunked_logprobs`) so the logits never exist whole; a
+sampler-trainer correction in the loss config (``algo.behaviour_weights``) weighs each
+token by ``pi_old / mu``, ``pi_old`` being that forward's logprobs. ``optim_step`` applies Adam(W);
 ``save_state``/``load_state`` write and read a resumable checkpoint folder (weights,
 optimiser moments, RNG states, sampler seed and call counter). Its ``sampler`` shares
 the model; a lock keeps sampling and training from overlapping, and every change of
