@@ -277,6 +277,7 @@ QUICK_NOTE = "--quick is a smoke run of every stage: far too small to show learn
 def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, quick: bool = False,
                      interpreter: str = "stateless") -> str:
     """The demo's tables as Markdown (the same numbers the console shows)."""
+    from retool.evaluate import format_behaviour
     from retool.report.compare import format_table
 
     rows = [STATEFUL_NOTE, ""] if interpreter == "stateful" else []
@@ -285,6 +286,8 @@ def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, qui
     for stage, s in summaries.items():
         rows.append(f"| {stage} | {s.num_problems} × {s.k} | {s.average_at_k:.1%} | {s.average_at_k_stderr:.1%} | "
                     f"{s.pass_at_k:.1%} | {s.format:.1%} | {s.used_tool_rate:.1%} | {s.code_calls:.2f} |")
+    rows += ["", "Tool-use behaviour (the ReTool paper's analyses; `retool compare` below pairs them):", ""]
+    rows += [f"- {stage}: {format_behaviour(s.behaviour)}" for stage, s in summaries.items() if s.behaviour]
     rows += ["", f"**{gain_sentence(gain)}.**", "", "After RL against after SFT (`retool compare`: per-problem "
              "differences, so each problem's difficulty cancels):", "", format_table(gain)]
     if quick:

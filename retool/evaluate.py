@@ -47,7 +47,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -486,6 +486,19 @@ def _run_eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_behaviour(figures: Mapping[str, float]) -> str:
+    """The behaviour figures (:func:`retool.stats.behaviour_figures`) as one line."""
+    parts = [f"response {figures['response_tokens']:.0f} tokens", f"calls in {100 * figures['call_rate']:.0f}%"]
+    if "code_lines_per_call" in figures:
+        parts.append(f"{figures['code_lines_per_call']:.1f} lines per call")
+    if "call_success_rate" in figures:
+        parts.append(f"{100 * figures['call_success_rate']:.0f}% of calls ran without error")
+    if "first_call_position" in figures:
+        parts.append(f"first call at {100 * figures['first_call_position']:.0f}% of the response")
+    parts.append(f"{figures['self_corrections']:.2f} self-corrections per sample")
+    return ", ".join(parts)
+
+
 def format_summary(report: EvalReport) -> str:
     """A short human-readable account of an eval's summary and of this call's work."""
     s, h = report.summary, report.header
@@ -501,6 +514,7 @@ def format_summary(report: EvalReport) -> str:
         f"  unbiased  {unbiased}",
         f"  code calls {s.code_calls:.2f}  turns {s.turns:.2f}  tokens {s.tokens:.0f}  "
         f"correct {s.num_correct}/{s.num_samples}  solved {s.num_solved}/{s.num_problems}",
+        *([f"  behaviour: {format_behaviour(s.behaviour)}"] if s.behaviour else []),
         f"  this run: sampled {report.sampled_problems} problems ({report.sampler_requests} sampler requests, "
         f"{report.sampled_tokens} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
         *cost,

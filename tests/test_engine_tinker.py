@@ -158,7 +158,7 @@ def test_what_the_services_cannot_do_is_refused_before_anything_loads():
     for engine in FLAVOURS:
         for bad, message in ((dict(dual_clip=3.0), "dual-clip"), (dict(temperature=0.7), "temperature"),
                              (dict(top_p=0.9), "top_p"), (dict(full_finetune=True), "full fine-tuning"),
-                             (dict(packing="packed"), "packing")):
+                             (dict(packing="packed"), "packing"), (dict(behaviour_is="token-tis"), "--behaviour-is")):
             with pytest.raises(ConfigError, match=message):
                 make_config(TrainConfig, engine=engine, **bad)
 
@@ -290,6 +290,9 @@ def test_a_poisoned_batch_is_never_sent(tmp_path, monkeypatch):
     assert service.calls["forward_backward"] == 0
     with pytest.raises(ValueError, match="dual-clip"):
         client.submit_forward_backward(rl_datums(1, 0), "ppo", {**PPO, "dual_clip": 3.0})
+    with pytest.raises(ValueError, match="no sampler-trainer correction"):
+        client.submit_forward_backward(rl_datums(1, 0), "ppo", {**PPO, "behaviour_token_cap": 2.0})
+    assert service.calls["forward_backward"] == 0
 
 
 # ---------------------------------------------------------------- retool train / eval on the fake

@@ -136,9 +136,13 @@ class EngineSpec:
     """Other engines whose checkpoint folders it loads as its own (same files)."""
 
 
-SERVICE_CAPABILITIES = Capabilities(full_finetune=False, dual_clip=False, train_top_p=False, train_temperature=False)
+SERVICE_CAPABILITIES = Capabilities(full_finetune=False, dual_clip=False, behaviour_is=False, train_top_p=False,
+                                    train_temperature=False)
 """A Tinker-style service: LoRA only, no dual-clip, no temperature input, and logprobs it
-does not document as taken before top-p, so no top-p < 1 in training."""
+does not document as taken before top-p, so no top-p < 1 in training. No sampler-trainer
+correction: its losses are ``-A * exp(logprob - sampler_logprob)`` (PPO: clipped) with
+per-token advantages fixed before the call, so a weight ``min(pi_old / mu, C)`` that
+needs the trainer's logprobs of the same call cannot be expressed."""
 
 ENGINES: dict[str, EngineSpec] = {
     "local": EngineSpec(
@@ -249,6 +253,10 @@ class ModelConfig(EngineChoice):
                           "a row's attention grows with its length squared, so keep micro_batch_tokens "
                           "~1-2k on a CPU)",
                           choices=PACKINGS)
+    logprob_chunk_tokens: int = option(0, "compute the output layer and log-softmax this many tokens at a time, "
+                                          "recomputed in the backward (logits memory N x vocabulary instead of "
+                                          "micro-batch x vocabulary; same values); 0 = full logits; local and "
+                                          "vllm engines (services compute logprobs on their side)")
     init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
 
     def validate_model(self) -> None:
@@ -256,6 +264,7 @@ class ModelConfig(EngineChoice):
         self.validate_engine()
         for name in ("lora_rank", "micro_batch_tokens"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.logprob_chunk_tokens >= 0, f"logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}")
         require(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
         require(self.dtype in ("auto", "float32", "bfloat16"),
                 f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
@@ -273,6 +282,7 @@ class Requirements:
     full_finetune: bool = False
     loss: str | None = None
     dual_clip: bool = False
+    behaviour_is: bool = False
     packing: str = "bucketed"
     train_top_p: float = 1.0
     train_temperature: float = 1.0
@@ -293,6 +303,8 @@ def check_supported(engine: str, needs: Requirements) -> None:
         (caps.lora or needs.full_finetune or not needs.training, "LoRA adapters (use --full-finetune)"),
         (needs.loss is None or needs.loss in caps.losses, f"the {needs.loss} loss"),
         (caps.dual_clip or not needs.dual_clip, "PPO dual-clip (leave --dual-clip unset)"),
+        (caps.behaviour_is or not needs.behaviour_is,
+         "--behaviour-is (its losses take no trainer-side pi_old to weight tokens by; use --behaviour-is off)"),
         (needs.packing in caps.packings, f"--packing {needs.packing} (use {' or '.join(caps.packings)})"),
         (caps.train_top_p or needs.train_top_p == 1.0, "top_p < 1 in training rollouts (use --top-p 1)"),
         (caps.train_temperature or needs.train_temperature == 1.0, "a training temperature other than 1"),
@@ -307,6 +319,7 @@ CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
     ("full fine-tuning", lambda c: _yes(c.full_finetune)),
     ("losses", lambda c: ", ".join(c.losses)),
     ("dual-clip", lambda c: _yes(c.dual_clip)),
+    ("behaviour IS", lambda c: _yes(c.behaviour_is)),
     ("packing", lambda c: ", ".join(c.packings)),
     ("top-p < 1 in training", lambda c: _yes(c.train_top_p)),
     ("temperature ≠ 1 in training", lambda c: _yes(c.train_temperature)),

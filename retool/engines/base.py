@@ -76,6 +76,9 @@ class Capabilities:
     """Loss names of ``retool.algo.LOSSES`` it computes."""
     dual_clip: bool = True
     """PPO's dual-clip constant."""
+    behaviour_is: bool = True
+    """A sampler-trainer correction (``--behaviour-is``): needs the trainer's own logprobs
+    inside the loss, before the advantages are weighted."""
     packings: tuple[str, ...] = ("bucketed",)
     """Micro-batch layouts (``retool.algo.PACKINGS``) it honours."""
     train_top_p: bool = True

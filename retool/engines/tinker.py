@@ -367,6 +367,8 @@ class ServiceTrainingClient:
             raise ValueError(f"engine {self.flavour.name} trains at temperature 1 only (it takes no temperature)")
         if config.get("dual_clip"):
             raise ValueError(f"engine {self.flavour.name} has no PPO dual-clip")
+        if algo.behaviour_correction_on(config):
+            raise ValueError(f"engine {self.flavour.name} has no sampler-trainer correction (--behaviour-is)")
         total_weight = _check_data(data, loss_fn)
         sdk_data = [sdk_datum(self.flavour, d, loss_fn, total_weight) for d in data]
         sdk_future = _call(self.flavour, self.counters, "forward_backward",
