@@ -47,6 +47,8 @@ def test_two_steps_on_the_tiny_model_log_a_finite_loss(tmp_path):
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--clip-high", "0.9"], "clip-low <= 1 <= --clip-high"),
     (["--train-data", "/nonexistent/problems.jsonl"], "no such file"),
+    (["--packing", "zigzag"], "does not support --packing zigzag"),
+    (["--engine", "nope"], "nope"),
 ])
 def test_bad_settings_get_one_line(args, message):
     done = run_example("--model", str(boxed_digit_model_dir()), "--steps", "1", *args)
