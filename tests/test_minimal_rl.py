@@ -55,3 +55,17 @@ def test_bad_settings_get_one_line(args, message):
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_trajectory_group_reads_its_rewards_and_refuses_to_be_empty():
+    from retool.types import Grade, Problem, Trajectory, TrajectoryGroup
+
+    problem = Problem("p1", "What is 1+1?", "2")
+
+    def trajectory(reward: float) -> Trajectory:
+        return Trajectory("p1", 1, (1, 2), (0, 1), (0.0, -0.5), (), Grade(reward, reward > 0, True, "2"))
+
+    group = TrajectoryGroup(problem, (trajectory(1.0), trajectory(-1.0), trajectory(-1.0)))
+    assert group.rewards_G == (1.0, -1.0, -1.0)
+    with pytest.raises(ValueError, match="problem p1"):
+        TrajectoryGroup(problem, ())
