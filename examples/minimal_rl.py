@@ -52,17 +52,18 @@ from pathlib import Path
 
 from retool import algo
 from retool.config import ConfigError
-from retool.data import DataError, load_problems
+from retool.data import DataError, load_problems, require_usable_golds
 from retool.engines import (
     ENGINE_NAMES,
     AdamParams,
     ModelConfig,
     Requirements,
+    TrainingClient,
     check_supported,
     close_training_client,
 )
 from retool.render import Renderer
-from retool.reward import grade_many
+from retool.reward import GoldAnswerError, grade_many
 from retool.rollout import Rollout, RolloutConfig, rollout_metrics
 from retool.runs import load_engine
 from retool.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
@@ -140,7 +141,9 @@ def train(cfg: Config) -> list[dict[str, float]]:
     """Run ``cfg.steps`` RL steps; return each step's metrics."""
     problems = load_problems(cfg.train_data) if cfg.train_data else make_problems(200, cfg.seed, split="rl")
     if not problems:
-        raise ConfigError(f"--train-data {cfg.train_data} holds no problems")
+        raise ConfigError(f"--train-data {cfg.train_data} holds no usable problems")
+    if cfg.train_data:  # every gold answer must grade as right against itself, before anything loads
+        require_usable_golds(cfg.train_data, problems)
     engine = load_engine(model_config(cfg), cfg.seed)
     renderer = Renderer(engine.get_tokenizer(), chat_template=template(cfg), tools=True, model_name=cfg.model)
     order = random.Random(cfg.seed)
@@ -157,7 +160,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 groups_B = asyncio.run(roll_out(rollout, batch, cfg.group_size, derive_seed(cfg.seed, step)))
                 t_rollout = time.monotonic() - t0
                 # 3. reward: +1 for a right boxed answer in the last turn, -1 otherwise
-                groups_B = graded(groups_B)
+                groups_B = [graded(group) for group in groups_B]
                 # 4. advantages: each reward minus its group's mean (zero for a group of equal rewards)
                 advantages_BG = [algo.group_advantages(group.rewards_G) for group in groups_B]
                 # 5. datums: the policy's tokens carry the advantage; interpreter tokens have weight 0
@@ -197,13 +200,12 @@ async def grade_later(final_text: str, gold: str) -> Grade:
     return UNGRADED
 
 
-def graded(groups_B: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
-    """Every trajectory with the grade of its final assistant turn against the gold answer."""
-    finals = [final_text(t) for g in groups_B for t in g.trajectories_G]
-    golds = [g.problem.answer for g in groups_B for _ in g.trajectories_G]
-    grades = iter(grade_many(finals, golds))
-    return [dataclasses.replace(g, trajectories_G=tuple(dataclasses.replace(t, grade=next(grades))
-                                                        for t in g.trajectories_G)) for g in groups_B]
+def graded(group: TrajectoryGroup) -> TrajectoryGroup:
+    """The group with each trajectory's final assistant turn graded against the gold answer."""
+    trajectories_G = group.trajectories_G
+    grades_G = grade_many([final_text(t) for t in trajectories_G], [group.problem.answer] * len(trajectories_G))
+    return TrajectoryGroup(group.problem,
+                           tuple(dataclasses.replace(t, grade=g) for t, g in zip(trajectories_G, grades_G)))
 
 
 def final_text(trajectory: Trajectory) -> str:
@@ -211,7 +213,7 @@ def final_text(trajectory: Trajectory) -> str:
     return trajectory.turns[-1].text if trajectory.turns else ""
 
 
-def update(engine, datums_D: list[Datum], cfg: Config) -> dict[str, float]:
+def update(engine: TrainingClient, datums_D: list[Datum], cfg: Config) -> dict[str, float]:
     """One policy-gradient update on ``datums_D``; its loss and optimiser metrics."""
     if not datums_D:
         return {}
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.output:
             Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
         train(cfg)
-    except (ConfigError, DataError, SandboxUnavailableError, FloatingPointError, OSError) as err:
+    except (ConfigError, DataError, GoldAnswerError, SandboxUnavailableError, FloatingPointError, OSError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     return 0

@@ -49,8 +49,12 @@ def test_two_steps_on_the_tiny_model_log_a_finite_loss(tmp_path):
     (["--train-data", "/nonexistent/problems.jsonl"], "no such file"),
     (["--packing", "zigzag"], "does not support --packing zigzag"),
     (["--engine", "nope"], "nope"),
+    (["--train-data", "BAD_GOLD"], "1 gold answer(s) the grader cannot use"),
 ])
-def test_bad_settings_get_one_line(args, message):
+def test_bad_settings_get_one_line(args, message, tmp_path):
+    bad_gold = tmp_path / "bad-gold.jsonl"
+    bad_gold.write_text(json.dumps({"id": "g1", "question": DIGIT_QUESTION, "answer": "\\frac{"}) + "\n")
+    args = [str(bad_gold) if a == "BAD_GOLD" else a for a in args]
     done = run_example("--model", str(boxed_digit_model_dir()), "--steps", "1", *args)
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and message in done.stderr
