@@ -383,8 +383,7 @@ def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
 def test_docs_list_every_flag():
     from retool.config import markdown_table
 
-    assert markdown_table(TrainConfig) in (REPO / "docs" / "train.md").read_text()
-    assert markdown_table(TrainConfig) in (REPO / "README.md").read_text()
+    assert markdown_table(TrainConfig) in (REPO / "docs" / "cli.md").read_text()
 
 
 def test_a_non_finite_update_stops_the_run_with_the_step(tmp_path):
