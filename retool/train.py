@@ -368,7 +368,9 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
         raise
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model,
                         interpreter=cfg.interpreter)
-    rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
+    # no sampler yet: every step takes one on its current weights (train_step), so none is
+    # made on untrained weights that a resume would replace at once
+    rollout = Rollout(renderer, None, sandbox, agrade,  # type: ignore[arg-type]
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost)

@@ -52,8 +52,16 @@ FAKE_LORA_ALPHA = 32.0
 class FakeService:
     """The server side: checkpoints on disk, recorded gradients, injected faults."""
 
-    def __init__(self, root: str | Path, flavour: str, lora_alpha: float = FAKE_LORA_ALPHA) -> None:
+    def __init__(self, root: str | Path, flavour: str, lora_alpha: float = FAKE_LORA_ALPHA,
+                 duplicate_seeded: bool = False) -> None:
         self.root, self.flavour, self.lora_alpha = Path(root), flavour, lora_alpha
+        self.duplicate_seeded = duplicate_seeded
+        """Reproduce the reported Tinker behaviour: a seeded request for ``n > 1`` samples
+        answers ``n`` token-identical sequences (one sample, repeated)."""
+        self.sample_requests: list[tuple[int, int | None]] = []
+        """Every sample request as sent: (``num_samples``, ``seed``)."""
+        self.closed: list[str] = []
+        """The status of every service session closed (PyTRIO: ``ENDED``/``CANCELLED``)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.faults: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.calls: collections.Counter = collections.Counter()
@@ -155,12 +163,13 @@ class FakeService:
         self.training_clients.append(trainer)
         return trainer
 
-    def sampler(self, model_path: str | None, base_model: str | None) -> FakeSampler:
+    def sampler(self, model_path: str | None, base_model: str | None, count: bool = True) -> FakeSampler:
         from retool.engines import SamplerRequest
         from retool.engines.base import EngineCheckpoint
         from retool.engines.local import sampler
 
-        self.check("create_sampling_client")
+        if count:
+            self.check("create_sampling_client")
         if model_path:
             folder = self.folder(model_path)
             saved = EngineCheckpoint.read(folder)
@@ -299,14 +308,35 @@ class FakeTrainer:
         cls = pytrio.types.SaveWeightsResponse if kind == "weights" else pytrio.types.SaveWeightsForSamplerResponse
         return cls(path=path, model=self.model, size=sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()))
 
+    def ephemeral_sampler(self) -> FakeSampler:
+        """A sampler on the current weights, saved outside the account's checkpoints (as
+        the services' ephemeral snapshots are): ``save_weights_and_get_sampling_client``."""
+        name = f"snapshot-{uuid.uuid4().hex[:8]}"
+        self.local.save_state(self.service.root / "ephemeral" / name)
+        return self.service.sampler(self.service.path("ephemeral", name), None, count=False)
+
 
 class FakeSampler:
     """A sampling client with fixed weights: the local engine's sampler on its own loop."""
 
     def __init__(self, service: FakeService, local_sampler: Any) -> None:
         self.service, self.local = service, local_sampler
+        self.seen: list[tuple[int, ...]] = []
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="fake-sampler").start()
+
+    def cache_hits(self, prompt: list[int]) -> int:
+        """A prefix cache: the longest prefix this prompt shares with one sent before."""
+        best = 0
+        for seen in self.seen:
+            n = 0
+            for a, b in zip(seen, prompt):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        self.seen.append(tuple(prompt))
+        return best
 
     def submit(self, prompt: Any, num_samples: int, params: Any) -> Any:
         try:
@@ -321,12 +351,17 @@ class FakeSampler:
         stop = tuple(int(t) for t in params.stop) if params.stop else ()
         ours = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                               top_k=max(params.top_k, 0), stop_token_ids=stop, seed=params.seed)
-        result = await self.local.sample(prompt.to_ints(), num_samples, ours)
+        self.service.sample_requests.append((num_samples, params.seed))
+        if self.service.duplicate_seeded and params.seed is not None and num_samples > 1:
+            one = await self.local.sample(prompt.to_ints(), 1, ours)
+            result = type(one)(one.sequences * num_samples)
+        else:
+            result = await self.local.sample(prompt.to_ints(), num_samples, ours)
         reasons = ["length" if s.stop_reason.value == "length" else "stop" for s in result.sequences]
         if self.service.flavour == "tinker":
             import tinker
 
-            return tinker.types.SampleResponse(sequences=[
+            return tinker.types.SampleResponse(prompt_cache_hit_tokens=self.cache_hits(prompt.to_ints()), sequences=[
                 tinker.types.SampledSequence(stop_reason=r, sequence_id=uuid.uuid4().hex,
                                              tokens_np=np.asarray(s.tokens, dtype=np.int32),
                                              logprobs_np=np.asarray(s.logprobs, dtype=np.float32))
@@ -368,6 +403,12 @@ class TinkerTrainingClient:
 
     def save_weights_external(self, name, ttl_seconds=None, age_encryption_recipients=None):
         return self._t.submit("save_weights_external", self._t.save, "external_weights", name)
+
+    def save_weights_and_get_sampling_client(self, name=None, retry_config=None, record_stability_info=False,
+                                             kind="snapshot"):
+        type(self).last_retry_config = retry_config
+        return self._t.submit("save_weights_and_get_sampling_client",
+                              lambda: TinkerSamplingClient(self._t.ephemeral_sampler()))
 
 
 class TinkerRestClient:
@@ -438,6 +479,7 @@ class TinkerServiceClient:
 
     def close(self, status, detail=None):
         type(self).closed_with = status
+        self.service.closed.append(status)
         return self.service.future(None)
 
 
@@ -459,6 +501,10 @@ class PytrioTrainingClient:
     def save_weights_for_sampler(self, name, ttl_seconds=None):
         return self._t.submit("save_weights_for_sampler", self._t.save, "sampler_weights", name)
 
+    def save_weights_and_get_sampling_client(self):
+        self._t.service.check("save_weights_and_get_sampling_client")
+        return PytrioSamplingClient(self._t.ephemeral_sampler())
+
 
 class PytrioSamplingClient:
     def __init__(self, sampler: FakeSampler) -> None:
@@ -476,6 +522,7 @@ class PytrioServiceClient:
 
     def __init__(self, api_key=None):
         self.service.check("login")
+        self._runtime = _PytrioRuntime(self.service)
 
     def create_lora_training_client(self, base_model, rank=32, seed=None, train_mlp=True, train_attn=True,
                                     train_unembed=True):
@@ -494,6 +541,17 @@ class PytrioServiceClient:
         rest = PytrioRestClient()
         rest.service = self.service
         return rest
+
+
+class _PytrioRuntime:
+    """PyTRIO 0.2.9's private ``ServiceRuntime``: ``shutdown(status)`` closes the session."""
+
+    def __init__(self, service: FakeService) -> None:
+        self.service = service
+
+    def shutdown(self, status="ENDED"):
+        assert status in ("ENDED", "CANCELLED"), "PyTRIO's ServiceSessionCloseStatus"
+        self.service.closed.append(status)
 
 
 class PytrioRestClient:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch
 from retool import algo
 from retool.cli import main as cli_main
 from retool.config import make_config
+from retool.engines import ServiceSettings
 from retool.engines.base import AdamParams, SamplingParams
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 from retool.types import StopReason
@@ -224,10 +226,11 @@ def test_two_train_steps_equal_the_local_engines_on_the_same_trajectories(flavou
     common = dict(lora_rank=4, lora_alpha=FAKE_LORA_ALPHA, seed=3, max_steps=2, lr=1e-2)
     local = build_trainer(tiny_config(tmp_path, run_dir=str(tmp_path / "l"), **common))
     remote = build_trainer(tiny_config(tmp_path, engine=flavour, run_dir=str(tmp_path / "r"), **common))
-    groups = asyncio.run(local.rollout.groups(local.problems[:2], 4))
+    local.rollout.sampler = local.engine.save_weights_for_sampler()  # as a step takes it
+    groups = {p.id: g for p, g in zip(local.problems, asyncio.run(local.rollout.groups(local.problems, 4)))}
 
-    async def same_groups(problems, group_size):
-        return [list(g) for g in groups]
+    async def same_group(problem, group_size, **kwargs):
+        return list(groups[problem.id])
 
     local_grads = []
     real_submit = local.engine.submit_optim_step
@@ -238,7 +241,7 @@ def test_two_train_steps_equal_the_local_engines_on_the_same_trajectories(flavou
 
     monkeypatch.setattr(local.engine, "submit_optim_step", submit_and_record)
     for trainer in (local, remote):
-        trainer.rollout.groups = same_groups
+        trainer.rollout.group = same_group
     for step in (1, 2):
         ours, _ = train_step(remote, step)
         theirs, _ = train_step(local, step)
@@ -326,8 +329,12 @@ def test_retool_train_and_eval_run_on_the_fake_service(flavour, tmp_path, monkey
     engine_json = json.loads((run / "checkpoints" / "step_000002" / "engine" / "engine.json").read_text())
     assert engine_json["engine"] == flavour and engine_json["weights"].startswith("tinker://fake/")
     assert sorted(p.name for p in (run / "checkpoints" / "step_000002" / "engine").iterdir()) == ["engine.json"]
-    # on-policy: a fresh sampling client on freshly saved weights for every step
-    assert service.calls["create_sampling_client"] >= 2
+    # on-policy: an ephemeral sampler on the current weights every step (the SDKs'
+    # save_weights_and_get_sampling_client), none at start-up on untrained weights, and
+    # no named sampler checkpoint but the one each checkpoint saves (save_every 1)
+    assert service.calls["save_weights_and_get_sampling_client"] == 2
+    assert service.calls["create_sampling_client"] == 0 and service.calls["save_weights_for_sampler"] == 2
+    assert service.closed == (["success"] if flavour == "tinker" else ["ENDED"])
     assert [kind for kind, _ in service.requests] == ["forward_backward", "optim_step"] * 2
 
     data = tmp_path / "eval.jsonl"
@@ -339,6 +346,87 @@ def test_retool_train_and_eval_run_on_the_fake_service(flavour, tmp_path, monkey
                          "--output", str(out)])
         assert code == 0, capsys.readouterr().err
         assert out.is_file()
+
+
+def test_seeded_multi_sample_requests_become_distinct_requests_per_flavour():
+    seeded = SamplingParams(max_tokens=4, seed=11)
+    tinker_plan = adapter.plan_requests(adapter.TINKER, 3, seeded)
+    assert [r.num_samples for r in tinker_plan] == [1, 1, 1]
+    seeds = [r.params.seed for r in tinker_plan]
+    assert len(set(seeds)) == 3 and seeds == [r.params.seed for r in adapter.plan_requests(adapter.TINKER, 3, seeded)]
+    (pytrio_plan,) = adapter.plan_requests(adapter.PYTRIO, 3, seeded)
+    assert pytrio_plan.num_samples == 3 and pytrio_plan.params.seed is None
+    for flavour in (adapter.TINKER, adapter.PYTRIO):  # one sample, or no seed: sent as asked
+        assert adapter.plan_requests(flavour, 1, seeded) == (adapter.SampleRequest(1, seeded),)
+        unseeded = SamplingParams(max_tokens=4)
+        assert adapter.plan_requests(flavour, 5, unseeded) == (adapter.SampleRequest(5, unseeded),)
+    with pytest.raises(ValueError, match="num_samples"):
+        adapter.plan_requests(adapter.TINKER, 0, seeded)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_groups_stay_distinct_when_the_service_repeats_seeded_samples(flavour, tmp_path, monkeypatch, capsys):
+    """The fake reproduces the reported Tinker behaviour (a seeded request for n > 1
+    samples answers n identical sequences): every group of a run is still n distinct
+    trajectories, the requests say how (split / unseeded) and what it cost is counted."""
+    import asyncio
+    import gzip
+
+    from retool.log import read_metrics
+
+    service = FakeService(tmp_path / "service", flavour, duplicate_seeded=True)
+    install(service, monkeypatch)
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=8, seed=5)
+    raw = FAKES[flavour][2](service.sampler(None, model())).sample(
+        SDKS[flavour].types.ModelInput.from_ints(prompt), 4,
+        adapter.sdk_sampling_params(adapter.FLAVOURS[flavour], params)).result()
+    assert len({tuple(s.tokens) for s in raw.sequences}) == 1  # the reported behaviour, reproduced
+    client = adapter.create_training_client(flavour, model=model(), lora_rank=4, seed=0)
+    sampler = client.save_weights_for_sampler()
+    got = asyncio.run(sampler.sample(prompt, 4, params)).sequences
+    assert len({s.tokens for s in got}) > 1  # independent draws (a tiny model may repeat one by chance)
+    if flavour == "tinker":  # each is the draw of its own derived seed: replayable one by one
+        for seq, request in zip(got, adapter.plan_requests(adapter.TINKER, 4, params)):
+            assert asyncio.run(sampler.sample(prompt, 1, request.params)).sequences[0].tokens == seq.tokens
+    client.close()
+
+    run = tmp_path / "run"
+    assert cli_main(train_args(tmp_path, run, flavour, steps=1)) == 0, capsys.readouterr().err
+    groups: dict[int, list] = {}
+    with gzip.open(run / "trajectories" / "step_000001.jsonl.gz", "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            groups.setdefault(row["group"], []).append(tuple(row["trajectory"]["tokens_T"]))
+    distinct = [len(set(g)) for g in groups.values()]
+    assert len(groups) == 2 and all(len(g) == 4 for g in groups.values()) and min(distinct) > 1, distinct
+    row = read_metrics(run / "metrics.jsonl")[0]
+    if flavour == "tinker":  # split: 4 seeded single-sample requests per group's (only) turn
+        assert (row["engine/split_requests"], row["engine/unseeded_requests"]) == (6, 0)
+        assert all(n == 1 and seed is not None for n, seed in service.sample_requests[-8:])
+        assert row["tokens/prefill_service"] == 4 * row["tokens/prefill"]
+    else:  # one request per group, sent unseeded: the prompt is prefilled once
+        assert (row["engine/split_requests"], row["engine/unseeded_requests"]) == (0, 2)
+        assert service.sample_requests[-2:] == [(4, None), (4, None)]
+        assert row["tokens/prefill_service"] == row["tokens/prefill"]
+    print(f"\n{flavour}: distinct trajectories per group {distinct} (the service alone: 1); "
+          f"{row['engine/sample_requests']:g} requests for 2 groups of 4; prefill sent "
+          f"{row['tokens/prefill_service']:g} (rollout counts {row['tokens/prefill']:g}), cached "
+          f"{row['tokens/prefill_cached']:g}")
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_the_reference_runs_unembedding_and_adam_eps_are_available(flavour, tmp_path, monkeypatch, capsys):
+    service = FakeService(tmp_path / "service", flavour)
+    install(service, monkeypatch)
+    seen = []
+    real = service.lora_trainer
+    monkeypatch.setattr(service, "lora_trainer", lambda *a: seen.append(a[3]) or real(*a))
+    run = tmp_path / "run"
+    prefix = f"--{flavour}-"
+    assert cli_main(train_args(tmp_path, run, flavour, steps=1) + [prefix + "train-unembed", prefix + "adam-eps",
+                                                                   "1e-12"]) == 0, capsys.readouterr().err
+    assert seen == [True]
+    assert [p.eps for kind, p in service.requests if kind == "optim_step"] == [1e-12]
 
 
 def test_an_unknown_model_stops_with_one_clear_line(tmp_path, monkeypatch, capsys):
@@ -384,7 +472,11 @@ def test_the_sdks_own_retries_are_configured_not_wrapped(tmp_path, monkeypatch):
     client.forward_backward(rl_datums(1, 0), "ppo", PPO)
     client.optim_step(AdamParams())
     client.save_weights_for_sampler()
-    assert fake.last_retry_config.progress_timeout == 90.0
+    assert FAKES["tinker"][1].last_retry_config.progress_timeout == 90.0  # on the ephemeral sampler
+    client.close()
+    assert adapter.sampler(SimpleNamespace(settings=ServiceSettings(retry_timeout_s=45.0), checkpoint=None,
+                                           model=model())).sampler.sdk_client is not None
+    assert fake.last_retry_config.progress_timeout == 45.0  # on an eval's sampler
 
 
 def test_a_planted_api_key_leaves_no_trace(tmp_path, monkeypatch, capsys):
