@@ -60,6 +60,10 @@ class FakeService:
         answers ``n`` token-identical sequences (one sample, repeated)."""
         self.sample_requests: list[tuple[int, int | None]] = []
         """Every sample request as sent: (``num_samples``, ``seed``)."""
+        self.billing: list[Any] = []
+        """Tinker only: what its billing would record, as the SDK's billing event types
+        (``tinker.types.*BillingEvent``), one per request: prefill cached and not,
+        sampled and trained tokens, checkpoints (the ephemeral snapshots are not)."""
         self.closed: list[str] = []
         """The status of every service session closed (PyTRIO: ``ENDED``/``CANCELLED``)."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -100,6 +104,12 @@ class FakeService:
         if status == "timeout":
             return TimeoutError("fake: request timed out")
         return ControlAPIError(f"fake HTTP {status}", status_code=int(status), retryable=status in (429, 500))
+
+    def bill(self, event: str, **fields: Any) -> None:
+        if self.flavour == "tinker":
+            import tinker
+
+            self.billing.append(getattr(tinker.types, event)(**fields))
 
     # ------------------------------------------------------------ paths
 
@@ -204,6 +214,7 @@ class FakeTrainer:
         from retool.engines.local.model import model_mode
 
         self.service.requests.append(("forward_backward", (data, loss_fn, config)))
+        self.service.bill("TrainingBillingEvent", token_count=sum(d.model_input.length for d in data))
         per_call = self.service.flavour == "pytrio"
         denominator = 1.0
         if per_call:  # PyTRIO: the call's active targets (not -100; cross-entropy: weight != 0)
@@ -294,6 +305,7 @@ class FakeTrainer:
         return pytrio.types.OptimStepResponse(metrics={})
 
     def save(self, kind: str, name: str) -> Any:
+        self.service.bill("CheckpointBillingEvent", count=1)
         folder = self.service.root / kind / name
         self.local.save_state(folder)
         path = self.service.path(kind, name)
@@ -361,7 +373,11 @@ class FakeSampler:
         if self.service.flavour == "tinker":
             import tinker
 
-            return tinker.types.SampleResponse(prompt_cache_hit_tokens=self.cache_hits(prompt.to_ints()), sequences=[
+            hits, length = self.cache_hits(prompt.to_ints()), prompt.length
+            self.service.bill("SamplingPrefillBillingEvent", cached=False, token_count=length - hits)
+            self.service.bill("SamplingPrefillBillingEvent", cached=True, token_count=hits + (num_samples - 1) * length)
+            self.service.bill("SamplingSampleBillingEvent", token_count=sum(len(s.tokens) for s in result.sequences))
+            return tinker.types.SampleResponse(prompt_cache_hit_tokens=hits, sequences=[
                 tinker.types.SampledSequence(stop_reason=r, sequence_id=uuid.uuid4().hex,
                                              tokens_np=np.asarray(s.tokens, dtype=np.int32),
                                              logprobs_np=np.asarray(s.logprobs, dtype=np.float32))

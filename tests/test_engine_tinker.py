@@ -604,7 +604,9 @@ def test_price_tables_give_the_step_cost(tmp_path):
     table.write_text('[tinker]\nprefil = 1.0\n')
     with pytest.raises(ConfigError, match="unknown keys"):
         load_prices(table, "tinker", "m")
-    assert load_prices(REPO / "configs" / "prices" / "example.toml", "tinker", "Qwen/Qwen3.5-4B") == Prices()
+    assert load_prices(REPO / "configs" / "prices" / "example.toml", "tinker", "Qwen/Qwen3.5-4B") == Prices(
+        units="tinker_billing")
+    assert load_prices(REPO / "configs" / "prices" / "example.toml", "pytrio", "Qwen/Qwen3.5-4B") == Prices()
 
 
 def run_to_max_cost(tmp_path, engine: str, capsys) -> tuple[Path, list[dict]]:
