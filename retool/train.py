@@ -386,6 +386,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
     trainer = build_trainer(cfg, inputs.problems)
     ended: BaseException | None = None
     try:
+        if not (resume and runs.latest_checkpoint(run_dir)):  # a resume takes its checkpoint's client instead
+            getattr(trainer.engine, "start", lambda: None)()  # a service engine's run, refused before any file
         runs.create_run(run_dir, cfg)
         atomic_write_json(run_dir / TRAIN_DATA_RECORD, {**inputs.fingerprint, "problems": len(inputs.problems)})
         runs.run_steps(runs.StepLoop(

@@ -428,6 +428,12 @@ class ServiceTrainingClient:
         self.adam_eps: float | None = None
         """Adam's epsilon for the service, replacing the trainer's (``--tinker-adam-eps``)."""
 
+    def start(self) -> None:
+        """Create the run on the service now rather than on first use, so that a refused
+        model or key stops a new run before it writes anything (``retool train`` calls
+        this unless it resumes from a checkpoint)."""
+        self.sdk_client  # noqa: B018 - the property creates it
+
     @property
     def sdk_client(self) -> Any:
         """The SDK's training client (created now if it was deferred)."""
