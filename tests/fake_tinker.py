@@ -65,6 +65,8 @@ class FakeService:
         (``tinker.types.*BillingEvent``), one per request: prefill cached and not,
         sampled and trained tokens, checkpoints (the ephemeral snapshots are not)."""
         self.closed: list[str] = []
+        self.deleted: list[str] = []
+        """Every checkpoint deleted through the REST client."""
         """The status of every service session closed (PyTRIO: ``ENDED``/``CANCELLED``)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.faults: dict[str, collections.deque] = collections.defaultdict(collections.deque)
@@ -308,6 +310,8 @@ class FakeTrainer:
         self.service.bill("CheckpointBillingEvent", count=1)
         folder = self.service.root / kind / name
         self.local.save_state(folder)
+        if kind == "external_weights":
+            tinker_layout(folder / "adapter", folder / "tinker_adapter")
         path = self.service.path(kind, name)
         if self.service.flavour == "tinker":
             import tinker
@@ -326,6 +330,26 @@ class FakeTrainer:
         name = f"snapshot-{uuid.uuid4().hex[:8]}"
         self.local.save_state(self.service.root / "ephemeral" / name)
         return self.service.sampler(self.service.path("ephemeral", name), None, count=False)
+
+
+def tinker_layout(peft_folder: Path, target: Path) -> None:
+    """A PEFT adapter in Tinker's documented adapter layout (tinker-cookbook's weights
+    README and fixtures): keys under ``base_model.model.``, the output layer named
+    ``model.unembed_tokens``, and an ``adapter_config.json`` of ``r`` and ``lora_alpha``
+    only. (The tiny test models have no fused Q/K/V; a Qwen3.5 fixture covers that.)"""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((peft_folder / "adapter_config.json").read_text())
+    weights = load_file(peft_folder / "adapter_model.safetensors")
+    renamed = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+               .replace("base_model.model.lm_head.", "base_model.model.model.unembed_tokens."): v
+               for k, v in weights.items()}
+    assert all(k.startswith("base_model.model.") for k in renamed), sorted(renamed)[:2]
+    target.mkdir(parents=True)
+    save_file(renamed, str(target / "adapter_model.safetensors"))
+    (target / "adapter_config.json").write_text(json.dumps({"r": config["r"], "lora_alpha": config["lora_alpha"]}))
 
 
 class FakeSampler:
@@ -418,6 +442,7 @@ class TinkerTrainingClient:
         return self._t.submit("save_weights_for_sampler", self._t.save, "sampler_weights", name)
 
     def save_weights_external(self, name, ttl_seconds=None, age_encryption_recipients=None):
+        assert ttl_seconds is None or 3600 <= ttl_seconds <= 10 * 365 * 86400, "Tinker's documented TTL range"
         return self._t.submit("save_weights_external", self._t.save, "external_weights", name)
 
     def save_weights_and_get_sampling_client(self, name=None, retry_config=None, record_stability_info=False,
@@ -441,12 +466,24 @@ class TinkerRestClient:
         import tinker
 
         try:
-            adapter = self.service.folder(tinker_path) / "adapter"
+            adapter = self.service.folder(tinker_path) / "tinker_adapter"
         except Exception as err:
             return self.service.future(error=err)
         urls = {f.name: f.resolve().as_uri() for f in adapter.iterdir() if f.is_file()}
         expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
         return self.service.future(tinker.types.ExternalWeightsUrlsResponse(urls=urls, expires=expires))
+
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path):
+        import shutil
+
+        try:
+            folder = self.service.folder(tinker_path)
+        except Exception as err:
+            return self.service.future(error=err)
+        shutil.rmtree(folder)
+        self.service.deleted.append(tinker_path)
+        return self.service.future(None)
 
 
 class TinkerSamplingClient:

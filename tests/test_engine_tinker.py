@@ -687,8 +687,13 @@ def test_export_downloads_a_peft_folder_the_local_engine_loads(flavour, tmp_path
     run = tmp_path / "run"
     assert cli_main(train_args(tmp_path, run, flavour, steps=1)) == 0, capsys.readouterr().err
     out = tmp_path / "adapter"
+    service.closed.clear()
     assert cli_main(["export", str(run), "--output", str(out)]) == 0, capsys.readouterr().err
     assert (out / "adapter_config.json").is_file()
+    if flavour == "tinker":  # the SDK's own route: a temporary external-weights export, deleted afterwards
+        assert [p.split("/")[-2] for p in service.deleted] == ["external_weights"]
+        assert not (service.root / "external_weights").exists() or not any((service.root / "external_weights").iterdir())
+    assert service.closed == (["success"] if flavour == "tinker" else ["ENDED"])
     trained = service.training_clients[-1].local
     exported = load_file(out / "adapter_model.safetensors")
     local = LocalTrainingClient(LocalEngineConfig(model=model(), lora_rank=4, lora_alpha=FAKE_LORA_ALPHA,

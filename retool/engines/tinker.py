@@ -748,30 +748,43 @@ def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
 # ---------------------------------------------------------------- export
 
 
-def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path, base_url: str | None = None) -> Path:
-    """Download the adapter of a ``save_state`` folder's checkpoint as a PEFT folder.
+EXPORT_TTL_S = 3600
+"""Lifetime of Tinker's temporary external-weights export (deleted after the download)."""
 
-    Tinker: a training client from the saved weights writes them in the external
-    (Hugging Face) format (``save_weights_external``) and ``RestClient`` hands out one
-    signed URL per file. PyTRIO: the sampler checkpoint is looked up among the user's
-    checkpoints and downloaded as one archive (tar or zip), which is unpacked. Either way
-    the folder must end up holding ``adapter_config.json`` and ``adapter_model.safetensors``.
+
+def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path, base_url: str | None = None) -> Path:
+    """Download the adapter of a ``save_state`` folder's checkpoint and write it to
+    ``output`` as a PEFT adapter for the Hugging Face model (:func:`retool.export.build_peft_adapter`).
+
+    Tinker 0.38 downloads a training checkpoint the way its own ``tinker checkpoint
+    download`` and tinker-cookbook's ``weights.download`` do (sampler checkpoints cannot
+    be downloaded there): a training client from the saved state writes a temporary
+    external-weights export (``save_weights_external``, one hour's TTL), ``RestClient``
+    signs one URL per file, and the export is deleted afterwards. PyTRIO: the sampler
+    checkpoint is looked up among the user's checkpoints and downloaded as one archive
+    (tar or zip), which is unpacked.
     """
+    import tempfile
+
+    from retool.export import build_peft_adapter
+
     _read_checkpoint(flavour, engine_dir)
     meta = _engine_json(engine_dir)
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
     counters = _Counters()
     service = service_client(flavour, base_url)
+    status = "errored"
     try:
-        _export(flavour, service, counters, meta, output, base_url)
+        with tempfile.TemporaryDirectory() as tmp:
+            _export(flavour, service, counters, meta, Path(tmp), base_url)
+            try:
+                folder = build_peft_adapter(tmp, meta["model"], output)
+            except (RuntimeError, ValueError, OSError) as err:
+                raise RuntimeError(f"engine {flavour.name}: the downloaded adapter of {meta['weights']} is not a "
+                                   f"PEFT adapter for {meta['model']}: {err}") from None
+        status = "success"
     finally:
-        close_service(flavour, service)
-    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (output / f).is_file()]
-    if missing:
-        raise RuntimeError(f"engine {flavour.name}: the downloaded checkpoint in {output} has no {', '.join(missing)}; "
-                           f"it holds {sorted(p.name for p in output.iterdir())}")
-    return output
+        close_service(flavour, service, status)
+    return folder
 
 
 def _export(flavour: Flavour, service: Any, counters: _Counters, meta: dict[str, Any], output: Path,
@@ -783,12 +796,15 @@ def _export(flavour: Flavour, service: Any, counters: _Counters, meta: dict[str,
                           lambda: service.create_training_client_from_state(meta["weights"]))
         name = f"retool-export-{uuid.uuid4().hex[:8]}"
         path = _call(flavour, counters, "save_weights_external",
-                     lambda: trainer.save_weights_external(name).result().path)
+                     lambda: trainer.save_weights_external(name, ttl_seconds=EXPORT_TTL_S).result().path)
         rest = flavour.sdk().RestClient(base_url=base_url)
-        urls = _call(flavour, counters, "get_external_weights_urls",
-                     lambda: rest.get_external_weights_urls(path).result().urls)
-        for relative, url in urls.items():
-            _download(url, output / relative)
+        try:
+            urls = _call(flavour, counters, "get_external_weights_urls",
+                         lambda: rest.get_external_weights_urls(path).result().urls)
+            for relative, url in urls.items():
+                _download(url, output, relative)
+        finally:
+            _delete_export(flavour, rest, path)
     else:
         rest = service.create_rest_client()
         checkpoint_id = _pytrio_checkpoint_id(flavour, rest, meta["sampler_weights"])
@@ -799,10 +815,22 @@ def _export(flavour: Flavour, service: Any, counters: _Counters, meta: dict[str,
             _unpack(archive, output)
 
 
-def _download(url: str, target: Path) -> None:
+def _delete_export(flavour: Flavour, rest: Any, path: str) -> None:
+    try:
+        rest.delete_checkpoint_from_tinker_path(path).result()
+    except Exception as err:  # noqa: BLE001 - the export expires by itself
+        print(_scrub(flavour, f"engine {flavour.name}: could not delete the temporary export {path} ({err}); "
+                              f"it expires in {EXPORT_TTL_S} s"), file=sys.stderr)
+
+
+def _download(url: str, folder: Path, relative: str) -> None:
+    """One signed URL's file into ``folder`` (a name that leaves it is refused)."""
     import shutil
     import urllib.request
 
+    target = (folder / relative).resolve()
+    if not target.is_relative_to(folder.resolve()):
+        raise RuntimeError(f"the service named a file outside the download folder: {relative!r}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with urllib.request.urlopen(url) as response, open(target, "wb") as f:  # noqa: S310 - the service's signed URL
         shutil.copyfileobj(response, f)
