@@ -452,6 +452,26 @@ def test_an_authentication_error_stops_with_one_clear_line(flavour, where, tmp_p
     assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_resume_creates_only_the_checkpoints_client_and_closes_it(flavour, tmp_path, monkeypatch, capsys):
+    """A resume makes no fresh run on the service and no sampler on untrained weights:
+    its one training client comes from the checkpoint's state with its optimizer, its
+    samplers are the steps' ephemeral ones, and the session is closed at the end."""
+    service = FakeService(tmp_path / "service", flavour)
+    install(service, monkeypatch)
+    run = tmp_path / "run"
+    assert cli_main(train_args(tmp_path, run, flavour, steps=1)) == 0, capsys.readouterr().err
+    before = dict(service.calls)
+    service.closed.clear()
+    assert cli_main(["train", "--resume", str(run), "--max-steps", "2"]) == 0, capsys.readouterr().err
+    new = {k: v - before.get(k, 0) for k, v in service.calls.items() if v != before.get(k, 0)}
+    assert new.get("create_lora_training_client", 0) == 0
+    assert new["create_training_client_from_state"] == 1 and len(service.training_clients) == 2
+    assert new.get("create_sampling_client", 0) == 0 and new["save_weights_and_get_sampling_client"] == 1
+    assert service.training_clients[-1].local.optim_steps == 2  # the checkpoint's step, then one more
+    assert service.closed == (["success"] if flavour == "tinker" else ["ENDED"])
+
+
 @pytest.mark.parametrize("status", [429, 500, "timeout"])
 def test_transient_sampling_failures_are_retried_and_counted(status, tmp_path, monkeypatch, capsys):
     from retool.log import read_metrics
