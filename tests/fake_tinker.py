@@ -47,14 +47,21 @@ import numpy as np
 
 FAKE_LORA_ALPHA = 32.0
 """The fake service's LoRA alpha (the services choose their own; none takes one)."""
+DENOMINATORS = ("call_tokens", "samples", "advantage_tokens", "datum_tokens", "sum")
+"""What a service may divide a call's summed loss by: the call's active targets, its
+datums, its targets with a nonzero advantage, each datum's own active targets, nothing."""
 
 
 class FakeService:
     """The server side: checkpoints on disk, recorded gradients, injected faults."""
 
     def __init__(self, root: str | Path, flavour: str, lora_alpha: float = FAKE_LORA_ALPHA,
-                 duplicate_seeded: bool = False) -> None:
+                 duplicate_seeded: bool = False, denominator: str | None = None) -> None:
         self.root, self.flavour, self.lora_alpha = Path(root), flavour, lora_alpha
+        self.denominator = denominator or ("sum" if flavour == "tinker" else "call_tokens")
+        """What the summed loss of a call is divided by (:data:`DENOMINATORS`): Tinker's
+        documented ``sum``; PyTRIO's inferred ``call_tokens``; the others to test the probe."""
+        assert self.denominator in DENOMINATORS, self.denominator
         self.duplicate_seeded = duplicate_seeded
         """Reproduce the reported Tinker behaviour: a seeded request for ``n > 1`` samples
         answers ``n`` token-identical sequences (one sample, repeated)."""
@@ -217,18 +224,51 @@ class FakeTrainer:
 
         self.service.requests.append(("forward_backward", (data, loss_fn, config)))
         self.service.bill("TrainingBillingEvent", token_count=sum(d.model_input.length for d in data))
-        per_call = self.service.flavour == "pytrio"
         denominator = 1.0
-        if per_call:  # PyTRIO: the call's active targets (not -100; cross-entropy: weight != 0)
-            denominator = float(sum(self._active(d, loss_fn).sum() for d in data))
         outputs, loss_sum = [], 0.0
         with model_mode(self.local.model, train=True):
             for datum in data:
                 logprobs_N = self._logprobs(datum)
+                denominator = self._denominator(data, datum, loss_fn)
                 loss = self._token_losses(datum, loss_fn, config or {}, logprobs_N).sum() / denominator
                 loss.backward()
                 loss_sum += loss.item() * denominator
                 outputs.append({"logprobs": self._tensor(logprobs_N.detach().numpy().astype(np.float32))})
+        return self._output(outputs, loss_sum, denominator)
+
+    def forward(self, data: list, loss_fn: str, config: dict | None) -> Any:
+        """The logprobs of every target, no gradient (the SDKs' ``forward``)."""
+        import torch
+
+        from retool.engines.local.model import model_mode
+
+        with torch.no_grad(), model_mode(self.local.model, train=False):
+            outputs = [{"logprobs": self._tensor(self._logprobs(d).numpy().astype(np.float32))} for d in data]
+        return self._output(outputs, 0.0, 1.0)
+
+    def _denominator(self, data: list, datum: Any, loss_fn: str) -> float:
+        """What this datum's summed loss is divided by in this call (:data:`DENOMINATORS`)."""
+        kind = self.service.denominator
+        if kind == "sum":
+            return 1.0
+        if kind == "samples":
+            return float(len(data))
+        if kind == "datum_tokens":
+            return max(float(self._active(datum, loss_fn).sum()), 1.0)
+        if kind == "advantage_tokens":
+            return max(float(sum((self._active(d, loss_fn) & self._advantaged(d)).sum() for d in data)), 1.0)
+        # call_tokens: the call's active targets (not -100; cross-entropy: weight != 0)
+        return float(sum(self._active(d, loss_fn).sum() for d in data))
+
+    def _advantaged(self, datum: Any) -> Any:
+        import torch
+
+        advantages = datum.loss_fn_inputs.get("advantages")
+        if advantages is None:
+            return torch.ones(len(datum.loss_fn_inputs["target_tokens"].tolist()), dtype=torch.bool)
+        return torch.tensor(advantages.tolist()) != 0
+
+    def _output(self, outputs: list, loss_sum: float, denominator: float) -> Any:
         if self.service.flavour == "tinker":
             import tinker
 
@@ -431,6 +471,9 @@ class TinkerTrainingClient:
     def forward_backward(self, data, loss_fn, loss_fn_config=None):
         return self._t.submit("forward_backward", self._t.forward_backward, data, loss_fn, loss_fn_config)
 
+    def forward(self, data, loss_fn, loss_fn_config=None):
+        return self._t.submit("forward", self._t.forward, data, loss_fn, loss_fn_config)
+
     def optim_step(self, optim_params=None, *, adam_params=None):
         return self._t.submit("optim_step", self._t.optim_step, optim_params or adam_params)
 
@@ -544,6 +587,9 @@ class PytrioTrainingClient:
 
     def forward_backward(self, data, loss_fn="cross_entropy", loss_fn_config=None, auto_shift=False):
         return self._t.submit("forward_backward", self._t.forward_backward, data, loss_fn, loss_fn_config)
+
+    def forward(self, data, loss_fn="cross_entropy", loss_fn_config=None, auto_shift=False):
+        return self._t.submit("forward", self._t.forward, data, loss_fn, loss_fn_config)
 
     def optim_step(self, adam_params):
         return self._t.submit("optim_step", self._t.optim_step, adam_params)

@@ -20,16 +20,25 @@ call (interpreter tokens weigh 0). The services differ:
   its server divides the summed loss by the active-token count of the call
   (*inferred* from the client code, not documented). The adapter therefore sends
   unscaled advantages and marks untrained targets ``-100``; weights must be 0 or 1.
-  ``tests/test_engine_tinker.py::test_live_denominator_probe`` checks the inference
-  against the live service when a key is present.
+  ``tests/test_denominator_probe.py`` tells the candidate denominators apart by the
+  update each would cause and checks the inference against the live service when a key
+  is present; until then the gradient equals the local engine's only if it holds.
+
+**Distinct samples.** Tinker has an open report that one seeded request for ``n > 1``
+samples returns identical sequences. :func:`plan_requests` never sends that: Tinker gets
+``n`` single-sample requests seeded from the sample index (replayable; each prefills the
+prompt, which Tinker's prefix cache may serve), PyTRIO one request with ``seed=None``
+(distinct, not replayable; one prefill). Requests, splits, prompt tokens prefilled and
+cached are counted (:data:`USAGE_METRICS`) for the cost meter.
 
 Both: no dual-clip, no temperature input (a training temperature must be 1), LoRA only
 (all linear layers; the service's own alpha), top-p < 1 only in evaluation (neither
 SDK documents its logprobs as taken before the nucleus filter). These are declared in
 the registry's ``Capabilities`` and refused before anything loads.
 
-**On-policy, overlapped.** ``save_weights_for_sampler`` saves the current weights and
-returns a fresh sampling client (the trainer asks for one every step);
+**On-policy, overlapped.** ``save_weights_for_sampler`` returns a sampling client on
+the current weights through the SDK's ephemeral ``save_weights_and_get_sampling_client``
+(the trainer asks for one every step; no named checkpoint per step);
 ``submit_forward_backward`` and ``submit_optim_step`` hand both calls to the SDK before
 either finishes (the SDK orders them); ``sample`` calls run in a thread pool, so many
 are in flight. The metrics the local engine reports (``train/loss``,
@@ -53,9 +62,11 @@ the service state of the last checkpoint, so no half-applied step survives a res
 
 **Checkpoints.** ``save_state`` asks the service to save its state (weights and Adam
 moments) and sampler weights, and writes only ``engine.json`` with both service paths;
-``load_state`` replaces the SDK training client by one created from that state with
-its optimizer (Tinker 0.38 deprecates ``TrainingClient.load_state``; both SDKs offer
-``create_training_client_from_state_with_optimizer``).
+``load_state`` creates the SDK training client from that state with its optimizer
+(Tinker 0.38 deprecates ``TrainingClient.load_state``; both SDKs offer
+``create_training_client_from_state_with_optimizer``). A fresh run on the service is
+created only on first use or :meth:`ServiceTrainingClient.start`, so a resume never
+makes one it would throw away. Ending a run closes the SDK session (:func:`close_service`).
 
 **Secrets.** The API key is read by the SDK from its environment variable; the adapter
 never reads it except to scrub it from error messages.
