@@ -67,8 +67,10 @@ resumes from its last checkpoint.
 
 This is the one module that reads the SDKs' internals — a log message, telemetry event
 fields, ``ServiceClient.holder`` (tinker :data:`TESTED_TINKER`); three private module
-attributes and ``ServiceClient._runtime.event_loop`` (pytrio :data:`TESTED_PYTRIO`). If
-they change, the watchers count what they still find and never fail the run; with
+attributes, ``ServiceClient._runtime.event_loop`` and, to end a run's session
+(:func:`close_pytrio`: 0.2.9 has no public close), ``ServiceClient._runtime.shutdown``
+(pytrio :data:`TESTED_PYTRIO`). If they change, the watchers count what they still find
+and never fail the run, and a session left open ends when the process exits; with
 ``TINKER_TELEMETRY=0`` only Tinker's HTTP retries are counted.
 ``tests/test_engine_tinker_http.py`` and ``tests/test_engine_pytrio_http.py`` check the
 counts against the real SDKs over HTTP.

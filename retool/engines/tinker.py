@@ -118,8 +118,6 @@ CLOSE_WAIT_S = 10.0
 """How long ending a run waits for Tinker to finish its session (it retries that request
 for minutes when the service is gone); the SDK's own cleanup carries on after that."""
 
-SAMPLER_TTL_S = 24 * 3600
-"""Lifetime asked for the per-step sampler weights (checkpoints are kept: no TTL)."""
 
 
 @dataclass(frozen=True)
