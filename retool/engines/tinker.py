@@ -652,8 +652,9 @@ def close_service(flavour: Flavour, service: Any, status: str = "success") -> No
     telemetry flushes — which would otherwise run (and retry against a service that is
     gone) until the process exits; it waits at most :data:`CLOSE_WAIT_S`. PyTRIO 0.2.9
     has no public ``close``: :func:`retool.engines.sdk_retries.close_pytrio` ends its
-    service session (``ENDED``/``CANCELLED``), which ends the training and sampling runs
-    made from it. A failure to close is said once on stderr; the run's outcome stands."""
+    service session (``ENDED``/``CANCELLED``) and stops the heartbeats of the training and
+    sampling runs made from it. A failure to close is said once on stderr; the run's
+    outcome stands."""
     try:
         if flavour is PYTRIO:
             close_pytrio(service, status)
