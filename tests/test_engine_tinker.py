@@ -364,6 +364,26 @@ def test_seeded_multi_sample_requests_become_distinct_requests_per_flavour():
         adapter.plan_requests(adapter.TINKER, 0, seeded)
 
 
+def test_request_usage_counts_what_each_service_prefills_and_caches():
+    """By hand: Tinker prefills a prompt once per sample and bills a multi-sample request's
+    other samples as cached; PyTRIO reports each call's input tokens, nothing cached."""
+    seeded, unseeded = SamplingParams(max_tokens=4, seed=3), SamplingParams(max_tokens=4)
+    one_request = (adapter.SampleRequest(4, unseeded),)
+    usage = adapter.request_usage(10, None, one_request, [tinker.types.SampleResponse(sequences=[],
+                                                                                     prompt_cache_hit_tokens=6)])
+    assert (usage["tokens/prefill_service"], usage["tokens/prefill_cached"]) == (40, 6 + 3 * 10)
+    split = adapter.plan_requests(adapter.TINKER, 4, seeded)
+    hits = [0, 10, 10, 9]
+    usage = adapter.request_usage(10, 3, split, [tinker.types.SampleResponse(sequences=[], prompt_cache_hit_tokens=h)
+                                                 for h in hits])
+    assert (usage["tokens/prefill_service"], usage["tokens/prefill_cached"]) == (40, 29)
+    assert (usage["engine/sample_requests"], usage["engine/split_requests"], usage["engine/unseeded_requests"]) == (4, 3, 0)
+    pytrio_plan = adapter.plan_requests(adapter.PYTRIO, 4, seeded)
+    usage = adapter.request_usage(10, 3, pytrio_plan, [pytrio.types.SampleResponse(sequences=[], input_tokens=11)])
+    assert (usage["tokens/prefill_service"], usage["tokens/prefill_cached"], usage["engine/unseeded_requests"]) == (
+        11, 0, 1)
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_groups_stay_distinct_when_the_service_repeats_seeded_samples(flavour, tmp_path, monkeypatch, capsys):
     """The fake reproduces the reported Tinker behaviour (a seeded request for n > 1
