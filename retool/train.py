@@ -428,7 +428,9 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
         raise
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model,
                         interpreter=cfg.interpreter)
-    rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
+    # no sampler yet: every step takes one on its current weights (train_step), so none is
+    # made on untrained weights that a resume would replace at once
+    rollout = Rollout(renderer, None, sandbox, agrade,  # type: ignore[arg-type]
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost)
@@ -444,6 +446,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
     trainer = build_trainer(cfg, inputs.problems)
     ended: BaseException | None = None
     try:
+        if not (resume and runs.latest_checkpoint(run_dir)):  # a resume takes its checkpoint's client instead
+            getattr(trainer.engine, "start", lambda: None)()  # a service engine's run, refused before any file
         runs.create_run(run_dir, cfg)
         atomic_write_json(run_dir / TRAIN_DATA_RECORD, {**inputs.fingerprint, "problems": len(inputs.problems)})
         runs.run_steps(runs.StepLoop(

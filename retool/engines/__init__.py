@@ -85,8 +85,14 @@ class ServiceSettings:
     sample_concurrency: int = option(64, "most sample requests in flight at once")
     retry_timeout_s: float | None = option(None, "how long the SDK keeps retrying a request that makes no progress "
                                                  "before it fails (its own retries; none = the SDK's default)")
+    train_unembed: bool = option(False, "train a LoRA on the unembedding (output layer) too, as the SDKs' own "
+                                        "default and the reference run do; off = retool's choice, attention and "
+                                        "MLP only")
+    adam_eps: float | None = option(None, "Adam epsilon sent to the service; none = retool's 1e-8 (the SDKs' "
+                                          "default and the reference run's: 1e-12)")
 
     def validate(self) -> None:
+        require(self.adam_eps is None or self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         require(self.sample_concurrency >= 1, f"sample_concurrency must be >= 1, got {self.sample_concurrency}")
         require(self.retry_timeout_s is None or self.retry_timeout_s > 0,
                 f"retry_timeout_s must be > 0, got {self.retry_timeout_s}")
