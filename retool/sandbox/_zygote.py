@@ -50,6 +50,7 @@ import resource
 import selectors
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -67,6 +68,8 @@ MS_REC, MS_PRIVATE = 1 << 14, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SYS_MOUNT_SETATTR = 442  # same number on every architecture (added in Linux 5.12)
 SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine, -1)
+CLONE_PARENT = 0x00008000
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, -1)
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_RECURSIVE, AT_FDCWD = 0x1, 0x2, 0x8000, -100
 MS_BIND, MNT_DETACH = 4096, 2
@@ -334,6 +337,7 @@ class Zygote:
         self.private_mounts = False
         self.work_dir: str | None = None  # the fixed path calls run at, when they can
         self.sleep_binary = shutil.which("sleep", path="/usr/bin:/bin")
+        self.template: Template | None = None  # forks every call's and session's process
 
     # ---- start-up
 
@@ -343,6 +347,7 @@ class Zygote:
         gc.collect()
         gc.freeze()  # children never scan (and so never copy) the parent's objects
         self._probe_call_isolation()
+        self._start_template()
         self._reply({"op": "ready", "isolation": self.isolation, "warnings": self.warnings,
                      "preloaded": loaded, "preload_failed": failed, "calls_dir": self.base,
                      "host_dir": self.host_dir,
@@ -365,15 +370,6 @@ class Zygote:
                     self._guarded(call, lambda c=call, k=kind: self._on_output(c, k))
             self._poll_without_pidfd()
             self._enforce_deadlines()
-
-    def forget_other_work(self) -> None:
-        """In a freshly forked call or session process: drop this copy's references to the
-        warm parent's other calls and sessions (their code, queued requests, output read so
-        far), so that code cannot reach them through Python objects. The bytes may stay in
-        freed memory (readable with ctypes): see "Not isolated" in :mod:`retool.sandbox`."""
-        self.calls, self.sessions, self.queue = {}, {}, collections.deque()
-        self.inbuf = bytearray()
-        self.sel = None
 
     def _guarded(self, call: Call, handle) -> None:
         """Run one event handler; a bug in it fails that call (sandbox_error), not the zygote."""
@@ -535,11 +531,19 @@ class Zygote:
 
     def _fork(self, call: Call, child_fds: dict[str, int], uid: int) -> None:
         """Start the call: with PID namespaces, a tiny init as pid 1 of a fresh namespace
-        (killing it makes the kernel kill everything in it), then the runner as pid 2."""
+        (killing it makes the kernel kill everything in it), then the runner as pid 2,
+        forked by the template (or, without one, by the zygote itself). The runner reads
+        its request from a memory file of its own."""
+        request = {"dir": call.dir, "uid": uid, "code": call.req["code"], "cpu_s": call.req["cpu_s"],
+                   "memory_mb": call.req["memory_mb"], "auto_print": call.req.get("auto_print", True)}
+        child_fds["request"] = _memory_file("request", json.dumps(request).encode())
         with self._children_in_new_pid_namespace():
             if self.pidns_fd is not None:
                 call.init_pid = self._spawn_init()
-            call.pid = _fork_running(run_snippet, self, call, child_fds, uid)
+            if self.template is None:
+                call.pid = _fork_running(run_snippet, self, child_fds)
+        if self.template is not None:
+            call.pid = self.template.fork("call", child_fds, call.init_pid or None)
 
     @contextlib.contextmanager
     def _children_in_new_pid_namespace(self):
@@ -552,6 +556,17 @@ class Zygote:
         finally:
             if self.pidns_fd is not None:
                 setns(self.pidns_fd, CLONE_NEWPID)
+
+    def _start_template(self) -> None:
+        """Fork the template that forks every call's and session's process (see
+        :class:`Template`), now, before this process has held any request."""
+        if "template" in self.skip:
+            return
+        if SYS_CLONE < 0 or not sys.platform.startswith("linux"):
+            self.warnings.append("no clean template: calls are forked from the warm parent itself")
+            return
+        self.template = Template.start(self)
+        self.isolation.append("clean_template")
 
     def _spawn_init(self) -> int:
         """Pid 1 of the call's namespace: ``sleep`` via vfork+exec (cheap at any parent
@@ -707,8 +722,13 @@ class Zygote:
             _prepare_directory(session.dir, {}, session.uid, "")
             child_fds, session.fds = _make_pipes(None)
             child_fds["control"], session.fds["control"] = os.pipe()
-            with self._children_in_new_pid_namespace():
-                session.pid = _fork_running(run_session, self, session, child_fds, req)
+            request = {"dir": session.dir, "uid": session.uid, "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}
+            child_fds["request"] = _memory_file("request", json.dumps(request).encode())
+            if self.template is not None:
+                session.pid = self.template.fork("session", child_fds, None)
+            else:
+                with self._children_in_new_pid_namespace():
+                    session.pid = _fork_running(run_session, self, child_fds)
         except BaseException:
             self._end_interpreter(session, "sandbox_error")
             raise
@@ -906,6 +926,138 @@ class Zygote:
         self._start_queued()
 
 
+CHILD_FDS = {"call": ("stdin", "stdout", "stderr", "info", "request"),
+             "session": ("stdin", "stdout", "stderr", "info", "control", "request")}
+"""The fds the zygote hands the template for each kind of child, in this order (a
+per-call PID namespace's fd may follow)."""
+TEMPLATE_REPLY_TIMEOUT_S = 30.0
+
+
+class Template:
+    """The zygote's handle on its template: a copy of the warm parent forked right after
+    ``preload``, before the zygote has read any request, that forks every call's runner
+    and every session's interpreter.
+
+    Why: a child forked from the zygote itself would inherit the zygote's memory at that
+    moment — other calls' code, queued requests and output read so far, as live objects
+    (``gc.get_objects()``) and as freed bytes. The template never holds any of that. Each
+    command it gets is one word (``call``/``session``) plus fds (``SCM_RIGHTS`` on a
+    socket pair): the child's pipes, a memory file with its own request (read only by
+    the child) and, for a call, its PID namespace. It forks with ``CLONE_PARENT``, so the
+    child is the zygote's child (the zygote waits for it, reads its resource usage and
+    gets its pidfd as before) and the template has no children at all. It is
+    single-threaded, so the raw ``clone`` (without glibc's fork handlers; CPython's own
+    before/after-fork hooks do run) leaves no lock held in the child.
+    """
+
+    def __init__(self, pid: int, sock: socket.socket):
+        self.pid = pid
+        self.sock = sock
+
+    @classmethod
+    def start(cls, zygote: Zygote) -> Template:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                mine.close()
+                serve_template(zygote, theirs)
+            finally:
+                os._exit(EXIT_SETUP_FAILED)
+        theirs.close()
+        mine.settimeout(TEMPLATE_REPLY_TIMEOUT_S)
+        return cls(pid, mine)
+
+    def fork(self, kind: str, child_fds: dict[str, int], pid_namespace_of: int | None) -> int:
+        """Have the template fork a ``kind`` child with ``child_fds`` (the zygote keeps and
+        closes its copies); for a call, in the PID namespace of the process ``pid_namespace_of``.
+        Returns the child's pid (the zygote's child). Ends the zygote if the template is gone."""
+        fds = [child_fds[name] for name in CHILD_FDS[kind]]
+        namespace_fd = os.pidfd_open(pid_namespace_of) if pid_namespace_of else None
+        try:
+            socket.send_fds(self.sock, [kind.encode()], fds + ([namespace_fd] if namespace_fd is not None else []))
+            reply = self.sock.recv(512).decode()
+        except OSError as exc:
+            reply = f"gone ({exc})"
+        finally:
+            if namespace_fd is not None:
+                os.close(namespace_fd)
+        if not reply or reply.startswith("gone"):
+            sys.stderr.write(f"retool sandbox: the template process is gone {reply}; the warm parent exits\n")
+            os._exit(1)  # the trainer's side replaces the whole warm parent
+        if not reply.isdigit():
+            raise OSError(errno.EAGAIN, f"the template could not fork: {reply}")
+        return int(reply)
+
+
+def serve_template(zygote: Zygote, sock: socket.socket) -> None:
+    """The template's loop: fork the child each command asks for, answer its pid."""
+    if sys.platform.startswith("linux"):
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):  # never hold the zygote's control pipes
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    sock.setblocking(True)
+    while True:
+        message, fds, _, _ = socket.recv_fds(sock, 16, 8)
+        if not message:
+            os._exit(0)
+        try:
+            reply = str(_fork_child(zygote, message.decode(), fds))
+        except Exception as exc:  # answered to the zygote, which fails that call
+            reply = f"{type(exc).__name__}: {exc}"
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.send(reply.encode())
+
+
+def _fork_child(zygote: Zygote, kind: str, fds: list[int]) -> int:
+    """Fork a ``kind`` child as the zygote's child: a call's runner into the PID namespace
+    given after its fds, a session's interpreter as pid 1 of a fresh one."""
+    names = CHILD_FDS[kind]
+    child_fds = dict(zip(names, fds))
+    namespace_fd = fds[len(names)] if len(fds) > len(names) else None
+    runner = run_snippet if kind == "call" else run_session
+    new_namespace = kind == "session" and zygote.pidns_fd is not None
+    if namespace_fd is not None:
+        setns(namespace_fd, CLONE_NEWPID)
+    elif new_namespace:
+        unshare(CLONE_NEWPID)
+    try:
+        return _fork_sibling(runner, zygote, child_fds)
+    finally:
+        if namespace_fd is not None or new_namespace:
+            setns(zygote.pidns_fd, CLONE_NEWPID)
+
+
+_pylibc = None
+
+
+def _fork_sibling(runner, *args) -> int:
+    """Like :func:`_fork_running`, but the child's parent is our parent (``CLONE_PARENT``).
+    CPython's fork hooks run as ``os.fork`` runs them (the GIL stays held: ``PyDLL``)."""
+    global _pylibc
+    if _pylibc is None:
+        _pylibc = ctypes.PyDLL(None, use_errno=True)
+    zero = ctypes.c_long(0)
+    ctypes.pythonapi.PyOS_BeforeFork()
+    pid = _pylibc.syscall(ctypes.c_long(SYS_CLONE), ctypes.c_long(CLONE_PARENT | signal.SIGCHLD),
+                          zero, zero, zero, zero)
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        try:
+            runner(*args)
+        finally:
+            os._exit(EXIT_SETUP_FAILED)
+    err = ctypes.get_errno()
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone: {os.strerror(err)}")
+    return pid
+
+
 def _kill_tree(call: Call) -> None:
     """SIGKILL the call's namespace init (the kernel then kills all in it), else its group."""
     targets = [call.init_pid, call.pid] if call.init_pid else [-call.pid, call.pid]
@@ -973,11 +1125,25 @@ def _make_pipes(stdin: str | None) -> tuple[dict[str, int], dict[str, int]]:
     if stdin is None:
         child["stdin"] = os.open(os.devnull, os.O_RDONLY)
     else:
-        fd = os.memfd_create("stdin") if hasattr(os, "memfd_create") else tempfile.TemporaryFile().detach()
-        os.write(fd, stdin.encode()) if len(stdin) < (1 << 16) else _write_all(fd, stdin.encode())
-        os.lseek(fd, 0, os.SEEK_SET)
-        child["stdin"] = fd
+        child["stdin"] = _memory_file("stdin", stdin.encode())
     return child, mine
+
+
+def _memory_file(name: str, data: bytes) -> int:
+    """An fd of an anonymous file holding ``data``, positioned at its start."""
+    fd = os.memfd_create(name) if hasattr(os, "memfd_create") else tempfile.TemporaryFile().detach()
+    _write_all(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _read_request(fd: int) -> dict:
+    """The request the zygote wrote for this child (read once, then closed)."""
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    os.close(fd)
+    return json.loads(b"".join(chunks))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -1036,57 +1202,55 @@ def _fork_running(runner, *args) -> int:
     return pid
 
 
-def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int) -> None:
-    """The runner: private mounts, limits, privilege drop, fresh state, then the code."""
+def run_snippet(zygote: Zygote, child_fds: dict[str, int]) -> None:
+    """The runner: its request, private mounts, limits, privilege drop, fresh state, then the code."""
     try:
-        zygote.forget_other_work()
+        req = _read_request(child_fds.pop("request"))
         _layout_fds(child_fds)
         os.setsid()
         if sys.platform.startswith("linux"):
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies: so does the call
-        workdir = call.dir
+        workdir = req["dir"]
         if zygote.private_mounts:
-            _private_mounts(call.dir, zygote.work_dir)
-            workdir = zygote.work_dir or call.dir
+            _private_mounts(req["dir"], zygote.work_dir)
+            workdir = zygote.work_dir or req["dir"]
         os.chdir(workdir)
         baseline = _address_space_bytes()
         if "rlimits" not in zygote.skip:
-            _apply_limits(call.req, zygote.cfg, baseline)
+            _apply_limits(req, zygote.cfg, baseline)
         if "privilege_drop" not in zygote.skip:
-            _drop_privileges(uid, zygote.root)
+            _drop_privileges(req["uid"], zygote.root)
         namespace = _fresh_interpreter_state(workdir, zygote.env)
     except BaseException:  # never run the snippet half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
     _report(3, {"ready": True, "memory_baseline_bytes": baseline})
     script = os.path.join(workdir, SCRIPT_NAME)
-    code = execute(call.req["code"], namespace, zygote.cfg["traceback_frames"], script,
-                   call.req.get("auto_print", True))
+    code = execute(req["code"], namespace, zygote.cfg["traceback_frames"], script, req["auto_print"])
     os._exit(code)
 
 
-def run_session(zygote: Zygote, session: Session, child_fds: dict[str, int], req: dict) -> None:
+def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
     """A session's interpreter: isolated and limited exactly as a call's runner (the
     first call's limits; the zygote re-sets them before every later call), then a loop
     that runs each call sent on fd 4 in the same globals."""
     try:
-        zygote.forget_other_work()
-        session.outbuf, session.call = bytearray(), None
+        req = _read_request(child_fds.pop("request"))
         _layout_fds(child_fds, SESSION_FDS)
         os.setsid()
         if sys.platform.startswith("linux"):
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        workdir = session.dir
+        workdir = req["dir"]
         if zygote.private_mounts:
-            _private_mounts(session.dir, zygote.work_dir)
-            workdir = zygote.work_dir or session.dir
+            _private_mounts(req["dir"], zygote.work_dir)
+            workdir = zygote.work_dir or req["dir"]
         os.chdir(workdir)
         baseline = _address_space_bytes()
         limited = "rlimits" not in zygote.skip
         if limited:
             _apply_limits(req, zygote.cfg, baseline, session_cap=baseline + zygote.cfg["session_memory_mb"] * (1 << 20))
         if "privilege_drop" not in zygote.skip:
-            _drop_privileges(session.uid, zygote.root)
+            _drop_privileges(req["uid"], zygote.root)
         namespace = _fresh_interpreter_state(workdir, zygote.env)
     except BaseException:  # never run code half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})

@@ -74,11 +74,12 @@ CLEAN_ENV = {
 }
 """The whole environment of the warm parent and its calls: nothing is inherited."""
 
-NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_new_privs", "rlimits")
+NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_new_privs", "rlimits",
+                       "clean_template")
 """Mechanisms full isolation has (``strict=True`` requires them): these, plus ``netns``
 unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise)."""
 
-SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits")
+SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "template")
 
 WATCHDOG_GRACE_S = 10.0
 """How long past its timeout a started call may stay unanswered before the zygote is
@@ -131,7 +132,8 @@ class SandboxConfig:
     """Interpreter of the warm parent (must be able to import ``preload``)."""
     benchmark_skip: tuple[str, ...] = ()
     """For ``bench/sandbox.py`` only, never in training: per-call mechanisms to leave out
-    to measure their cost (``pidns``, ``private_mounts``, ``privilege_drop``, ``rlimits``)."""
+    to measure their cost (``pidns``, ``private_mounts``, ``privilege_drop``, ``rlimits``,
+    ``template``: fork each call from the warm parent itself)."""
 
     def __post_init__(self) -> None:
         positive = ("timeout_s", "memory_mb", "max_file_mb", "max_processes", "max_output_bytes",

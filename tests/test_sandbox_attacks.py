@@ -1,0 +1,107 @@
+"""Attacks on the sandbox's structure, written as an attacker would write them: hostile
+code inside a call or session goes after other work running at the same time, or after
+the mechanism that contains it. Each probe also looks for a control marker in its *own*
+data, so that a probe that finds nothing is known not to be blind.
+
+Mechanisms are asserted to be in force first; with ``CI=true`` a missing one fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from retool.sandbox import Sandbox, SandboxConfig
+from tests.test_sandbox import require
+
+pytestmark = pytest.mark.timeout(240)
+
+VICTIM_SECONDS = 6.0
+"""How long a victim call stays in flight (holding its code and its output so far in
+the warm parent) while the attacker runs."""
+
+
+@pytest.fixture(scope="module")
+def sb():
+    sandbox = Sandbox(SandboxConfig(timeout_s=30, workers=6, max_sessions=4))
+    sandbox.start()
+    yield sandbox
+    sandbox.close()
+
+
+# ---------------------------------------------------------------- other work is not reachable
+
+MEMORY_PROBE = '''
+import ctypes, gc, re
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: our own /proc/self/mem becomes readable to us
+PREFIX = "zz" + "MARK" + "zz"  # built at run time: the source never holds a full marker
+pattern = re.compile((PREFIX + "-(victim|own)-[0-9a-f]{32}").encode())
+own = "{own}"  # this call's own control marker (in its own code, so in its own memory)
+found = set()
+for obj in gc.get_objects():  # live objects first: the attack the review found
+    for value in (list(obj.values()) if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else [obj]):
+        if isinstance(value, (str, bytes, bytearray)) and PREFIX in (value if isinstance(value, str) else value.decode("latin-1")):
+            data = value.encode("latin-1", "replace") if isinstance(value, str) else bytes(value)
+            found.update(m.group(0).decode() for m in pattern.finditer(data))
+with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", buffering=0) as mem:
+    for line in maps:  # then every readable byte of this process, freed memory included
+        span, perms = line.split()[:2]
+        if not perms.startswith("r"):
+            continue
+        start, end = (int(x, 16) for x in span.split("-"))
+        for at in range(start, end, 1 << 22):
+            try:
+                mem.seek(at)
+                chunk = mem.read(min(end - at, (1 << 22) + 64))
+            except OSError:
+                break
+            found.update(m.group(0).decode() for m in pattern.finditer(chunk))
+print(sorted(found))
+'''
+
+
+def _marker(kind: str) -> str:
+    return f"zzMARKzz-{kind}-{uuid.uuid4().hex}"
+
+
+def _victim_code(marker: str) -> str:
+    return f"import sys, time\nsecret = {marker!r}\nprint(secret, flush=True)\ntime.sleep({VICTIM_SECONDS})\n"
+
+
+async def _attack_while_victims_run(sb: Sandbox, attacker_in_session: bool) -> tuple[set[str], set[str], str]:
+    """Start two stateless victims and one session victim (each prints its marker and
+    sleeps), then run the memory probe; returns (markers found, victim markers, own marker)."""
+    victims = [_marker("victim") for _ in range(3)]
+    own = _marker("own")
+    async with sb.session() as victim_session, sb.session() as attacker_session:
+        await attacker_session.run("warm = 1")  # the attacker's interpreter exists before the victims
+        running = [asyncio.ensure_future(sb.run(_victim_code(victims[0]))),
+                   asyncio.ensure_future(sb.run(_victim_code(victims[1]))),
+                   asyncio.ensure_future(victim_session.run(_victim_code(victims[2])))]
+        await asyncio.sleep(1.5)  # the victims are started and their output is read
+        probe = MEMORY_PROBE.replace("{own}", own)
+        attacker = await (attacker_session.run(probe) if attacker_in_session else sb.run(probe))
+        results = await asyncio.gather(*running)
+    assert attacker.ok, attacker
+    assert all(r.ok and r.stdout.startswith(m) for r, m in zip(results, victims)), results
+    return set(eval(attacker.stdout)), set(victims), own
+
+
+@pytest.mark.parametrize("attacker_in_session", [False, True], ids=["stateless", "session"])
+def test_no_other_calls_code_or_output_in_a_child_s_memory(sb, attacker_in_session):
+    require(sb, "clean_template", "pidns")
+    found, victims, own = asyncio.run(_attack_while_victims_run(sb, attacker_in_session))
+    assert own in found, "the probe is blind: it did not find its own marker in its own memory"
+    assert not found & victims, f"other work reachable from a child: {found & victims}"
+
+
+def test_the_probe_finds_other_work_where_children_are_forked_from_the_warm_parent():
+    """The same attack against children forked from the zygote itself (the mechanism left
+    out): the victims' code is found, so the probe above can see a leak where there is one."""
+    with Sandbox(SandboxConfig(timeout_s=30, workers=6, max_sessions=4, benchmark_skip=("template",))) as leaky:
+        leaky.start()
+        found, victims, own = asyncio.run(_attack_while_victims_run(leaky, attacker_in_session=False))
+    assert own in found
+    assert found & victims, "a child forked from the warm parent should hold the victims' code"
