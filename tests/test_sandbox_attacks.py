@@ -105,3 +105,116 @@ def test_the_probe_finds_other_work_where_children_are_forked_from_the_warm_pare
         found, victims, own = asyncio.run(_attack_while_victims_run(leaky, attacker_in_session=False))
     assert own in found
     assert found & victims, "a child forked from the warm parent should hold the victims' code"
+
+
+# ---------------------------------------------------------------- scratch space is per call and per session
+
+FILL = '''
+import os
+written, error = 0, None
+block = b"x" * (1 << 20)
+with open("fill.bin", "wb", buffering=0) as f:
+    while written < (1 << 31):
+        try:
+            written += f.write(block)
+        except OSError as exc:
+            error = exc.errno
+            break
+elsewhere = []
+for path in ("/sandbox/x", "../x", "/tmp/x", "/sandbox/work/../x"):
+    try:
+        open(path, "wb").write(b"x")
+        elsewhere.append(path)
+    except OSError:
+        pass
+print(written >> 20, error == 28, elsewhere)
+'''
+
+
+def _scratch_victim(marker: str) -> str:
+    return (f"data = {marker!r}.encode() * 20000\nopen('v.bin', 'wb').write(data)\n"
+            "print(open('v.bin', 'rb').read() == data)\n")
+
+
+def test_a_session_that_fills_its_scratch_space_does_not_fill_anyone_else_s():
+    async def attack(sb: Sandbox):
+        async with sb.session() as hostile, sb.session() as neighbour:
+            filled = await hostile.run(FILL)  # ENOSPC in its own directory, and it stays full
+            victims = await asyncio.gather(*[sb.run(_scratch_victim(_marker("victim"))) for _ in range(3)],
+                                           neighbour.run(_scratch_victim(_marker("victim"))))
+            again = await hostile.run("import os\nos.path.getsize('fill.bin') >> 20")
+        return filled, victims, again
+
+    with Sandbox(SandboxConfig(timeout_s=30, workers=6, max_sessions=4, call_scratch_mb=32,
+                               max_file_mb=64, max_output_bytes=1 << 16)) as sb:
+        sb.start()
+        require(sb, "scratch_quota")
+        filled, victims, again = asyncio.run(attack(sb))
+    mib, enospc, elsewhere = filled.stdout.split(maxsplit=2)
+    assert filled.ok and enospc == "True", f"the probe is blind: it never filled its own space ({filled})"
+    assert 24 <= int(mib) <= 32 and elsewhere.strip() == "[]", filled.stdout
+    assert again.stdout.strip() == mib  # the hostile session's directory is still full...
+    assert all(v.ok and v.stdout == "True\n" for v in victims), victims  # ...and nobody else noticed
+
+
+# ---------------------------------------------------------------- a network namespace per session
+
+LISTEN = '''
+import socket, threading
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind("\\x00{name}")
+server.listen(8)
+def serve():
+    while True:
+        conn, _ = server.accept()
+        conn.sendall(b"{marker}")
+        conn.close()
+threading.Thread(target=serve, daemon=True).start()
+'''
+
+CONNECT = '''
+import socket
+def fetch(name):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect("\\x00" + name)
+        return s.recv(100).decode()
+    except OSError as exc:
+        return type(exc).__name__
+    finally:
+        s.close()
+print(fetch("{name}"))
+'''
+
+
+def _socket_attack(sb: Sandbox):
+    """A victim session listens on an abstract socket; it connects to itself (the control),
+    then another session and a stateless call try to connect. Returns the four results."""
+    name, marker = uuid.uuid4().hex, _marker("victim")
+
+    async def attack():
+        async with sb.session() as victim, sb.session() as attacker:
+            listening = await victim.run(LISTEN.replace("{name}", name).replace("{marker}", marker))
+            own = await victim.run(CONNECT.replace("{name}", name))
+            stolen = await attacker.run(CONNECT.replace("{name}", name))
+            stateless = await sb.run(CONNECT.replace("{name}", name))
+        return listening, own, stolen, stateless
+
+    listening, own, stolen, stateless = asyncio.run(attack())
+    assert listening.ok and own.stdout.strip() == marker, (listening, own)
+    return marker, stolen, stateless
+
+
+def test_abstract_unix_sockets_do_not_connect_sessions(sb):
+    require(sb, "session_netns")
+    _, stolen, stateless = _socket_attack(sb)
+    assert stolen.ok and stolen.stdout.strip() == "ConnectionRefusedError", stolen
+    assert stateless.ok and stateless.stdout.strip() == "ConnectionRefusedError", stateless
+
+
+def test_the_socket_probe_connects_where_sessions_share_a_network_namespace():
+    with Sandbox(SandboxConfig(timeout_s=30, workers=6, max_sessions=4, benchmark_skip=("session_netns",))) as shared:
+        shared.start()
+        marker, stolen, _ = _socket_attack(shared)
+    assert stolen.stdout.strip() == marker

@@ -337,6 +337,8 @@ class Zygote:
         self.private_mounts = False
         self.work_dir: str | None = None  # the fixed path calls run at, when they can
         self.sleep_binary = shutil.which("sleep", path="/usr/bin:/bin")
+        self.scratch_quota = False  # each call and session directory is a tmpfs of its own
+        self.session_netns = False  # each session's interpreter gets a network namespace of its own
         self.template: Template | None = None  # forks every call's and session's process
 
     # ---- start-up
@@ -417,6 +419,12 @@ class Zygote:
             self.work_dir = WORK_DIR
         if self.private_mounts:
             self.isolation += ["private_proc", "private_shm"] if self.pidns_fd is not None else ["private_shm"]
+        self.scratch_quota = "minimal_root" in self.isolation and "scratch_quota" not in self.skip
+        if self.scratch_quota:
+            self.isolation.append("scratch_quota")
+        self.session_netns = "netns" in self.isolation and "session_netns" not in self.skip
+        if self.session_netns:
+            self.isolation.append("session_netns")
         if "privilege_drop" not in self.skip:
             self.isolation += ["uid_drop" if self.root else "caps_drop", "no_new_privs"]
         if "rlimits" not in self.skip:
@@ -506,6 +514,7 @@ class Zygote:
         call = Call(req, slot, directory)
         child_fds: dict[str, int] = {}
         try:
+            self._mount_scratch(directory)
             _prepare_directory(directory, {**(req.get("files") or {}), SCRIPT_NAME: None}, uid, req["code"])
             child_fds, call.fds = _make_pipes(req.get("stdin"))
             self._fork(call, child_fds, uid)
@@ -513,7 +522,7 @@ class Zygote:
             self._kill(call, "cancelled")
             for pid in (call.pid, call.init_pid):
                 _reap(pid)
-            shutil.rmtree(directory, ignore_errors=True)
+            self._remove_directory(directory)
             for fd in call.fds.values():
                 os.close(fd)
             raise
@@ -556,6 +565,19 @@ class Zygote:
         finally:
             if self.pidns_fd is not None:
                 setns(self.pidns_fd, CLONE_NEWPID)
+
+    def _mount_scratch(self, directory: str) -> None:
+        """Give a call or session directory its own size-capped tmpfs, so that filling it
+        (ENOSPC) cannot take space from any other call or session."""
+        if self.scratch_quota:
+            mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV,
+                  f"size={self.cfg['call_scratch_mb']}m,mode=0700")
+
+    def _remove_directory(self, directory: str) -> None:
+        """Remove a call or session directory (and detach its tmpfs: every file goes with it)."""
+        if self.scratch_quota:  # fails (EINVAL) only where the tmpfs was never mounted
+            libc().umount2(directory.encode(), MNT_DETACH)
+        shutil.rmtree(directory, ignore_errors=True)
 
     def _start_template(self) -> None:
         """Fork the template that forks every call's and session's process (see
@@ -683,7 +705,7 @@ class Zygote:
 
     def _cleanup(self, call: Call) -> None:
         self._close_fds(call.fds, call.pidfd)
-        shutil.rmtree(call.dir, ignore_errors=True)
+        self._remove_directory(call.dir)
         call.done = True
         self.calls.pop(call.id, None)
         self.free_slots.append(call.slot)
@@ -719,6 +741,7 @@ class Zygote:
         session.dir = tempfile.mkdtemp(prefix=f"session-{session.slot}-", dir=self.base)
         child_fds: dict[str, int] = {}
         try:
+            self._mount_scratch(session.dir)
             _prepare_directory(session.dir, {}, session.uid, "")
             child_fds, session.fds = _make_pipes(None)
             child_fds["control"], session.fds["control"] = os.pipe()
@@ -903,7 +926,7 @@ class Zygote:
         session.fds, session.pidfd = {}, None
         session.outbuf.clear()
         if session.dir:
-            shutil.rmtree(session.dir, ignore_errors=True)
+            self._remove_directory(session.dir)
             session.dir = ""
         session.lost = reason
 
@@ -1244,6 +1267,8 @@ def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
         if zygote.private_mounts:
             _private_mounts(req["dir"], zygote.work_dir)
             workdir = zygote.work_dir or req["dir"]
+        if zygote.session_netns:  # abstract Unix sockets and loopback stay inside the session
+            unshare(CLONE_NEWNET)
         os.chdir(workdir)
         baseline = _address_space_bytes()
         limited = "rlimits" not in zygote.skip

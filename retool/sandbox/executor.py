@@ -79,7 +79,7 @@ NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_ne
 """Mechanisms full isolation has (``strict=True`` requires them): these, plus ``netns``
 unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise)."""
 
-SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "template")
+SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "template", "scratch_quota", "session_netns")
 
 WATCHDOG_GRACE_S = 10.0
 """How long past its timeout a started call may stay unanswered before the zygote is
@@ -120,6 +120,9 @@ class SandboxConfig:
     """CPU-time limit (RLIMIT_CPU) per process; ``None`` = the call's timeout + 1 s."""
     scratch_mb: int = 1024
     """Size of the tmpfs that holds all calls' working directories together, in MiB."""
+    call_scratch_mb: int = 256
+    """Size of each call's and each session's own tmpfs (its working directory), in MiB:
+    one call or session that fills its directory cannot fill anyone else's."""
     uid_base: int = 1_950_000_000
     """When running as root, call slot ``i`` runs as uid/gid ``uid_base + i`` (no real user)."""
     traceback_frames: int = 3
@@ -137,7 +140,7 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         positive = ("timeout_s", "memory_mb", "max_file_mb", "max_processes", "max_output_bytes",
-                    "workers", "max_sessions", "scratch_mb", "start_timeout_s")
+                    "workers", "max_sessions", "scratch_mb", "call_scratch_mb", "start_timeout_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -200,7 +203,7 @@ class _Zygote:
         return {"workers": c.workers, "max_sessions": c.max_sessions,
                 "session_memory_mb": c.session_memory_mb or 4 * c.memory_mb, "preload": list(c.preload),
                 "network": c.network,
-                "scratch_mb": c.scratch_mb, "uid_base": c.uid_base, "max_processes": c.max_processes,
+                "scratch_mb": c.scratch_mb, "call_scratch_mb": c.call_scratch_mb, "uid_base": c.uid_base, "max_processes": c.max_processes,
                 "max_output_bytes": c.max_output_bytes, "max_file_bytes": c.max_file_mb << 20,
                 "traceback_frames": c.traceback_frames, "base_dir": tempfile.gettempdir(),
                 "benchmark_skip": list(c.benchmark_skip)}
