@@ -41,6 +41,7 @@ import errno
 import fcntl
 import gc
 import importlib
+import importlib.util
 import io
 import json
 import linecache
@@ -84,6 +85,22 @@ WORK_DIR = "/sandbox/work"
 """Where every call's working directory appears inside the sandbox (a bind mount in the
 call's private mount namespace): the same neutral path for every call, never a host path.
 Without a private mount namespace the call runs in its real directory."""
+
+
+
+def _load_sibling(name: str) -> types.ModuleType:
+    """Import a module that sits beside this file (this script runs with ``-P``, so its
+    own directory is not on ``sys.path``); loaded at start, before the root is pivoted."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(f"retool_sandbox_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_cgroups = _load_sibling("_cgroups")
+CPU_POLL_S = 0.05
+"""How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
 
 _libc = None
 
@@ -232,13 +249,18 @@ def launcher_main() -> None:
     base = tempfile.mkdtemp(prefix="retool-sandbox-", dir=cfg.get("base_dir"))
     os.chmod(base, 0o755)
     parent_fd = os.open(os.path.dirname(base), os.O_RDONLY | os.O_DIRECTORY)  # the host's view
+    cgroups, cgroup_warning = _open_cgroups(cfg)  # before the root is pivoted: cgroupfs is not in it
     isolation, warnings, calls_dir = setup_namespaces(cfg, base)
+    if cgroups is not None:
+        isolation.append(f"cgroup_{cgroups.version}")
+    else:
+        warnings.append(cgroup_warning)
     pid = os.fork()
     if pid == 0:
         try:
             if "mountns" in isolation:
                 prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            Zygote(cfg, calls_dir, base, isolation, warnings).serve()
+            Zygote(cfg, calls_dir, base, isolation, warnings, cgroups).serve()
         except BaseException:
             traceback.print_exc()  # to the trainer's stderr: the zygote is broken
             os._exit(1)
@@ -253,7 +275,24 @@ def launcher_main() -> None:
         _remove_mount_point(os.path.basename(base), parent_fd)
     else:
         shutil.rmtree(base, ignore_errors=True)
+    if cgroups is not None:
+        try:
+            cgroups.close()
+        except OSError as exc:
+            sys.stderr.write(f"retool sandbox: could not remove its control groups: {exc}\n")
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _open_cgroups(cfg: dict) -> tuple[object | None, str]:
+    """The sandbox's control groups (see :mod:`_cgroups`), or None and why not."""
+    if "cgroups" in cfg.get("benchmark_skip", ()):
+        return None, "no control groups (left out)"
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return None, "no control groups (they need root on Linux): memory, processes and CPU are bounded per process only"
+    try:
+        return _cgroups.Hierarchy.open(f"retool-sandbox-{os.getpid()}"), ""
+    except OSError as exc:
+        return None, f"no control groups ({exc}): memory, processes and CPU are bounded per process only"
 
 
 def _remove_mount_point(name: str, parent_fd: int) -> None:
@@ -290,6 +329,8 @@ class Call:
         self.state_lost: str | None = None  # why the session's previous interpreter ended
         self.baseline: int | None = None  # address space the call started from (sessions)
         self.cpu_before = 0.0  # interpreter CPU seconds before the call (sessions)
+        self.group = None  # its control group (the slot's or the session's), if any
+        self.group_cpu_base = 0.0  # the group's CPU seconds when the call started
 
 
 class Session:
@@ -312,13 +353,17 @@ class Session:
         self.lost: str | None = None  # why the previous interpreter ended, until a call reports it
         self.generation = 0  # which interpreter of the session an event belongs to
         self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
+        self.group = None  # its control group, if any (frozen between calls)
 
 
 class Zygote:
     """Serves run requests: at most ``workers`` calls at once, one fresh process tree each."""
 
-    def __init__(self, cfg: dict, base: str, host_dir: str, isolation: list[str], warnings: list[str]):
+    def __init__(self, cfg: dict, base: str, host_dir: str, isolation: list[str], warnings: list[str],
+                 cgroups=None):
         self.cfg = cfg
+        self.cgroups = cgroups  # a _cgroups.Hierarchy, or None
+        self.next_cpu_check = 0.0
         self.base = base
         self.host_dir = host_dir
         self.isolation = isolation
@@ -546,6 +591,8 @@ class Zygote:
         request = {"dir": call.dir, "uid": uid, "code": call.req["code"], "cpu_s": call.req["cpu_s"],
                    "memory_mb": call.req["memory_mb"], "auto_print": call.req.get("auto_print", True)}
         child_fds["request"] = _memory_file("request", json.dumps(request).encode())
+        call.group = self._join_group(child_fds, f"call-{call.slot}", call.req["memory_mb"])
+        call.group_cpu_base = call.group.cpu_seconds() if call.group is not None else 0.0
         with self._children_in_new_pid_namespace():
             if self.pidns_fd is not None:
                 call.init_pid = self._spawn_init()
@@ -565,6 +612,17 @@ class Zygote:
         finally:
             if self.pidns_fd is not None:
                 setns(self.pidns_fd, CLONE_NEWPID)
+
+    def _join_group(self, child_fds: dict[str, int], name: str, memory_mb: int):
+        """The control group ``name`` with its limits set, and fds for the child to join it
+        (added to ``child_fds``); None without control groups."""
+        if self.cgroups is None:
+            return None
+        group = self.cgroups.group(name)
+        group.set_limits(memory_mb << 20, self.cfg["max_processes"])
+        for i, fd in enumerate(group.join_fds()):
+            child_fds[f"cgroup{i}"] = fd
+        return group
 
     def _mount_scratch(self, directory: str) -> None:
         """Give a call or session directory its own size-capped tmpfs, so that filling it
@@ -627,6 +685,9 @@ class Zygote:
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         if (self.calls or self.sessions) and not hasattr(os, "pidfd_open"):
             timeout = 0.005 if timeout is None else min(timeout, 0.005)  # poll for exits
+        if any(c.group is not None and not c.killed for c in self.calls.values()):
+            wait = max(0.0, self.next_cpu_check - time.monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
         return timeout
 
     def _enforce_deadlines(self) -> None:
@@ -634,6 +695,17 @@ class Zygote:
         for call in list(self.calls.values()):
             if not call.killed and now >= call.deadline:
                 self._kill(call, "timeout")
+        if now >= self.next_cpu_check:
+            self.next_cpu_check = now + CPU_POLL_S
+            self._enforce_cpu_time()
+
+    def _enforce_cpu_time(self) -> None:
+        """Kill each call whose processes together (its control group: every thread, every
+        child, the session interpreter's daemon threads) used more than its CPU time."""
+        for call in list(self.calls.values()):
+            if call.group is not None and not call.killed:
+                if call.group.cpu_seconds() - call.group_cpu_base > call.req["cpu_s"]:
+                    self._kill(call, "cpu_time")
 
     def _kill(self, call: Call, reason: str) -> None:
         """Kill the call's whole process tree: its namespace's init, else its process group."""
@@ -660,6 +732,8 @@ class Zygote:
         wall = time.monotonic() - call.started
         _kill_tree(call)  # whatever the snippet left behind dies with it
         _reap(call.init_pid)  # returns once every process of the namespace is gone
+        if call.group is not None and not call.init_pid:  # no namespace died with it
+            call.group.kill_all()
         self._drain(call)
         reply = self._result(call, status, usage, wall)
         self._cleanup(call)
@@ -727,6 +801,11 @@ class Zygote:
         call.init_pid = session.pid if self.pidns_fd is not None else 0  # killing it kills its namespace
         call.state_lost, session.lost = session.lost or req.get("state_lost"), None
         call.cpu_before = float(session.reported.get("cpu_total", 0.0))
+        call.group = session.group
+        if session.group is not None:
+            if not fresh:
+                session.group.thaw()  # frozen since its last call
+            call.group_cpu_base = session.group.cpu_seconds()
         session.calls += 1
         session.call = self.calls[call.id] = call
         request = {"id": call.id, "code": req["code"], "auto_print": req.get("auto_print", True),
@@ -747,6 +826,7 @@ class Zygote:
             child_fds["control"], session.fds["control"] = os.pipe()
             request = {"dir": session.dir, "uid": session.uid, "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}
             child_fds["request"] = _memory_file("request", json.dumps(request).encode())
+            session.group = self._join_group(child_fds, f"session-{session.slot}", self.cfg["session_memory_mb"])
             if self.template is not None:
                 session.pid = self.template.fork("session", child_fds, None)
             else:
@@ -863,6 +943,8 @@ class Zygote:
         self.calls.pop(call.id, None)
         call.done = True
         ended = call.killed or ("memory" if info.get("exc_type") == "MemoryError" else None)
+        if not ended and session.group is not None:
+            ended = self._settle_between_calls(session)
         if ended:  # killed as it ended, or out of memory (its state may be half-built): start afresh
             self._end_interpreter(session, ended)
             reply["ended_interpreter"] = ended
@@ -915,9 +997,22 @@ class Zygote:
         self._reply(reply)
         self._start_queued()
 
+    def _settle_between_calls(self, session: Session) -> str | None:
+        """After a session call: kill every process of the session but its interpreter
+        (from here, where the snippet cannot reach) and freeze the interpreter until its
+        next call, so nothing of the session runs between calls. Returns why the
+        interpreter must end instead, or None."""
+        try:
+            session.group.leave_only(session.pid)
+        except OSError:  # it forks as fast as its processes are killed
+            return "processes"
+        return None
+
     def _end_interpreter(self, session: Session, reason: str) -> None:
         """Kill the session's interpreter and everything it started, wait until they are
         gone, remove its directory; the session's next call starts a fresh one."""
+        if session.group is not None:
+            session.group.kill_all()  # frozen or not, every process of the session dies
         if session.pid:
             _kill_tree_of(session.pid, namespace=self.pidns_fd is not None)
             _reap(session.pid)
@@ -949,10 +1044,11 @@ class Zygote:
         self._start_queued()
 
 
-CHILD_FDS = {"call": ("stdin", "stdout", "stderr", "info", "request"),
-             "session": ("stdin", "stdout", "stderr", "info", "control", "request")}
-"""The fds the zygote hands the template for each kind of child, in this order (a
-per-call PID namespace's fd may follow)."""
+CHILD_FD_NAMES = ("stdin", "stdout", "stderr", "info", "control", "request", "pidns",
+                  *(f"cgroup{i}" for i in range(len(_cgroups.V1_CONTROLLERS))))
+"""The names the fds a child gets from the template may have (``control``: a session's
+requests; ``pidns``: the PID namespace a call's runner is forked into; ``cgroup<i>``: its
+control group's ``cgroup.procs``, one per hierarchy)."""
 TEMPLATE_REPLY_TIMEOUT_S = 30.0
 
 
@@ -995,10 +1091,12 @@ class Template:
         """Have the template fork a ``kind`` child with ``child_fds`` (the zygote keeps and
         closes its copies); for a call, in the PID namespace of the process ``pid_namespace_of``.
         Returns the child's pid (the zygote's child). Ends the zygote if the template is gone."""
-        fds = [child_fds[name] for name in CHILD_FDS[kind]]
+        fds = dict(child_fds)
         namespace_fd = os.pidfd_open(pid_namespace_of) if pid_namespace_of else None
+        if namespace_fd is not None:
+            fds["pidns"] = namespace_fd
         try:
-            socket.send_fds(self.sock, [kind.encode()], fds + ([namespace_fd] if namespace_fd is not None else []))
+            socket.send_fds(self.sock, [" ".join([kind, *fds]).encode()], list(fds.values()))
             reply = self.sock.recv(512).decode()
         except OSError as exc:
             reply = f"gone ({exc})"
@@ -1023,11 +1121,12 @@ def serve_template(zygote: Zygote, sock: socket.socket) -> None:
     os.close(devnull)
     sock.setblocking(True)
     while True:
-        message, fds, _, _ = socket.recv_fds(sock, 16, 8)
+        message, fds, _, _ = socket.recv_fds(sock, 512, len(CHILD_FD_NAMES))
         if not message:
             os._exit(0)
         try:
-            reply = str(_fork_child(zygote, message.decode(), fds))
+            kind, *names = message.decode().split()
+            reply = str(_fork_child(zygote, kind, dict(zip(names, fds, strict=True))))
         except Exception as exc:  # answered to the zygote, which fails that call
             reply = f"{type(exc).__name__}: {exc}"
         finally:
@@ -1036,12 +1135,12 @@ def serve_template(zygote: Zygote, sock: socket.socket) -> None:
         sock.send(reply.encode())
 
 
-def _fork_child(zygote: Zygote, kind: str, fds: list[int]) -> int:
+def _fork_child(zygote: Zygote, kind: str, child_fds: dict[str, int]) -> int:
     """Fork a ``kind`` child as the zygote's child: a call's runner into the PID namespace
-    given after its fds, a session's interpreter as pid 1 of a fresh one."""
-    names = CHILD_FDS[kind]
-    child_fds = dict(zip(names, fds))
-    namespace_fd = fds[len(names)] if len(fds) > len(names) else None
+    ``pidns``, a session's interpreter as pid 1 of a fresh one."""
+    if kind not in ("call", "session") or not set(child_fds) <= set(CHILD_FD_NAMES):
+        raise ValueError(f"not a template command: {kind} {sorted(child_fds)}")
+    namespace_fd = child_fds.pop("pidns", None)
     runner = run_snippet if kind == "call" else run_session
     new_namespace = kind == "session" and zygote.pidns_fd is not None
     if namespace_fd is not None:
@@ -1229,6 +1328,7 @@ def run_snippet(zygote: Zygote, child_fds: dict[str, int]) -> None:
     """The runner: its request, private mounts, limits, privilege drop, fresh state, then the code."""
     try:
         req = _read_request(child_fds.pop("request"))
+        _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
         _layout_fds(child_fds)
         os.setsid()
         if sys.platform.startswith("linux"):
@@ -1259,6 +1359,7 @@ def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
     that runs each call sent on fd 4 in the same globals."""
     try:
         req = _read_request(child_fds.pop("request"))
+        _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
         _layout_fds(child_fds, SESSION_FDS)
         os.setsid()
         if sys.platform.startswith("linux"):

@@ -77,9 +77,11 @@ CLEAN_ENV = {
 NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_new_privs", "rlimits",
                        "clean_template")
 """Mechanisms full isolation has (``strict=True`` requires them): these, plus ``netns``
-unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise)."""
+unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise), plus
+control groups (``cgroup_v2`` or ``cgroup_v1``; they need root)."""
 
-SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "template", "scratch_quota", "session_netns")
+SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "template", "scratch_quota", "session_netns",
+             "cgroups")
 
 WATCHDOG_GRACE_S = 10.0
 """How long past its timeout a started call may stay unanswered before the zygote is
@@ -163,6 +165,8 @@ def missing_isolation(isolation: tuple[str, ...], network: bool = False) -> list
     missing = [m for m in required if m not in isolation]
     if "uid_drop" not in isolation and "caps_drop" not in isolation:
         missing.append("uid_drop")
+    if "cgroup_v1" not in isolation and "cgroup_v2" not in isolation:
+        missing.append("cgroups")
     return missing
 
 
@@ -647,7 +651,7 @@ def classify(reply: dict, stderr: str) -> ExecStatus:
     sig = reply.get("signal")
     if reply.get("setup_failed"):
         return ExecStatus.SANDBOX_ERROR
-    if reply.get("killed") == "timeout" or sig == signal.SIGXCPU:
+    if reply.get("killed") in ("timeout", "cpu_time") or sig == signal.SIGXCPU:
         return ExecStatus.TIMEOUT
     if reply.get("killed") == "output_limit":
         return ExecStatus.OUTPUT_LIMIT
@@ -699,6 +703,7 @@ _LOST_BECAUSE = {
     "timeout": "it timed out", "memory": "it ran out of memory", "output_limit": "it printed too much",
     "cpu_time": "it used too much CPU time", "exited": "the code ended the process",
     "cancelled": "it was cancelled", "sandbox_restarted": "the sandbox restarted",
+    "processes": "it kept starting processes after the call ended",
 }
 
 
