@@ -9,6 +9,9 @@ Mechanisms are asserted to be in force first; with ``CI=true`` a missing one fai
 from __future__ import annotations
 
 import asyncio
+import glob
+import json
+import time
 import uuid
 
 import pytest
@@ -218,3 +221,152 @@ def test_the_socket_probe_connects_where_sessions_share_a_network_namespace():
         shared.start()
         marker, stolen, _ = _socket_attack(shared)
     assert stolen.stdout.strip() == marker
+
+
+# ---------------------------------------------------------------- limits enforced from outside the snippet
+
+DISABLE_STRAY_KILLER = '''
+import gc
+for obj in gc.get_objects():  # the session loop's module: switch its stray killer off
+    if isinstance(obj, dict) and "_kill_strays" in obj and "serve_session" in obj:
+        obj["_kill_strays"] = lambda: None
+'''
+
+FORK_STRAYS = DISABLE_STRAY_KILLER + '''
+import os, resource, time
+for _ in range({n}):
+    if os.fork() == 0:
+        try:
+            os.setsid()
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))  # soft up to the hard limit
+            block = bytearray({mib} << 20)
+            block[::4096] = b"x" * len(block[::4096])  # touch every page
+            os.write(1, b"held\\n")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+time.sleep(1.0)
+print("processes now:", len([p for p in os.listdir("/proc") if p.isdigit()]))
+'''
+
+COUNT_PROCESSES = 'import os\nprint("processes now:", len([p for p in os.listdir("/proc") if p.isdigit()]))'
+
+
+def _session_groups(sb: Sandbox) -> list[str]:
+    """Host paths of the sandbox's session groups in the v1 memory hierarchy (where this machine has it)."""
+    own = next(line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":memory:" in line)
+    return glob.glob(f"/sys/fs/cgroup/memory{own.rstrip('/')}/retool-sandbox-{sb._zygote.proc.pid}/session-*")
+
+
+def test_a_session_cannot_keep_processes_or_memory_between_calls():
+    """The snippet switches off the interpreter's own stray killer, forks children that
+    raise their soft limits to the hard ones and each hold 100 MiB: between calls they are
+    killed from outside, and the session's memory never exceeds its cap."""
+    with Sandbox(SandboxConfig(timeout_s=20, memory_mb=96, session_memory_mb=160, workers=4, max_sessions=2)) as sb:
+        sb.start()
+        require(sb, "pidns")
+        _require_cgroups(sb)
+        with sb.session() as s:
+            during = s.run_sync(FORK_STRAYS.replace("{n}", "4").replace("{mib}", "100"))
+            after = s.run_sync(COUNT_PROCESSES)
+        peaks = [int(open(f"{g}/memory.max_usage_in_bytes").read()) for g in _session_groups(sb)] \
+            if "cgroup_v1" in sb.isolation else []
+    held = during.stdout.count("held")
+    assert held >= 1, f"the probe is blind: no child ever held its memory ({during})"
+    assert during.stdout.strip().endswith(("processes now: 5", "processes now: 4", "processes now: 3",
+                                           "processes now: 2")), during.stdout  # its children ran
+    assert after.ok and after.stdout == "processes now: 1\n", after  # only the interpreter is left
+    cap = (160 << 20) + (128 << 20)  # session_memory_mb + the group's copy-on-write slack
+    assert all(peak <= cap for peak in peaks) and held * (100 << 20) <= cap, (peaks, held)
+
+
+SPIN_BETWEEN_CALLS = '''
+import threading, time
+def spin():
+    while True:
+        pass
+threading.Thread(target=spin, daemon=True).start()
+start = time.process_time()
+'''
+
+
+def test_a_session_s_daemon_thread_does_not_run_between_calls(sb):
+    require(sb, "pidns")
+    _require_cgroups(sb)
+    with sb.session() as s:
+        assert s.run_sync(SPIN_BETWEEN_CALLS).ok
+        gap = s.run_sync("between = time.process_time() - start\nprint(round(between, 2))")
+        time.sleep(2.0)  # idle: a spinning thread would burn ~2 CPU seconds here
+        later = s.run_sync("import time\nt = time.process_time(); time.sleep(0.5)\n"
+                           "print(round(time.process_time() - t, 2), round(t - start - between, 2))")
+    during_call, idle = (float(x) for x in later.stdout.split())
+    assert during_call > 0.1, f"the probe is blind: the spinner never ran ({later.stdout})"
+    assert idle < 0.5, f"the session ran for {idle} CPU s while idle"
+    assert gap.ok
+
+
+def _require_cgroups(sb: Sandbox) -> None:
+    if "cgroup_v1" not in sb.isolation and "cgroup_v2" not in sb.isolation:
+        require(sb, "cgroup_v2")  # fails under CI=true, skips elsewhere
+
+
+CPU_HOG = """
+import resource, signal, threading, time
+signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))  # soft up to the hard limit
+def spin():
+    while True:
+        pass
+for _ in range(2):
+    threading.Thread(target=spin, daemon=True).start()
+time.sleep(20)
+"""
+
+
+@pytest.mark.parametrize("in_session", [False, True], ids=["stateless", "session"])
+def test_cpu_time_is_bounded_over_all_threads_even_as_pid_1(in_session):
+    """The snippet ignores SIGXCPU, raises its soft CPU limit and spins in two threads while
+    its main thread sleeps (a session interpreter is pid 1: SIGXCPU would never reach it)."""
+    with Sandbox(SandboxConfig(timeout_s=25, cpu_time_s=1.5, workers=2, max_sessions=1)) as sb:
+        sb.start()
+        require(sb, "pidns")
+        _require_cgroups(sb)
+        if in_session:
+            with sb.session() as s:
+                res = s.run_sync(CPU_HOG)
+        else:
+            res = sb.run_sync(CPU_HOG)
+    assert res.status.value == "timeout" and res.wall_s < 15, res
+
+
+ESCAPE_CGROUP = '''
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+mine = open("/proc/self/cgroup").read()
+attempts = []
+for path in ("/sys/fs/cgroup/memory/cgroup.procs", "/sys/fs/cgroup/pids/cgroup.procs",
+             "/sys/fs/cgroup/cgroup.procs", "/sys/fs/cgroup/unified/cgroup.procs"):
+    try:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        attempts.append("wrote " + path)
+    except OSError as exc:
+        attempts.append(type(exc).__name__)
+os.makedirs("mnt", exist_ok=True)
+for fstype, data in (("cgroup", b"memory"), ("cgroup2", None)):
+    rc = libc.mount(b"none", b"mnt", fstype.encode(), 0, data)
+    attempts.append("mounted " + fstype if rc == 0 else os.strerror(ctypes.get_errno()))
+print(json.dumps({"mine": mine, "attempts": attempts, "unchanged": open("/proc/self/cgroup").read() == mine}))
+'''
+
+
+def test_a_call_cannot_move_itself_out_of_its_group(sb):
+    _require_cgroups(sb)
+    res = sb.run_sync(ESCAPE_CGROUP)
+    assert res.ok, res
+    report = json.loads(res.stdout)
+    assert "/call-" in report["mine"], f"the probe is blind: it does not see its own group ({report})"
+    assert not any(a.startswith(("wrote", "mounted")) for a in report["attempts"]), report
+    assert report["unchanged"], report
