@@ -202,14 +202,16 @@ class Group:
         except OSError:
             return None
 
-    def freeze(self) -> None:
-        """Stop every process of the group, and wait until they are stopped."""
+    def freeze(self, wait: bool = True) -> None:
+        """Stop every process of the group; with ``wait``, return once they are all stopped."""
         if self.version == "v2":
             _write(self.fds[""], "cgroup.freeze", "1")
             done = lambda: "frozen 1" in _read(self.fds[""], "cgroup.events")  # noqa: E731
         else:
             _write(self.fds["freezer"], "freezer.state", "FROZEN")
             done = lambda: _read(self.fds["freezer"], "freezer.state").strip() == "FROZEN"  # noqa: E731
+        if not wait:
+            return
         deadline = time.monotonic() + 5.0
         while not done():
             if time.monotonic() > deadline:
@@ -222,13 +224,14 @@ class Group:
         else:
             _write(self.fds["freezer"], "freezer.state", "THAWED")
 
-    def kill_all(self) -> None:
-        """SIGKILL every process of the group (they die at once, frozen or not)."""
-        if self.version == "v2" and _write_if_present(self.fds[""], "cgroup.kill", "1"):
+    def kill_all(self, keep: int | None = None) -> None:
+        """SIGKILL every process of the group but ``keep`` (they die at once, frozen or not)."""
+        if keep is None and self.version == "v2" and _write_if_present(self.fds[""], "cgroup.kill", "1"):
             return
         self.freeze()
         for pid in self.pids():
-            _kill(pid)
+            if pid != keep:
+                _kill(pid)
         self.thaw()
 
     def leave_only(self, keep: int) -> int:

@@ -385,6 +385,7 @@ class Zygote:
         self.scratch_quota = False  # each call and session directory is a tmpfs of its own
         self.session_netns = False  # each session's interpreter gets a network namespace of its own
         self.template: Template | None = None  # forks every call's and session's process
+        self.slot_templates: dict[int, Template] = {}  # one per call slot, inside the slot's group
 
     # ---- start-up
 
@@ -591,15 +592,17 @@ class Zygote:
         request = {"dir": call.dir, "uid": uid, "code": call.req["code"], "cpu_s": call.req["cpu_s"],
                    "memory_mb": call.req["memory_mb"], "auto_print": call.req.get("auto_print", True)}
         child_fds["request"] = _memory_file("request", json.dumps(request).encode())
-        call.group = self._join_group(child_fds, f"call-{call.slot}", call.req["memory_mb"])
+        template = self.slot_templates.get(call.slot, self.template)
+        call.group = self._join_group(child_fds, f"call-{call.slot}", call.req["memory_mb"],
+                                      born_inside=template is not self.template)
         call.group_cpu_base = call.group.cpu_seconds() if call.group is not None else 0.0
         with self._children_in_new_pid_namespace():
             if self.pidns_fd is not None:
                 call.init_pid = self._spawn_init()
-            if self.template is None:
+            if template is None:
                 call.pid = _fork_running(run_snippet, self, child_fds)
-        if self.template is not None:
-            call.pid = self.template.fork("call", child_fds, call.init_pid or None)
+        if template is not None:
+            call.pid = template.fork("call", child_fds, call.init_pid or None)
 
     @contextlib.contextmanager
     def _children_in_new_pid_namespace(self):
@@ -613,15 +616,17 @@ class Zygote:
             if self.pidns_fd is not None:
                 setns(self.pidns_fd, CLONE_NEWPID)
 
-    def _join_group(self, child_fds: dict[str, int], name: str, memory_mb: int):
+    def _join_group(self, child_fds: dict[str, int], name: str, memory_mb: int, born_inside: bool = False):
         """The control group ``name`` with its limits set, and fds for the child to join it
-        (added to ``child_fds``); None without control groups."""
+        (added to ``child_fds``) unless it is ``born_inside`` it (forked by the slot's
+        template, which lives there: one process more); None without control groups."""
         if self.cgroups is None:
             return None
         group = self.cgroups.group(name)
-        group.set_limits(memory_mb << 20, self.cfg["max_processes"])
-        for i, fd in enumerate(group.join_fds()):
-            child_fds[f"cgroup{i}"] = fd
+        group.set_limits(memory_mb << 20, self.cfg["max_processes"] + born_inside)
+        if not born_inside:
+            for i, fd in enumerate(group.join_fds()):
+                child_fds[f"cgroup{i}"] = fd
         return group
 
     def _mount_scratch(self, directory: str) -> None:
@@ -647,6 +652,11 @@ class Zygote:
             return
         self.template = Template.start(self)
         self.isolation.append("clean_template")
+        if self.cgroups is not None:  # a child born in its group needs no migration (that waits
+            for slot in range(self.cfg["workers"]):  # for an RCU grace period, ~10 ms here)
+                group = self.cgroups.group(f"call-{slot}")
+                group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"] + 1)
+                self.slot_templates[slot] = Template.start(self, group.join_fds())
 
     def _spawn_init(self) -> int:
         """Pid 1 of the call's namespace: ``sleep`` via vfork+exec (cheap at any parent
@@ -733,7 +743,8 @@ class Zygote:
         _kill_tree(call)  # whatever the snippet left behind dies with it
         _reap(call.init_pid)  # returns once every process of the namespace is gone
         if call.group is not None and not call.init_pid:  # no namespace died with it
-            call.group.kill_all()
+            template = self.slot_templates.get(call.slot)
+            call.group.kill_all(keep=template.pid if template is not None else None)
         self._drain(call)
         reply = self._result(call, status, usage, wall)
         self._cleanup(call)
@@ -793,6 +804,8 @@ class Zygote:
             slot = self.free_session_slots.pop(0)
             uid = self.cfg["uid_base"] + self.cfg["workers"] + slot if self.root else os.geteuid()
             session = self.sessions[req["session"]] = Session(req["session"], slot, uid)
+        if session.pid and session.group is not None and not self._resume(session):
+            self._end_interpreter(session, "processes")
         fresh = not session.pid
         if fresh:
             self._start_interpreter(session, req)
@@ -803,8 +816,6 @@ class Zygote:
         call.cpu_before = float(session.reported.get("cpu_total", 0.0))
         call.group = session.group
         if session.group is not None:
-            if not fresh:
-                session.group.thaw()  # frozen since its last call
             call.group_cpu_base = session.group.cpu_seconds()
         session.calls += 1
         session.call = self.calls[call.id] = call
@@ -943,11 +954,11 @@ class Zygote:
         self.calls.pop(call.id, None)
         call.done = True
         ended = call.killed or ("memory" if info.get("exc_type") == "MemoryError" else None)
-        if not ended and session.group is not None:
-            ended = self._settle_between_calls(session)
         if ended:  # killed as it ended, or out of memory (its state may be half-built): start afresh
             self._end_interpreter(session, ended)
             reply["ended_interpreter"] = ended
+        if not ended and session.group is not None:
+            session.group.freeze(wait=False)  # nothing of the session runs until its next call
         self._reply(reply)
         self._start_queued()
 
@@ -997,16 +1008,17 @@ class Zygote:
         self._reply(reply)
         self._start_queued()
 
-    def _settle_between_calls(self, session: Session) -> str | None:
-        """After a session call: kill every process of the session but its interpreter
-        (from here, where the snippet cannot reach) and freeze the interpreter until its
-        next call, so nothing of the session runs between calls. Returns why the
-        interpreter must end instead, or None."""
+    def _resume(self, session: Session) -> bool:
+        """Before a session's next call: its group has been frozen since the last call
+        ended; kill every process in it but the interpreter (from here, where the snippet
+        cannot reach: whatever a call left, whatever its threads started after it), then
+        thaw it. False when processes keep appearing: the interpreter must end."""
         try:
             session.group.leave_only(session.pid)
         except OSError:  # it forks as fast as its processes are killed
-            return "processes"
-        return None
+            return False
+        session.group.thaw()
+        return True
 
     def _end_interpreter(self, session: Session, reason: str) -> None:
         """Kill the session's interpreter and everything it started, wait until they are
@@ -1074,15 +1086,23 @@ class Template:
         self.sock = sock
 
     @classmethod
-    def start(cls, zygote: Zygote) -> Template:
+    def start(cls, zygote: Zygote, group_fds: list[int] = ()) -> Template:
+        """Fork a template; with ``group_fds``, it lives in that control group (as does
+        every child it forks). The OOM killer there picks the snippet's processes first
+        (their ``oom_score_adj`` is 1000, the template's 0)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             try:
                 mine.close()
+                _cgroups.join(list(group_fds))
                 serve_template(zygote, theirs)
+            except BaseException:
+                traceback.print_exc()  # to the trainer's stderr: the template is broken
             finally:
                 os._exit(EXIT_SETUP_FAILED)
+        for fd in group_fds:
+            os.close(fd)
         theirs.close()
         mine.settimeout(TEMPLATE_REPLY_TIMEOUT_S)
         return cls(pid, mine)
