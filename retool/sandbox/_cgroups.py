@@ -65,9 +65,11 @@ def _own_path(controller: str | None) -> str:
 class Hierarchy:
     """The sandbox's parent group (one per controller on v1), holding every slot's group."""
 
-    def __init__(self, version: str, name: str, parents: dict[str, int], own: dict[str, int]):
+    def __init__(self, version: str, name: str, parents: dict[str, int], own: dict[str, int],
+                 paths: list[str]):
         self.version = version  # "v1" or "v2"
         self.name = name
+        self.paths = paths  # the parent group's directory in each hierarchy (host paths)
         self.parents = parents  # controller ("" on v2) -> fd of the group we made our group in
         self.own = own  # controller -> fd of our group (the sandbox's parent group)
         self.groups: dict[str, Group] = {}
@@ -85,30 +87,47 @@ class Hierarchy:
 
     @classmethod
     def _open_v2(cls, name: str) -> Hierarchy:
+        """Make the parent group under this process's own group (where memory and pids are
+        delegated to its children), else under the hierarchy's root (as root)."""
         if not os.path.exists(f"{ROOT}/cgroup.controllers"):
             raise OSError(errno.ENOENT, f"{ROOT} is not a cgroup v2 mount")
-        parent = os.open(ROOT + _own_path(None), os.O_RDONLY | os.O_DIRECTORY)
+        errors = []
+        for path in dict.fromkeys([ROOT + _own_path(None).rstrip("/"), ROOT]):
+            try:
+                return cls._open_v2_under(path, name)
+            except OSError as exc:
+                errors.append(f"{path}: {exc.strerror or exc}")
+        raise OSError(errno.ENOTSUP, "; ".join(errors))
+
+    @classmethod
+    def _open_v2_under(cls, path: str, name: str) -> Hierarchy:
+        parent = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        made, own = False, None
         try:
-            available = _read(parent, "cgroup.controllers").split()
-            if not {"memory", "pids"} <= set(available):
-                raise OSError(errno.ENOTSUP, f"controllers available: {available or 'none'}")
+            if not {"memory", "pids"} <= set(_read(parent, "cgroup.subtree_control").split()):
+                _write(parent, "cgroup.subtree_control", "+memory +pids")  # EBUSY if it holds processes
             os.mkdir(name, 0o755, dir_fd=parent)
+            made = True
             own = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
-            wanted = " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in available)
-            _write(own, "cgroup.subtree_control", wanted)
+            available = _read(own, "cgroup.controllers").split()
+            _write(own, "cgroup.subtree_control", " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in available))
         except OSError:
-            _rmdir(parent, name)
+            if own is not None:
+                os.close(own)
+            if made:
+                _rmdir(parent, name)
             os.close(parent)
             raise
-        return cls("v2", name, {"": parent}, {"": own})
+        return cls("v2", name, {"": parent}, {"": own}, [f"{path}/{name}"])
 
     @classmethod
     def _open_v1(cls, name: str) -> Hierarchy:
-        parents, own = {}, {}
+        parents, own, paths = {}, {}, []
         try:
             for controller in V1_CONTROLLERS:
-                parents[controller] = os.open(f"{ROOT}/{controller}{_own_path(controller)}",
-                                              os.O_RDONLY | os.O_DIRECTORY)
+                path = f"{ROOT}/{controller}{_own_path(controller).rstrip('/')}"
+                parents[controller] = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+                paths.append(f"{path}/{name}")
                 os.mkdir(name, 0o755, dir_fd=parents[controller])
                 own[controller] = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=parents[controller])
         except OSError:
@@ -118,7 +137,7 @@ class Hierarchy:
                     _rmdir(fd, name)
                 os.close(fd)
             raise
-        return cls("v1", name, parents, own)
+        return cls("v1", name, parents, own, paths)
 
     def group(self, name: str) -> Group:
         """The group ``name`` (created on first use)."""
@@ -302,3 +321,37 @@ def join(fds: list[int]) -> None:
     for fd in fds:
         os.write(fd, b"0")
         os.close(fd)
+
+
+def remove_leftovers(paths: list[str], seconds: float = 5.0) -> list[str]:
+    """On the trainer's side, once the warm parent is gone (killed, so it could not clean
+    up): kill whatever is left in the sandbox's groups, thaw them (a frozen process dies
+    only when thawed), and remove them. Returns the paths that could not be removed."""
+    paths = [p for p in paths if os.path.isdir(p)]  # the others were removed as it ended
+    groups = [os.path.join(p, n) for p in paths for n in os.listdir(p) if os.path.isdir(os.path.join(p, n))]
+    for group in groups:
+        try:
+            with open(os.path.join(group, "cgroup.procs")) as f:
+                for pid in f.read().split():
+                    _kill(int(pid))
+            for name, text in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+                if os.path.exists(os.path.join(group, name)):
+                    with open(os.path.join(group, name), "w") as f:
+                        f.write(text)
+        except OSError:  # removed meanwhile, or not ours to write: the rmdir below says
+            continue
+    deadline = time.monotonic() + seconds
+    left = []
+    for path in [*groups, *paths]:
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    left.append(path)
+                    break
+                time.sleep(0.01)
+    return left

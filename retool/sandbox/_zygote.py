@@ -399,6 +399,7 @@ class Zygote:
         self._reply({"op": "ready", "isolation": self.isolation, "warnings": self.warnings,
                      "preloaded": loaded, "preload_failed": failed, "calls_dir": self.base,
                      "host_dir": self.host_dir,
+                     "cgroup_dirs": self.cgroups.paths if self.cgroups is not None else [],
                      "root": self.root, "pid": os.getpid()})
         os.set_blocking(0, False)
         self.sel.register(0, selectors.EVENT_READ, ("control", None))

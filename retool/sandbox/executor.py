@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retool.sandbox._cgroups import remove_leftovers as remove_leftover_cgroups
 from retool.sandbox._zygote import SCRIPT_NAME
 from retool.sandbox.metrics import SandboxMetrics
 from retool.types import ExecStatus, ExecutionResult
@@ -287,6 +288,9 @@ class _Zygote:
             orphans, self.pending = list(self.pending.values()), {}
         self.outbox.put(None)
         code = self.proc.wait()
+        left = remove_leftover_cgroups(self.ready.get("cgroup_dirs") or [])
+        if left:
+            log.warning("sandbox: could not remove its control groups %s", left)
         for pending in orphans:
             _resolve(pending, lambda: sandbox_error(f"the sandbox worker died (exit status {code}); "
                                                    "it is replaced for the next call", self.isolation))
