@@ -29,18 +29,19 @@ Stateful interpreter (opt-in; ``--interpreter stateful``)::
         (await s.run("len(x)")).stdout          # '3\n': the globals carry over
 
 A session is one interpreter forked exactly as a call's runner is (same namespaces, its
-own unprivileged uid, rlimits, scrubbed environment, output caps, plus a network
-namespace of its own), started at its first call; its calls run one after the other in
-the same globals, each as the file ``call<n>.py``. Limits are per call, never summed:
-before each call the interpreter's soft address-space limit is its size now +
-``memory_mb`` (under a hard cap for the whole session, ``session_memory_mb``); the
-wall-clock timeout, the CPU-time bound and the output caps are the warm parent's, per
-call. The interpreter is pid 1 of its own PID namespace, so when it dies the kernel kills
-every process of the session. After each call the interpreter kills every other process
-there (whatever the call started and left running, setsid and double forks included);
-with control groups, the session's group is then frozen — nothing of it runs between
-calls, daemon threads included — and before the next call the warm parent, which the
-snippet cannot reach, kills every process in it but the interpreter, then thaws it. A call that times out,
+own unprivileged uid, rlimits, scrubbed environment, output caps, fresh session keyring
+and syscall filter, plus a network namespace of its own), started at its first call; its
+calls run one after the other in the same globals, each as the file ``call<n>.py``.
+Limits are per call, never summed: before each call the interpreter's soft address-space
+limit is its size now + ``memory_mb`` (under a hard cap for the whole session,
+``session_memory_mb``); the wall-clock timeout, the CPU-time bound and the output caps
+are the warm parent's, per call. The interpreter is pid 1 of its own PID namespace, so
+when it dies the kernel kills every process of the session. After each call the
+interpreter kills every other process there (whatever the call started and left running,
+setsid and double forks included); with control groups, the session's group is then
+frozen — nothing of it runs between calls, daemon threads included — and before the next
+call the warm parent, which the snippet cannot reach, kills every process in it but the
+interpreter, then thaws it. A call that times out,
 exceeds memory (``MemoryError``), floods output or ends the process ends the interpreter;
 the session's next call gets a fresh one and its observation begins with a note that the
 state was lost (``ExecutionResult.state_lost``). Closing the session (also on errors and
@@ -60,7 +61,6 @@ calls' work, switching off the mechanisms that contain it). Isolated:
   one for sessions) forks every runner and interpreter. Each child then reads its own
   request from a memory file of its own. So no other call's or session's code, input or
   output is in a child's memory at all — not as objects, not as freed bytes.
-
 - *Secrets.* The warm parent is started by ``exec`` with a fixed, minimal environment
   (``CLEAN_ENV``), never forked from the trainer, so neither the trainer's environment
   nor its memory is in any call. Each call has a private ``/proc`` showing only its own
@@ -94,6 +94,20 @@ calls' work, switching off the mechanisms that contain it). Isolated:
 - *Network.* A network namespace with no interfaces up (unless ``network=True``), and
   one more per session (``session_netns``): abstract Unix sockets and loopback do not
   connect a session to any other session or call.
+- *System calls* (``seccomp``). Just before the snippet runs, after the privilege drop, a
+  seccomp-BPF filter goes on every call's and session's process, for good (its children
+  inherit it; it cannot be removed, ``no_new_privs`` cannot be unset, a filter the snippet
+  adds only narrows it): ``keyctl``/``add_key``/``request_key``, ``ptrace``,
+  ``process_vm_readv/writev``, ``unshare``/``setns``, mounting and ``chroot``, ``bpf``,
+  ``perf_event_open``, ``userfaultfd``, ``io_uring_*``, module and ``kexec`` loading, ``clone``
+  with a namespace flag and every i386/x32 call fail with ``EPERM`` (a ``PermissionError``);
+  ``clone3`` fails with ``ENOSYS`` (glibc falls back to ``clone``). The full list is
+  ``retool.sandbox.seccomp.DENIED_SYSCALLS``; numpy, sympy, threads, ``multiprocessing`` and
+  ``subprocess`` are unaffected.
+- *Keyrings* (``fresh_keyring``). Each call and session leaves the session keyring the
+  server was started in for a new, empty one before the filter goes on, and cannot use
+  ``keyctl`` after it: the host's keys and its uid's user keyring (``@u``, which outlives a
+  call, and uids are reused) are out of reach.
 
 Not isolated / known limits:
 
@@ -106,7 +120,8 @@ Not isolated / known limits:
   first request: the preloaded modules and the configuration, nothing of any call.
 - CPU time and disk bandwidth are not shared fairly; a call can slow its neighbours
   (control groups bound each call's CPU time, not its share of the machine).
-- The kernel is shared: a kernel exploit escapes everything here (no seccomp, no VM).
+- The kernel is shared: a kernel exploit through a system call the filter allows escapes
+  everything here (the filter is a deny list, not an allow list; there is no VM).
 - Control groups need root (as another user, or where the cgroup file system cannot be
   written): then memory, processes and CPU are bounded per process only (rlimits), a
   session's CPU time only by its calls' wall-clock timeouts, and a session's interpreter
@@ -128,8 +143,8 @@ Not isolated / known limits:
   enforced from outside, still hold), or make the parent think a call ended early (the
   session is then frozen and cleared of strays early). It can only spoil its own
   session: another session or call, the trainer and the warm parent stay out of reach,
-  and everything of the session dies when it is closed. Daemon threads do not run
-  between calls (the session is frozen). Files a session's calls write stay in its
+  and everything of the session dies when it is closed. With control groups, daemon
+  threads do not run between calls (the session is frozen). Files a session's calls write stay in its
   directory until the session ends. Session calls take no ``stdin``, ``files`` or
   ``fetch_files``. Without a PID namespace (degraded isolation) processes a call leaves
   running live until the session ends, not the call.

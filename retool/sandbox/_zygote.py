@@ -3,7 +3,8 @@
 This file runs as its own script (``python -s -B -P _zygote.py CONFIG_JSON``), started by
 :mod:`retool.sandbox.executor` through a clean ``exec`` with a scrubbed environment, so
 nothing of the trainer's memory or environment is ever in it. It imports only the
-standard library itself; the modules named in ``preload`` (numpy, sympy, ...) are
+standard library itself (and its sibling file ``seccomp.py``, whose compiler uses pyseccomp
+when installed); the modules named in ``preload`` (numpy, sympy, ...) are
 imported once and every call's child inherits them already loaded.
 
 Process tree (Linux, with namespaces available)::
@@ -19,9 +20,10 @@ Process tree (Linux, with namespaces available)::
      |          that namespace: how a call's tree dies, setsid/double-fork included.
      +- runner  per call: forked into that namespace as pid 2; takes a private /proc,
                 /dev/shm and IPC namespace, applies rlimits, drops to the call slot's
-                unprivileged uid (or all capabilities), resets interpreter state and
-                runs the snippet as ``python main.py`` would (written to its working
-                directory, seen at WORK_DIR), plus ast-based auto-print when asked
+                unprivileged uid (or all capabilities), resets interpreter state, joins
+                a fresh session keyring, installs the syscall filter (``seccomp.py``)
+                and runs the snippet as ``python main.py`` would (written to its
+                working directory, seen at WORK_DIR), plus ast-based auto-print when asked
 
 Control protocol: JSON lines on stdin (requests) and stdout (replies); bytes travel as
 base64. Children never hold the control pipes. The zygote is single-threaded, so
@@ -87,13 +89,13 @@ call's private mount namespace): the same neutral path for every call, never a h
 Without a private mount namespace the call runs in its real directory."""
 
 
-
 def _load_sibling(name: str) -> types.ModuleType:
-    """Import a module that sits beside this file (this script runs with ``-P``, so its
-    own directory is not on ``sys.path``); loaded at start, before the root is pivoted."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
-    spec = importlib.util.spec_from_file_location(f"retool_sandbox_{name}", path)
+    """Import ``retool/sandbox/<name>.py`` as a plain file: this script runs with ``-P`` and
+    without the ``retool`` package (nor its imports) in the warm parent."""
+    spec = importlib.util.spec_from_file_location(f"_retool_sandbox_{name}", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -101,6 +103,11 @@ def _load_sibling(name: str) -> types.ModuleType:
 _cgroups = _load_sibling("_cgroups")
 CPU_POLL_S = 0.05
 """How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
+seccomp = _load_sibling("seccomp")
+SYSCALL_FILTER: seccomp.Filter | None = None
+"""The calls' syscall filter, compiled by the launcher before it leaves the host's
+filesystem (libseccomp is found there); None where it could not be (``FILTER_PROBLEM``)."""
+FILTER_PROBLEM = "not compiled"
 
 _libc = None
 
@@ -250,6 +257,7 @@ def launcher_main() -> None:
     os.chmod(base, 0o755)
     parent_fd = os.open(os.path.dirname(base), os.O_RDONLY | os.O_DIRECTORY)  # the host's view
     cgroups, cgroup_warning = _open_cgroups(cfg)  # before the root is pivoted: cgroupfs is not in it
+    _compile_syscall_filter(cfg)
     isolation, warnings, calls_dir = setup_namespaces(cfg, base)
     if cgroups is not None:
         isolation.append(f"cgroup_{cgroups.version}")
@@ -293,6 +301,17 @@ def _open_cgroups(cfg: dict) -> tuple[object | None, str]:
         return _cgroups.Hierarchy.open(f"retool-sandbox-{os.getpid()}"), ""
     except OSError as exc:
         return None, f"no control groups ({exc}): memory, processes and CPU are bounded per process only"
+
+
+def _compile_syscall_filter(cfg: dict) -> None:
+    global SYSCALL_FILTER, FILTER_PROBLEM
+    if "seccomp" in cfg.get("benchmark_skip", ()):
+        FILTER_PROBLEM = "left out (benchmark_skip)"
+        return
+    try:
+        SYSCALL_FILTER = seccomp.compile_filter()
+    except (seccomp.FilterUnavailable, OSError) as exc:
+        FILTER_PROBLEM = str(exc)
 
 
 def _remove_mount_point(name: str, parent_fd: int) -> None:
@@ -386,6 +405,7 @@ class Zygote:
         self.session_netns = False  # each session's interpreter gets a network namespace of its own
         self.template: Template | None = None  # forks every call's and session's process
         self.slot_templates: dict[int, Template] = {}  # one per call slot, inside the slot's group
+        self.confine = False  # a fresh session keyring and the syscall filter, once probed
 
     # ---- start-up
 
@@ -476,6 +496,23 @@ class Zygote:
             self.isolation += ["uid_drop" if self.root else "caps_drop", "no_new_privs"]
         if "rlimits" not in self.skip:
             self.isolation.append("rlimits")
+        self._probe_syscall_filter()
+
+    def _probe_syscall_filter(self) -> None:
+        """Try the keyring switch and the filter once in a throw-away child: the calls
+        get them only if they work on this kernel (a call must not fail for want of them)."""
+        if SYSCALL_FILTER is None:
+            self.warnings.append(f"no syscall filter ({FILTER_PROBLEM})")
+            return
+        pid = _fork_running(_probe_confinement)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code in (0, PROBE_NO_KEYCTL):
+            self.isolation += ["seccomp"] + (["fresh_keyring"] if code == 0 else [])
+            self.confine = True
+        else:
+            self.warnings.append(f"no syscall filter (installing it failed in a test child, exit code {code})")
+        if code == PROBE_NO_KEYCTL:
+            self.warnings.append("keyctl is refused here already: no fresh session keyring needed")
 
     # ---- control channel
 
@@ -1365,6 +1402,8 @@ def run_snippet(zygote: Zygote, child_fds: dict[str, int]) -> None:
         if "privilege_drop" not in zygote.skip:
             _drop_privileges(req["uid"], zygote.root)
         namespace = _fresh_interpreter_state(workdir, zygote.env)
+        if zygote.confine:
+            _confine()
     except BaseException:  # never run the snippet half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
@@ -1399,6 +1438,8 @@ def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
         if "privilege_drop" not in zygote.skip:
             _drop_privileges(req["uid"], zygote.root)
         namespace = _fresh_interpreter_state(workdir, zygote.env)
+        if zygote.confine:
+            _confine()
     except BaseException:  # never run code half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
@@ -1560,6 +1601,27 @@ def _drop_privileges(uid: int, root: bool) -> None:
         prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
+PROBE_NO_KEYCTL = 3
+"""Exit code of the start-up probe child when the filter went on but keyctl was refused."""
+
+
+def _confine() -> bool:
+    """The last step before a snippet runs: a fresh anonymous session keyring, then the
+    syscall filter (for good: this process and all it starts). False if keyctl is refused."""
+    joined = seccomp.join_fresh_session_keyring(SYSCALL_FILTER)
+    seccomp.install(SYSCALL_FILTER)
+    return joined
+
+
+def _probe_confinement() -> None:
+    os._exit(0 if _confine() else PROBE_NO_KEYCTL)
+
+
+_ORIGINAL_STREAMS: list[io.TextIOWrapper] = []
+"""The call's own stdout and stderr, flushed at its end even if the snippet rebinds
+``sys.stdout`` and ``sys.__stdout__`` (as the interpreter's teardown flushes them)."""
+
+
 def _fresh_interpreter_state(directory: str, env: dict) -> dict:
     """Make the forked interpreter look like ``python main.py`` started in ``directory``:
     environment, ``sys.argv``/``sys.path``, standard streams, ``__main__``, atexit."""
@@ -1571,6 +1633,7 @@ def _fresh_interpreter_state(directory: str, env: dict) -> dict:
     sys.stdin = sys.__stdin__ = _std_stream(0, sys.__stdin__, "r", "<stdin>")
     sys.stdout = sys.__stdout__ = _std_stream(1, sys.__stdout__, "w", "<stdout>")
     sys.stderr = sys.__stderr__ = _std_stream(2, sys.__stderr__, "w", "<stderr>")
+    _ORIGINAL_STREAMS[:] = [sys.stdout, sys.stderr]
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
@@ -1634,7 +1697,7 @@ def execute(source: str, namespace: dict, frames: int, filename: str, auto_print
     try:
         blocks = compile_script(source, filename, auto_print)
     except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes in the source
-        _report_exception(exc, frames, show_frames=False)
+        _report_exception(exc, frames, show_frames=False, session=session)
         blocks, code = [], 1
     try:
         for block in blocks:
@@ -1643,7 +1706,7 @@ def execute(source: str, namespace: dict, frames: int, filename: str, auto_print
         code = _exit_code(exc)
     except BaseException as exc:  # user code: report like the interpreter, never propagate
         code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
-        _report_exception(exc, frames)
+        _report_exception(exc, frames, session=session)
     if session:
         _join_threads()
         flushed = _flush_std_streams()
@@ -1671,13 +1734,18 @@ def _finalize() -> bool:
 
 
 def _flush_std_streams() -> bool:
-    """Flush stdout and stderr; False when flushing stdout failed (reported as Python does)."""
-    flushed = True
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name, None)
+    """Flush stdout and stderr, then the original streams if the snippet replaced them (text
+    written to ``sys.__stdout__`` is not lost: the interpreter's teardown flushes them too);
+    False when flushing ``sys.stdout`` failed (reported as Python reports it)."""
+    flushed, seen = True, []
+    streams = [("stdout", getattr(sys, "stdout", None)), ("stderr", getattr(sys, "stderr", None)),
+               *zip(("__stdout__", "__stderr__"), _ORIGINAL_STREAMS)]
+    for name, stream in streams:
+        if stream is None or any(stream is other for other in seen):
+            continue
+        seen.append(stream)
         try:
-            if stream is not None:
-                stream.flush()
+            stream.flush()
         except BaseException as exc:  # the snippet replaced or broke the stream
             flushed = flushed and name != "stdout"
             _write_fd(2, f"Exception ignored on flushing sys.{name}:\n{type(exc).__name__}: {exc}\n")
@@ -1713,14 +1781,19 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _report_exception(exc: BaseException, frames: int, show_frames: bool = True) -> None:
+def _report_exception(exc: BaseException, frames: int, show_frames: bool = True, session: bool = False) -> None:
     """Print ``exc`` through ``sys.excepthook`` as the interpreter does (minus the
     sandbox's own frames) and report a short traceback, for the model, on fd 3.
-    ``show_frames=False`` (a SyntaxError of the file): no traceback, as Python prints it."""
+    ``show_frames=False`` (a SyntaxError of the file): no traceback, as Python prints it.
+    ``session``: the call's file exists only in :mod:`linecache`, which the built-in hook
+    does not read (it opens the file), so the same report is printed by :mod:`traceback`."""
     tb = _user_frames(exc.__traceback__) if show_frames else None
     exc.__traceback__ = tb
     try:
-        sys.excepthook(type(exc), exc, tb)
+        if session and sys.excepthook is sys.__excepthook__:
+            traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+        else:
+            sys.excepthook(type(exc), exc, tb)
     except BaseException:  # a broken hook, or no memory left: what the interpreter falls back to
         try:
             sys.__excepthook__(type(exc), exc, tb)

@@ -75,14 +75,14 @@ CLEAN_ENV = {
 }
 """The whole environment of the warm parent and its calls: nothing is inherited."""
 
-NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_new_privs", "rlimits",
+NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_new_privs", "rlimits", "seccomp",
                        "clean_template")
 """Mechanisms full isolation has (``strict=True`` requires them): these, plus ``netns``
 unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise), plus
 control groups (``cgroup_v2`` or ``cgroup_v1``; they need root)."""
 
-SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "template", "scratch_quota", "session_netns",
-             "cgroups")
+SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "seccomp", "template", "scratch_quota",
+             "session_netns", "cgroups")
 
 WATCHDOG_GRACE_S = 10.0
 """How long past its timeout a started call may stay unanswered before the zygote is
@@ -139,7 +139,8 @@ class SandboxConfig:
     benchmark_skip: tuple[str, ...] = ()
     """For ``bench/sandbox.py`` only, never in training: per-call mechanisms to leave out
     to measure their cost (``pidns``, ``private_mounts``, ``privilege_drop``, ``rlimits``,
-    ``template``: fork each call from the warm parent itself)."""
+    ``seccomp``, ``template``: fork each call from the warm parent itself, ``scratch_quota``,
+    ``session_netns``, ``cgroups``)."""
 
     def __post_init__(self) -> None:
         positive = ("timeout_s", "memory_mb", "max_file_mb", "max_processes", "max_output_bytes",
