@@ -120,7 +120,9 @@ class SandboxConfig:
     network: bool = False
     """Allow network access (no network namespace). Off by default."""
     cpu_time_s: float | None = None
-    """CPU-time limit (RLIMIT_CPU) per process; ``None`` = the call's timeout + 1 s."""
+    """CPU-time limit (RLIMIT_CPU) per process and, with control groups, of all the call's
+    processes and threads together (the warm parent kills the call past it: status
+    ``timeout``); ``None`` = the call's timeout + 1 s."""
     scratch_mb: int = 1024
     """Size of the tmpfs that holds all calls' working directories together, in MiB."""
     call_scratch_mb: int = 256
