@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import glob
 import json
+import os
 import time
 import uuid
 
 import pytest
 
 from retool.sandbox import Sandbox, SandboxConfig
-from tests.test_sandbox import require
+from tests.test_sandbox import _sandbox_uid_processes, require
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -372,3 +373,27 @@ def test_a_call_cannot_move_itself_out_of_its_group(sb):
     assert "/call-" in report["mine"], f"the probe is blind: it does not see its own group ({report})"
     assert not any(a.startswith(("wrote", "mounted")) for a in report["attempts"]), report
     assert report["unchanged"], report
+
+
+def test_a_killed_warm_parent_leaves_no_group_and_no_frozen_process():
+    """The warm parent is SIGKILLed while a session (with a spinning daemon thread) is
+    frozen between calls: the trainer's side kills, thaws and removes what is left."""
+    sb = Sandbox(SandboxConfig(timeout_s=20, workers=2, max_sessions=1))
+    sb.start()
+    try:
+        _require_cgroups(sb)
+        dirs = sb._zygote.ready["cgroup_dirs"]
+        assert dirs and all(os.path.isdir(d) for d in dirs), "the probe is blind: no group to look for"
+        with sb.session() as s:
+            assert s.run_sync(SPIN_BETWEEN_CALLS).ok
+            sb._zygote.kill()
+            deadline = time.monotonic() + 10
+            while any(os.path.exists(d) for d in dirs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        sb.close()
+    assert not [d for d in dirs if os.path.exists(d)]
+    deadline = time.monotonic() + 10
+    while _sandbox_uid_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sandbox_uid_processes() == []  # the frozen interpreter was thawed and died

@@ -26,6 +26,7 @@ import errno
 import os
 import signal
 import stat
+import sys
 import time
 
 ROOT = "/sys/fs/cgroup"
@@ -234,7 +235,7 @@ class Group:
         deadline = time.monotonic() + 5.0
         while not done():
             if time.monotonic() > deadline:
-                raise OSError(errno.ETIMEDOUT, "the group did not freeze")
+                raise TimeoutError(errno.ETIMEDOUT, "the group did not freeze")
             time.sleep(0.0005)
 
     def thaw(self) -> None:
@@ -247,7 +248,10 @@ class Group:
         """SIGKILL every process of the group but ``keep`` (they die at once, frozen or not)."""
         if keep is None and self.version == "v2" and _write_if_present(self.fds[""], "cgroup.kill", "1"):
             return
-        self.freeze()
+        try:
+            self.freeze()
+        except TimeoutError as exc:  # a process stuck in the kernel (D state): kill what can be killed
+            sys.stderr.write(f"retool sandbox: {exc.strerror}; killing its processes unfrozen\n")
         for pid in self.pids():
             if pid != keep:
                 _kill(pid)

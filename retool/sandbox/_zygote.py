@@ -1053,7 +1053,7 @@ class Zygote:
         thaw it. False when processes keep appearing: the interpreter must end."""
         try:
             session.group.leave_only(session.pid)
-        except OSError:  # it forks as fast as its processes are killed
+        except OSError:  # processes keep appearing as fast as they are killed, or it would not freeze
             return False
         session.group.thaw()
         return True
