@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from retool.sandbox import Sandbox, SandboxConfig
-from tests.test_sandbox import _sandbox_uid_processes, require
+from tests.test_sandbox import require
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -378,7 +378,8 @@ def test_a_call_cannot_move_itself_out_of_its_group(sb):
 def test_a_killed_warm_parent_leaves_no_group_and_no_frozen_process():
     """The warm parent is SIGKILLed while a session (with a spinning daemon thread) is
     frozen between calls: the trainer's side kills, thaws and removes what is left."""
-    sb = Sandbox(SandboxConfig(timeout_s=20, workers=2, max_sessions=1))
+    uid_base = 1_960_000_000 + (os.getpid() % 10_000) * 8  # uids no other test run uses
+    sb = Sandbox(SandboxConfig(timeout_s=20, workers=2, max_sessions=1, uid_base=uid_base))
     sb.start()
     try:
         _require_cgroups(sb)
@@ -394,6 +395,19 @@ def test_a_killed_warm_parent_leaves_no_group_and_no_frozen_process():
         sb.close()
     assert not [d for d in dirs if os.path.exists(d)]
     deadline = time.monotonic() + 10
-    while _sandbox_uid_processes() and time.monotonic() < deadline:
+    while _processes_of_uid(uid_base + 2) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandbox_uid_processes() == []  # the frozen interpreter was thawed and died
+    assert _processes_of_uid(uid_base + 2) == []  # the frozen interpreter was thawed and died
+
+
+def _processes_of_uid(uid: int) -> list[int]:
+    """Every process on the machine running as ``uid`` (reparented ones included)."""
+    found = []
+    for status in glob.glob("/proc/[0-9]*/status"):
+        try:
+            lines = dict(line.split(":", 1) for line in open(status) if ":" in line)
+        except OSError:  # it ended while we looked
+            continue
+        if int(lines["Uid"].split()[1]) == uid:
+            found.append(int(status.split("/")[2]))
+    return found
