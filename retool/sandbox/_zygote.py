@@ -1110,9 +1110,12 @@ class Template:
     Why: a child forked from the zygote itself would inherit the zygote's memory at that
     moment — other calls' code, queued requests and output read so far, as live objects
     (``gc.get_objects()``) and as freed bytes. The template never holds any of that. Each
-    command it gets is one word (``call``/``session``) plus fds (``SCM_RIGHTS`` on a
-    socket pair): the child's pipes, a memory file with its own request (read only by
-    the child) and, for a call, its PID namespace. It forks with ``CLONE_PARENT``, so the
+    command it gets is one word (``call``/``session``) and the names of the fds sent with
+    it (``SCM_RIGHTS`` on a socket pair): the child's pipes, a memory file with its own
+    request (read only by the child), for a call its PID namespace, and the
+    ``cgroup.procs`` of the control group the child joins. There is one template for
+    sessions and, with control groups, one per call slot living in that slot's group (a
+    child born there needs no migration). It forks with ``CLONE_PARENT``, so the
     child is the zygote's child (the zygote waits for it, reads its resource usage and
     gets its pidfd as before) and the template has no children at all. It is
     single-threaded, so the raw ``clone`` (without glibc's fork handlers; CPython's own
