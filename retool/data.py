@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from retool import reward
-from retool.atomic import UnwritableOutputError, atomic_write_jsonl, writable_folder
+from retool.atomic import atomic_write_jsonl
+from retool.flag_checks import UnwritableOutputError, output_folder
 from retool.types import Problem
 
 logger = logging.getLogger(__name__)
@@ -548,8 +549,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "prepare-data", help="DAPO-Math-17k → deduplicated train.jsonl + 50-row dev.jsonl",
-        description="Read DAPO-Math-17k from the Hugging Face hub (default) or a local "
+        "prepare-data", description="Read DAPO-Math-17k from the Hugging Face hub (default) or a local "
         "parquet/JSONL file, strip DAPO's prompt wrapper, deduplicate on whitespace-normalised "
         "question text, drop problems whose copies disagree on the answer (listed in "
         "conflicts.jsonl), shuffle (seed 42) and write DIR/train.jsonl and a disjoint "
@@ -578,8 +578,7 @@ def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_validate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "validate-data", help="check every gold answer grades correct against itself",
-        description="Load FILE (a JSONL/parquet file, or a bundled set: aime24, aime25, "
+        "validate-data", description="Load FILE (a JSONL/parquet file, or a bundled set: aime24, aime25, "
         "math500) and grade each gold answer, written as \\boxed{gold}, against itself with "
         "the reward's grader. Every failure and every malformed row is reported with its "
         "file and line. Exit status 0 when all pass, 1 otherwise. With --skip-bad, malformed "
@@ -605,7 +604,7 @@ def _positive_int(text: str) -> int:
 def _run_prepare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
-        writable_folder(args.output_dir, "--output-dir")
+        output_folder(args.output_dir, "--output-dir")
         if args.input is not None and args.bundled:
             raise DataError(args.input, "give either --input or --bundled, not both")
         if args.input is not None:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from retool.algo import PACKINGS
 from retool.atomic import atomic_write_text
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.flag_checks import output_folder
 from retool.protocol import INTERPRETERS
 from retool.results import EvalSummary
 
@@ -336,8 +337,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "demo", help="the whole pipeline on CPU: SmolLM2 → cold-start SFT → RL → evals, plots, viewer",
-        description=__doc__.split("\n\n")[0] + " Default sizes take tens of minutes on 2 cores; --quick a few.",
+        "demo", description=__doc__.split("\n\n")[0] + " Default sizes take tens of minutes on 2 cores; --quick a few.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(p, DemoConfig)
     p.set_defaults(func=_run_demo_command)
@@ -350,7 +350,9 @@ def _run_demo_command(args: argparse.Namespace) -> int:
     from retool.sft import ConversationError
 
     try:
-        run_demo(config_from_args(DemoConfig, args))
+        cfg = config_from_args(DemoConfig, args)
+        output_folder(cfg.output_dir, "--output-dir")
+        run_demo(cfg)
     except (ConfigError, BundledModelMissing, ReportInputError, ConversationError, TemplateError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -56,6 +56,7 @@ from retool.config import ConfigError, add_config_args, config_from_args, option
 from retool.cost import PriceTableOption, cost_meter
 from retool.data import require_usable_golds
 from retool.engines import EngineCheckpoint, EngineChoice, EngineSampler, Requirements, SamplerRequest, check_supported
+from retool.flag_checks import output_file, output_folder
 from retool.results import (
     EvalSummary,
     ProblemResult,
@@ -455,8 +456,7 @@ async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, roll
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "eval", help="evaluate a base model or checkpoint: Average@k, Pass@k, Format (resumable)",
-        description="Evaluate a dataset x a model (base or checkpoint) x a mode (retool = tool on, text = "
+        "eval", description="Evaluate a dataset x a model (base or checkpoint) x a mode (retool = tool on, text = "
         "tool off) x val_n samples: Average@k, Pass@k, unbiased pass@k, Format, code calls, turns. Writes one "
         "JSONL results file (docs/formats.md) and resumes it when re-run with the same settings. Every "
         "default is the seed's evaluation setting (AIME 2025, 12 samples, temperature 1.0, top_p 0.7, "
@@ -472,7 +472,9 @@ def _run_eval_command(args: argparse.Namespace) -> int:
     from retool.sandbox import SandboxUnavailableError
 
     try:
-        report = evaluate(config_from_args(EvalConfig, args))
+        cfg = config_from_args(EvalConfig, args)
+        check_outputs(cfg)
+        report = evaluate(cfg)
     except (ConfigError, DataError, TemplateError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -484,6 +486,15 @@ def _run_eval_command(args: argparse.Namespace) -> int:
         return 130
     print(format_summary(report))
     return 0
+
+
+def check_outputs(cfg: EvalConfig) -> None:
+    """Refuse, before any work, a results file (``--output``) or folder (``--output-dir``)
+    that cannot be written (:mod:`retool.flag_checks`)."""
+    if cfg.output:
+        output_file(cfg.output, "--output")
+    else:
+        output_folder(cfg.output_dir, "--output-dir")
 
 
 def format_summary(report: EvalReport) -> str:

@@ -42,7 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.atomic import UnwritableOutputError, atomic_open, writable_folder
+from retool.atomic import atomic_open
+from retool.flag_checks import UnwritableOutputError, output_file, output_folder
 from retool.report import ReportInputError, read_jsonl
 from retool.results import ProblemResult, ResultsFileError, is_results_file, read_results, summarize
 from retool.serialize import to_jsonable, trajectory_from_jsonable
@@ -293,8 +294,7 @@ def print_report(report: RegradeReport, out=None) -> None:
 def register(subparsers) -> None:
     """Add ``retool regrade``."""
     parser = subparsers.add_parser(
-        "regrade", help="grade recorded answers again with the current grader (eval file or run folder)",
-        description="Grade every recorded final answer of an eval results file or of a run's saved "
+        "regrade", description="Grade every recorded final answer of an eval results file or of a run's saved "
                     "trajectories again with the current grader, write the result to a NEW file (the "
                     "original is never changed) and print what changed.")
     parser.add_argument("source", type=Path, metavar="RESULTS_OR_RUN_DIR",
@@ -334,7 +334,7 @@ def _regrade(args: argparse.Namespace) -> RegradeReport:
         if args.output is not None:
             raise RegradeError("--output is for an eval results file; a run folder takes --output-dir")
         output_dir = args.output_dir or source / "regraded"
-        writable_folder(output_dir, "--output-dir")
+        output_folder(output_dir, "--output-dir")
         with GraderPool() as pool:
             return regrade_run(source, output_dir, args.data, pool)
     if not source.is_file():
@@ -346,7 +346,7 @@ def _regrade(args: argparse.Namespace) -> RegradeReport:
     output = args.output or default_output(source)
     if output.resolve() == source.resolve():
         raise RegradeError(f"--output {output} is the original file: regrade never changes it; choose another")
-    writable_folder(output.parent, "--output")
+    output_file(output, "--output")
     golds = _read_golds(args.data) if args.data else None
     with GraderPool() as pool:
         return regrade_results(source, output, golds, pool)

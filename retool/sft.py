@@ -48,6 +48,7 @@ from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
+from retool.flag_checks import output_folder
 from retool.protocol import INTERPRETERS, TOOL_NAME, system_prompt
 from retool.types import Datum
 
@@ -340,7 +341,7 @@ def _check_round_trip(renderer: Any, text: str, turn: AssistantTurn, where: str)
     from retool.protocol import parse_assistant
     from retool.types import ToolCall
 
-    parsed = parse_assistant(text, renderer.tool_format)
+    parsed = parse_assistant(text, renderer.tool_format, in_thinking=renderer.opens_thinking)
     code = parsed.call.code if isinstance(parsed.call, ToolCall) else None
     if parsed.call is not None and code is None:
         raise ConversationError(f"{where}: the rendered turn holds a malformed tool call "
@@ -532,8 +533,7 @@ def _report_data(run_dir: Path, data: SFTData, data_info: dict[str, str]) -> Non
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "sft", help="cold-start SFT on tool dialogues (loss on assistant tokens only)",
-        description="Cold-start SFT (ReTool's first stage) on OpenAI-format tool dialogues, with the loss on "
+        "sft", description="Cold-start SFT (ReTool's first stage) on OpenAI-format tool dialogues, with the loss on "
         "assistant tokens only (tool output and template tokens are masked). Writes RUN_DIR/metrics.jsonl and checkpoints in the layout "
         "of `retool train`, whose --init-from RUN_DIR starts RL from the result (use the same model, "
         "chat template and LoRA settings there). Flags override a --config TOML preset.",
@@ -550,6 +550,7 @@ def _run_sft_command(args: argparse.Namespace) -> int:
 
     try:
         cfg = resumed_config(SFTConfig, args) if args.resume else config_from_args(SFTConfig, args)
+        output_folder(cfg.run_dir, "--resume" if args.resume else "--run-dir")
         run_dir = sft(cfg, resume=bool(args.resume))
     except (ConfigError, ConversationError, TemplateError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -336,7 +336,7 @@ def test_retool_train_and_eval_run_on_the_fake_service(flavour, tmp_path, monkey
         out = tmp_path / f"eval-{len(source[1])}.jsonl"
         code = cli_main(["eval", "--engine", flavour, *source, "--chat-template", "hermes", "--dataset", str(data),
                          "--mode", "text", "--val-n", "2", "--max-turn-tokens", "8", "--max-trajectory-tokens", "512",
-                         "--output", str(out)])
+                         "--output-dir", str(out)])
         assert code == 0, capsys.readouterr().err
         assert out.is_file()
 
@@ -593,7 +593,7 @@ def test_export_downloads_a_peft_folder_the_local_engine_loads(flavour, tmp_path
     run = tmp_path / "run"
     assert cli_main(train_args(tmp_path, run, flavour, steps=1)) == 0, capsys.readouterr().err
     out = tmp_path / "adapter"
-    assert cli_main(["export", str(run), "--output", str(out)]) == 0, capsys.readouterr().err
+    assert cli_main(["export", str(run), "--output-dir", str(out)]) == 0, capsys.readouterr().err
     assert (out / "adapter_config.json").is_file()
     trained = service.training_clients[-1].local
     exported = load_file(out / "adapter_model.safetensors")
@@ -602,4 +602,4 @@ def test_export_downloads_a_peft_folder_the_local_engine_loads(flavour, tmp_path
     assert len(exported) == len(trained.params)
     for a, b in zip(local.params, trained.params):
         torch.testing.assert_close(a, b)
-    assert cli_main(["export", str(run), "--output", str(out)]) == 2  # never overwrites
+    assert cli_main(["export", str(run), "--output-dir", str(out)]) == 2  # never overwrites

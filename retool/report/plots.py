@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
-from retool.atomic import UnwritableOutputError, atomic_open, writable_folder
+from retool.atomic import atomic_open
+from retool.flag_checks import output_folder, refuse_renamed
 from retool.report import ReportInputError, read_eval_results, read_jsonl
 from retool.results import EvalResults, is_results_file, summarize
 
@@ -276,8 +277,7 @@ def _slug(text: str) -> str:
 def register(subparsers) -> None:
     """Add ``retool plot`` with its ``checkpoints`` and ``training`` subcommands."""
     parser = subparsers.add_parser(
-        "plot", help="draw the checkpoint comparison or a run's training curves (PNG + SVG)",
-        description="Draw figures from what retool wrote. `retool plot checkpoints DIR`: "
+        "plot", description="Draw figures from what retool wrote. `retool plot checkpoints DIR`: "
                     "Average@k / Pass@k bars and a Format line per checkpoint from a folder of "
                     "eval results. `retool plot training RUN_DIR`: training curves from metrics.jsonl.")
     kinds = parser.add_subparsers(dest="plot_kind", metavar="KIND", required=True)
@@ -286,7 +286,8 @@ def register(subparsers) -> None:
                                         "then checkpoints by step.")
     ckpt.add_argument("results_dir", type=Path, metavar="RESULTS_DIR",
                       help="folder holding eval results files (*.jsonl or *.jsonl.gz)")
-    ckpt.add_argument("--out", type=Path, help="output folder (default: RESULTS_DIR/plots)")
+    ckpt.add_argument("--output-dir", type=Path, help="output folder (default: RESULTS_DIR/plots)")
+    refuse_renamed(ckpt, "--out", "--output-dir")
     ckpt.add_argument("--dataset", help="only eval results of this dataset (e.g. aime25)")
     ckpt.add_argument("--mode", choices=("retool", "text"), help="only eval results of this mode")
     ckpt.set_defaults(func=_run_checkpoints)
@@ -294,27 +295,24 @@ def register(subparsers) -> None:
                              description="A grid of panels from RUN_DIR/metrics.jsonl; absent metrics "
                                          "are skipped.")
     train.add_argument("run", type=Path, metavar="RUN_DIR", help="run folder, or its metrics.jsonl")
-    train.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/plots)")
+    train.add_argument("--output-dir", type=Path, help="output folder (default: RUN_DIR/plots)")
+    refuse_renamed(train, "--out", "--output-dir")
     train.set_defaults(func=_run_training)
 
 
 def _run_checkpoints(args: argparse.Namespace) -> int:
-    out = args.out or args.results_dir / "plots"
+    out = args.output_dir or args.results_dir / "plots"
     return _report(out, lambda: plot_checkpoints(args.results_dir, out, dataset=args.dataset, mode=args.mode))
 
 
 def _run_training(args: argparse.Namespace) -> int:
     run_dir = args.run if args.run.is_dir() else args.run.parent
-    out = args.out or run_dir / "plots"
+    out = args.output_dir or run_dir / "plots"
     return _report(out, lambda: plot_training(args.run, out))
 
 
 def _report(out: Path, draw) -> int:
-    try:
-        writable_folder(out, "--out")
-    except UnwritableOutputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    output_folder(out, "--output-dir")
     try:
         paths = draw()
     except ReportInputError as err:

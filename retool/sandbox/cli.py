@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from retool.flag_checks import listen_address
+
 DEFAULT_WORKERS = 64
 """``retool sandbox serve``'s pool size (= ``retool.sandbox.server.DEFAULT_WORKERS``,
 repeated so that ``retool --help`` imports no server code)."""
@@ -34,7 +36,6 @@ repeated so that ``retool --help`` imports no server code)."""
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "sandbox",
-        help="serve the code sandbox over HTTP (SandboxFusion API) or run one snippet",
         description="The local Python sandbox: a SandboxFusion-compatible HTTP server, "
         "and a one-shot runner for trying snippets.",
     )
@@ -148,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
     from retool.sandbox import SandboxUnavailableError
     from retool.sandbox.server import ServerConfig, serve
 
+    listen_address(args.host, args.port)  # before the sandbox starts: a bad --host/--port is one line
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
         host=args.host,
@@ -165,9 +167,9 @@ def _serve(args: argparse.Namespace) -> int:
     except SandboxUnavailableError as e:
         print(f"retool sandbox serve: the sandbox could not start: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # port in use, bad address: a clear line, not a traceback
-        print(f"retool sandbox serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:  # taken since the check: a clear line, not a traceback
+        print(f"error: --port {args.port}: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -34,9 +34,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.flag_checks import output_folder
 from retool.rollout import RolloutBudgets
 from retool.train import TrainConfig
 
@@ -50,7 +51,10 @@ class VerlSettings:
     """Where and how verl runs a ReTool run (the flags ``retool verl-config`` adds to
     ``retool train``'s; ``docs/verl.md`` lists them)."""
 
-    out: str = option("verl-launch", "launch folder to write")
+    RENAMED: ClassVar[dict[str, str]] = {"out": "output_dir"}
+    """Old names of settings, refused with a pointer to the new (``retool.config``)."""
+
+    output_dir: str = option("verl-launch", "launch folder to write")
     val_data: str = option("aime25", "validation problems (bundled set or file)")
     val_samples: int = option(12, "samples per validation problem")
     val_temperature: float = option(1.0, "validation sampling temperature")
@@ -255,7 +259,7 @@ def write_launch_folder(cfg: VerlConfig) -> Path:
 
     from retool.data import load_problems
 
-    out = Path(cfg.out)
+    out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, val = load_problems(cfg.train_data), load_problems(cfg.val_data)
     for name, problems, split in (("train", train, "train"), ("val", val, "test")):
@@ -284,8 +288,7 @@ def agent_loop_yaml(cfg: VerlConfig) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "verl-config", help="write a verl launch folder (data, agent loop, reward hook, run.sh) for multi-node runs",
-        description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset; defaults are the seed's run.",
+        "verl-config", description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset; defaults are the seed's run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(p, VerlConfig)
     p.set_defaults(func=_run_command)
@@ -296,6 +299,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(VerlConfig, args)
+        output_folder(cfg.output_dir, "--output-dir")
         out = write_launch_folder(cfg)
     except (ConfigError, DataError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
