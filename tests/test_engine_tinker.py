@@ -341,6 +341,40 @@ def test_retool_train_and_eval_run_on_the_fake_service(flavour, tmp_path, monkey
         assert out.is_file()
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_closing_the_training_client_ends_the_session_once(flavour, tmp_path, monkeypatch, caplog):
+    """``close_training_client`` passes how the run ended to ``close(status)``: Tinker's
+    session is closed with it (PyTRIO's SDK has no close), the thread pools stop, and a
+    second close sends nothing."""
+    from retool.engines import close_training_client
+
+    service = FakeService(tmp_path / "service", flavour)
+    install(service, monkeypatch)
+    client = adapter.create_training_client(flavour, model=model(), lora_rank=4, seed=3)
+    with caplog.at_level("WARNING", logger="retool.engines"):
+        close_training_client(client, KeyboardInterrupt())
+        close_training_client(client)
+    assert client._sample_pool._shutdown and client._result_pool._shutdown
+    assert service.calls["close"] == (1 if flavour == "tinker" else 0)
+    if flavour == "tinker":
+        assert client.service.closed_with == "interrupted"
+    assert not caplog.records
+
+
+def test_a_tinker_session_that_cannot_be_closed_is_logged_once(tmp_path, monkeypatch, caplog):
+    from retool.engines import close_training_client
+
+    service = FakeService(tmp_path / "service", "tinker")
+    install(service, monkeypatch)
+    client = adapter.create_training_client("tinker", model=model(), lora_rank=4, seed=3)
+    service.fail("close", 500)
+    with caplog.at_level("WARNING", logger="retool.engines"):
+        close_training_client(client, RuntimeError("the step failed"))
+    [record] = caplog.records
+    assert "closing the tinker session (errored) failed" in record.getMessage()
+    assert "InternalServerError" in record.getMessage()
+
+
 def test_an_unknown_model_stops_with_one_clear_line(tmp_path, monkeypatch, capsys):
     install(FakeService(tmp_path / "service", "tinker"), monkeypatch)
     args = train_args(tmp_path, tmp_path / "run", "tinker")

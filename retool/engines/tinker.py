@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import math
 import os
 import threading
@@ -94,6 +95,8 @@ from retool.engines.base import (
 )
 from retool.engines.sdk_retries import RetryCounter, unwatch_tinker, watch_pytrio, watch_tinker
 from retool.types import Datum, StopReason
+
+log = logging.getLogger(__name__)
 
 IGNORE_TARGET = -100
 """PyTRIO's target id for a position that is neither trained nor counted."""
@@ -345,6 +348,7 @@ class ServiceTrainingClient:
         self._sample_pool = ThreadPoolExecutor(sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
         self._result_pool = ThreadPoolExecutor(2, thread_name_prefix=f"{flavour.name}-result")
         self._pending_gradient = False
+        self._closed = False
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -444,7 +448,11 @@ class ServiceTrainingClient:
 
     def close(self, status: str = "success") -> None:
         """End the run's use of the service: stop counting SDK retries for it, release
-        the thread pools and close the SDK's session (:func:`close_service`)."""
+        the thread pools and close the SDK's session (:func:`close_service`). A second
+        call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         unwatch_tinker(self.counters.sdk)
         self._sample_pool.shutdown(wait=False, cancel_futures=True)
         self._result_pool.shutdown(wait=False, cancel_futures=True)
@@ -529,15 +537,17 @@ def close_service(flavour: Flavour, service: Any, status: str = "success") -> No
     finished on the service (``status``: success, errored or interrupted) and stops the
     SDK's background loops for it — session heartbeat, dynamic-config refresh, telemetry
     flushes — which would otherwise run (and retry against a service that is gone) until
-    the process exits. It waits at most :data:`CLOSE_WAIT_S`; a failure is ignored (the
-    run's outcome stands). PyTRIO 0.2's ``ServiceClient`` has no ``close``: nothing to do."""
+    the process exits. It waits at most :data:`CLOSE_WAIT_S`; a failure is logged once as a
+    warning and goes no further (the run's outcome stands). PyTRIO 0.2's
+    ``ServiceClient`` has no ``close``: nothing to do."""
     close = getattr(service, "close", None)
     if flavour is not TINKER or close is None:
         return
     try:
         close(status).result(timeout=CLOSE_WAIT_S)
-    except Exception:  # noqa: BLE001 - a session that cannot be finished expires on the service
-        pass
+    except Exception as err:  # noqa: BLE001 - a session that cannot be finished expires on the service
+        log.warning("closing the %s session (%s) failed: %s: %s; it expires on the service",
+                    flavour.name, status, type(err).__name__, err)
 
 
 def _engine_json(path: str | Path) -> dict[str, Any]:
