@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 
 from retool.config import ConfigError
+from retool.engines.base import EngineCheckpoint
+from retool.engines.tinker import FLAVOURS, export_adapter
 from retool.flag_checks import output_folder, refuse_renamed
+from retool.runs import resolve_checkpoint
 
 
 def export(run: str | Path, output: str | Path, base_url: str | None = None) -> Path:
     """Write the adapter of ``run``'s checkpoint to the folder ``output``; return it."""
-    from retool.engines.base import EngineCheckpoint
-    from retool.runs import resolve_checkpoint
-
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise ConfigError(f"--output-dir {output}: the folder exists and is not empty")
@@ -37,7 +37,6 @@ def export(run: str | Path, output: str | Path, base_url: str | None = None) -> 
     if record.engine == "local":
         shutil.copytree(Path(checkpoint.engine_dir) / record.weights, output, dirs_exist_ok=True)
         return output
-    from retool.engines.tinker import FLAVOURS, export_adapter
 
     if record.engine not in FLAVOURS:
         raise ConfigError(f"RUN {run}: cannot export a checkpoint of the {record.engine} engine")

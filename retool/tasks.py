@@ -46,6 +46,7 @@ from typing import Any
 from retool.atomic import atomic_write_jsonl
 from retool.flag_checks import UnwritableOutputError, output_file
 from retool.protocol import INTERPRETERS, TOOL_NAME, check_interpreter, system_prompt
+from retool.sandbox import Sandbox, SandboxConfig
 from retool.types import Problem
 
 SPLITS = ("sft", "rl", "test")
@@ -361,8 +362,6 @@ def _stateful_calls(draw: Draw) -> list[tuple[str, str]]:
 
 def _run_all(snippets: list[list[str]], sandbox: Any, stateful: bool) -> list[list[str]]:
     """The observations of each dialogue's snippets, run in order (in one session when ``stateful``)."""
-    from retool.sandbox import Sandbox, SandboxConfig
-
     async def dialogue(sb: Any, codes: list[str]) -> list[Any]:
         if not stateful:
             return [await sb.run(code, timeout_s=10.0) for code in codes]

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retool.atomic import atomic_write_text
+from retool.bundled import resolve_model_name
 from retool.flag_checks import output_file, refuse_renamed
 from retool.report import ReportInputError, read_eval_results, read_jsonl
 from retool.results import EvalResults, is_results_file
@@ -184,7 +185,6 @@ def load_tokenizer(name: str):
     """A Hugging Face tokenizer from a name, a folder, or ``bundled:smollm2``."""
     from transformers import AutoTokenizer
 
-    from retool.bundled import resolve_model_name
 
     try:
         return AutoTokenizer.from_pretrained(resolve_model_name(name))

@@ -28,6 +28,7 @@ without KL uses neither).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
@@ -37,7 +38,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.data import DataError, load_problems
 from retool.flag_checks import output_folder
+from retool.protocol import build_messages
 from retool.rollout import RolloutBudgets
 from retool.train import TrainConfig
 
@@ -244,8 +247,6 @@ def _shell_word(text: str) -> str:
 
 def verl_rows(problems: Sequence[Any], split: str) -> list[dict[str, Any]]:
     """Problems in verl's RLHFDataset row layout, with ``agent_name`` = ``retool``."""
-    from retool.protocol import build_messages
-
     return [{"data_source": p.data_source or split, "prompt": build_messages(p.question, tools=True),
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": p.answer},
              "extra_info": {"id": p.id, "question": p.question, "index": i, "split": split},
@@ -257,7 +258,6 @@ def write_launch_folder(cfg: VerlConfig) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from retool.data import load_problems
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -274,8 +274,6 @@ def write_launch_folder(cfg: VerlConfig) -> Path:
 
 
 def agent_loop_yaml(cfg: VerlConfig) -> str:
-    import json
-
     entry = {"name": "retool", "_target_": "retool.integrations.verl.agent_loop.RetoolAgentLoop",
              **agent_loop_settings(cfg)}
     # JSON values are valid YAML flow scalars (null, true, numbers, quoted strings).
@@ -295,8 +293,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from retool.data import DataError
-
     try:
         cfg = config_from_args(VerlConfig, args)
         output_folder(cfg.output_dir, "--output-dir")
