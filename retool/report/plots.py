@@ -142,7 +142,7 @@ def plot_checkpoints(results_dir: str | Path, out_dir: str | Path, *, dataset: s
 
 
 def _checkpoint_figure(points: list[CheckpointPoint], title: str):
-    import numpy as np
+    import numpy as np  # numpy and matplotlib (heavy): only drawing needs them
     from matplotlib.figure import Figure
 
     ks = sorted({p.k for p in points})
@@ -220,7 +220,7 @@ def plot_training(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
 
 
 def _training_figure(panels, title: str):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: only drawing needs it
 
     cols = 3
     nrows = math.ceil(len(panels) / cols)
@@ -246,7 +246,7 @@ def _training_figure(panels, title: str):
 
 def _save(fig, stem: Path) -> list[Path]:
     """Write ``stem.png`` and ``stem.svg`` (SVG text stays text: searchable, smaller)."""
-    import matplotlib
+    import matplotlib  # heavy: only saving a figure needs it
 
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -183,7 +183,7 @@ def mask_warnings(trajectory: Trajectory) -> list[str]:
 
 def load_tokenizer(name: str):
     """A Hugging Face tokenizer from a name, a folder, or ``bundled:smollm2``."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only --tokenizer needs it
 
 
     try:
@@ -291,7 +291,7 @@ def _finite(value) -> float | None:
 
 def _rounded(values: tuple[float, ...]) -> list[float | None]:
     """Values to 3 decimals (they only feed tooltips), non-finite ones as ``None``."""
-    import numpy as np
+    import numpy as np  # numpy: only writing a page needs it
 
     array = np.round(np.asarray(values, dtype=np.float64), 3)
     finite = np.isfinite(array)
