@@ -605,6 +605,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         output_folder(args.output_dir, "--output-dir")
+        if args.cache_dir is not None and args.input is None and not args.bundled:  # the hub download goes there
+            output_folder(args.cache_dir, "--cache-dir")
         if args.input is not None and args.bundled:
             raise DataError(args.input, "give either --input or --bundled, not both")
         if args.input is not None:

@@ -447,6 +447,8 @@ def _run_train_command(args: argparse.Namespace) -> int:
         else:
             cfg = config_from_args(TrainConfig, args)
         output_folder(cfg.run_dir, "--resume" if args.resume else "--run-dir")
+        if cfg.engine == "vllm" and cfg.vllm.adapter_dir:  # the adapters the server hot-loads are written there
+            output_folder(cfg.vllm.adapter_dir, "--vllm-adapter-dir")
         run_dir = train(cfg, resume=bool(args.resume))
     except (ConfigError, DataError, StepError, FileNotFoundError, SandboxUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -24,7 +24,7 @@ EVAL_FILE = REPORT / "eval" / "base.jsonl"
 RUN = REPORT / "run"
 
 # What each command needs besides the output flag to reach its checks: {data} is a
-# problems file in the test's folder.
+# problems file in the test's folder, {place} that folder. The last flag is the one checked.
 FILE_OUTPUTS = {
     "grade": ["grade", "--output"],
     "task-data": ["task-data", "--output"],
@@ -43,6 +43,9 @@ FOLDER_OUTPUTS = {
     "plot training": ["plot", "training", str(RUN), "--output-dir"],
     "verl-config": ["verl-config", "--train-data", "{data}", "--output-dir"],
     "regrade run": ["regrade", str(RUN), "--output-dir"],
+    "prepare-data cache": ["prepare-data", "--offline", "--output-dir", "{place}/data", "--cache-dir"],
+    "train vllm adapters": ["train", "--engine", "vllm", "--train-data", "{data}", "--run-dir", "{place}/run",
+                            "--vllm-url", "http://127.0.0.1:9", "--vllm-adapter-dir"],
 }
 NO_OUTPUT = {"validate-data", "compare", "replay", "sandbox"}
 """Commands that write no file (they print), and ``sandbox``, whose flags are addresses."""
@@ -72,7 +75,7 @@ def refused(capsys, argv: list[str], *needles: str) -> str:
 
 
 def fill(argv: list[str], place: Path) -> list[str]:
-    return [a.format(data=place / "problems.jsonl") for a in argv]
+    return [a.format(data=place / "problems.jsonl", place=place) for a in argv]
 
 
 def test_every_command_with_an_output_is_covered():
