@@ -91,6 +91,11 @@ def command_name(argv: Sequence[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed by the parser of the command it names, as :func:`main` parses it."""
+    return build_parser(command_name(argv)).parse_args(list(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(command_name(argv))
