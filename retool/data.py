@@ -549,7 +549,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "prepare-data", description="Read DAPO-Math-17k from the Hugging Face hub (default) or a local "
+        "prepare-data",
+        description="Read DAPO-Math-17k from the Hugging Face hub (default) or a local "
         "parquet/JSONL file, strip DAPO's prompt wrapper, deduplicate on whitespace-normalised "
         "question text, drop problems whose copies disagree on the answer (listed in "
         "conflicts.jsonl), shuffle (seed 42) and write DIR/train.jsonl and a disjoint "
@@ -578,7 +579,8 @@ def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_validate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "validate-data", description="Load FILE (a JSONL/parquet file, or a bundled set: aime24, aime25, "
+        "validate-data",
+        description="Load FILE (a JSONL/parquet file, or a bundled set: aime24, aime25, "
         "math500) and grade each gold answer, written as \\boxed{gold}, against itself with "
         "the reward's grader. Every failure and every malformed row is reported with its "
         "file and line. Exit status 0 when all pass, 1 otherwise. With --skip-bad, malformed "

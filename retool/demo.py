@@ -324,7 +324,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "demo", description=__doc__.split("\n\n")[0] + " Default sizes take tens of minutes on 2 cores; --quick a few.",
+        "demo",
+        description=__doc__.split("\n\n")[0] + " Default sizes take tens of minutes on 2 cores; --quick a few.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(p, DemoConfig)
     p.set_defaults(func=_run_demo_command)

@@ -458,7 +458,8 @@ async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, roll
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "eval", description="Evaluate a dataset x a model (base or checkpoint) x a mode (retool = tool on, text = "
+        "eval",
+        description="Evaluate a dataset x a model (base or checkpoint) x a mode (retool = tool on, text = "
         "tool off) x val_n samples: Average@k, Pass@k, unbiased pass@k, Format, code calls, turns. Writes one "
         "JSONL results file (docs/formats.md) and resumes it when re-run with the same settings. Every "
         "default is the seed's evaluation setting (AIME 2025, 12 samples, temperature 1.0, top_p 0.7, "

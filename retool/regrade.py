@@ -292,7 +292,8 @@ def print_report(report: RegradeReport, out=None) -> None:
 def register(subparsers) -> None:
     """Add ``retool regrade``."""
     parser = subparsers.add_parser(
-        "regrade", description="Grade every recorded final answer of an eval results file or of a run's saved "
+        "regrade",
+        description="Grade every recorded final answer of an eval results file or of a run's saved "
                     "trajectories again with the current grader, write the result to a NEW file (the "
                     "original is never changed) and print what changed.")
     parser.add_argument("source", type=Path, metavar="RESULTS_OR_RUN_DIR",

@@ -252,7 +252,8 @@ def print_summary(source: Path, calls: list[CallReplay], trajectories: int, out=
 def register(subparsers) -> None:
     """Add ``retool replay``."""
     parser = subparsers.add_parser(
-        "replay", description="Re-execute the code calls recorded in an eval results file or a run's trajectory "
+        "replay",
+        description="Re-execute the code calls recorded in an eval results file or a run's trajectory "
                     "file/folder in the current sandbox (the recorded timeout and memory limit where the "
                     "source has them) and compare status and output call by call. Exit code 0 when every "
                     "replayed call reproduces, 1 when some do not, 2 for a bad input.")

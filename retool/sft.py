@@ -523,7 +523,8 @@ def _report_data(run_dir: Path, data: SFTData, data_info: dict[str, str]) -> Non
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "sft", description="Cold-start SFT (ReTool's first stage) on OpenAI-format tool dialogues, with the loss on "
+        "sft",
+        description="Cold-start SFT (ReTool's first stage) on OpenAI-format tool dialogues, with the loss on "
         "assistant tokens only (tool output and template tokens are masked). Writes RUN_DIR/metrics.jsonl and checkpoints in the layout "
         "of `retool train`, whose --init-from RUN_DIR starts RL from the result (use the same model, "
         "chat template and LoRA settings there). Flags override a --config TOML preset.",

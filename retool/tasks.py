@@ -413,7 +413,8 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "task-data", description="Write the synthetic tool-worthy arithmetic task. Split 'sft' writes OpenAI-format "
+        "task-data",
+        description="Write the synthetic tool-worthy arithmetic task. Split 'sft' writes OpenAI-format "
         "tool dialogues for `retool sft` (tool outputs from the real sandbox); splits 'rl' and 'test' "
         "write problem rows {id, question, answer, data_source} for `retool train` and evaluation. "
         "The splits never share a problem.",

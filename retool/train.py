@@ -427,7 +427,8 @@ def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "train", description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset (configs/*.toml); "
+        "train",
+        description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset (configs/*.toml); "
         "every flag's default is the seed's configuration.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--resume", metavar="RUN_DIR", default=None,

@@ -277,7 +277,8 @@ def _slug(text: str) -> str:
 def register(subparsers) -> None:
     """Add ``retool plot`` with its ``checkpoints`` and ``training`` subcommands."""
     parser = subparsers.add_parser(
-        "plot", description="Draw figures from what retool wrote. `retool plot checkpoints DIR`: "
+        "plot",
+        description="Draw figures from what retool wrote. `retool plot checkpoints DIR`: "
                     "Average@k / Pass@k bars and a Format line per checkpoint from a folder of "
                     "eval results. `retool plot training RUN_DIR`: training curves from metrics.jsonl.")
     kinds = parser.add_subparsers(dest="plot_kind", metavar="KIND", required=True)

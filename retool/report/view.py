@@ -310,7 +310,8 @@ def _str_or_none(value) -> str | None:
 def register(subparsers) -> None:
     """Add ``retool view``."""
     parser = subparsers.add_parser(
-        "view", description="Write one HTML file (opens offline) showing each trajectory's problem, reasoning, "
+        "view",
+        description="Write one HTML file (opens offline) showing each trajectory's problem, reasoning, "
                     "code calls with interpreter output, final answer, reward, and a token view that "
                     "colours policy tokens by advantage and masked tokens grey.")
     parser.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",

@@ -286,7 +286,8 @@ def agent_loop_yaml(cfg: VerlConfig) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "verl-config", description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset; defaults are the seed's run.",
+        "verl-config",
+        description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset; defaults are the seed's run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(p, VerlConfig)
     p.set_defaults(func=_run_command)
