@@ -49,10 +49,8 @@ from retool.config import ConfigError, add_config_args, config_from_args, make_c
 from retool.evaluate import EvalConfig, evaluate
 from retool.flag_checks import output_folder
 from retool.protocol import INTERPRETERS, TemplateError
-from retool.report import ReportInputError
+from retool.report import ReportInputError, plots, view
 from retool.report.compare import compare, format_table
-from retool.report.plots import plot_checkpoints, plot_training
-from retool.report.view import write_view
 from retool.results import EvalSummary
 from retool.runs import latest_checkpoint
 from retool.serialize import to_jsonable
@@ -237,10 +235,10 @@ def rl_gain(out: Path) -> Comparison:
 
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path) -> list[Path]:
     """Plots, the HTML viewer and the summary files."""
-    written = plot_checkpoints(out / "eval", out / "plots", order=STAGES)
-    written += plot_training(rl_dir, out / "plots")
-    written.append(write_view([eval_path(out, STAGES[2])], out / "view.html",
-                              tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
+    written = plots.plot_checkpoints(out / "eval", out / "plots", order=STAGES)
+    written += plots.plot_training(rl_dir, out / "plots")
+    written.append(view.write_view([eval_path(out, STAGES[2])], out / "view.html",
+                                   tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
     accuracy = gain.metric("accuracy")
     summary = {**{k: s.to_json() for k, s in summaries.items()},
                "rl_vs_sft": {"problems": gain.problems, "samples_per_problem": cfg.eval_samples,
