@@ -336,7 +336,7 @@ def test_retool_train_and_eval_run_on_the_fake_service(flavour, tmp_path, monkey
         out = tmp_path / f"eval-{len(source[1])}.jsonl"
         code = cli_main(["eval", "--engine", flavour, *source, "--chat-template", "hermes", "--dataset", str(data),
                          "--mode", "text", "--val-n", "2", "--max-turn-tokens", "8", "--max-trajectory-tokens", "512",
-                         "--output-dir", str(out)])
+                         "--output", str(out)])
         assert code == 0, capsys.readouterr().err
         assert out.is_file()
 
