@@ -10,6 +10,10 @@ module is imported only when that command runs (or prints its ``--help``), so
 ``retool --help`` imports no torch or transformers and answers at once, and a command
 does not pay for the imports of the others.
 
+Output flags follow one convention on every command: ``--output`` names a file,
+``--output-dir`` a folder (the old ``--out``, and ``export --output``, are refused with
+a pointer to the new name).
+
 A :class:`~retool.flag_checks.FlagError` raised while the flags are parsed or the command
 runs (an unwritable ``--output``, a port in use, a renamed flag) is printed as one line,
 ``error: ...``, with exit code 2.
