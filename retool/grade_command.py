@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from retool.atomic import atomic_open
-from retool.flag_checks import output_file
+from retool.flag_checks import UnwritableOutputError, output_file
 from retool.grader_pool import DEFAULT_TIMEOUT_S, GraderPool
 from retool.reward import ANSWER_WINDOW_CHARS, GoldAnswerError, try_grade_many
 
@@ -70,7 +70,10 @@ def _option_error(args: argparse.Namespace) -> str | None:
     if args.input is not None and not args.input.is_file():
         return f"--input {args.input}: no such file"
     if args.output is not None:
-        output_file(args.output, "--output")
+        try:
+            output_file(args.output, "--output")
+        except UnwritableOutputError as err:
+            return str(err)
     return None
 
 
