@@ -44,7 +44,7 @@ class UnwritableOutputError(FlagError):
 
 def output_folder(folder: str | Path, flag: str) -> Path:
     """``folder`` if it is, or can be created as, a folder this process can write in;
-    else raise :class:`UnwritableOutputError` naming ``flag``. Creates nothing."""
+    else raise :class:`UnwritableOutputError` naming ``flag``. Leaves nothing behind."""
     folder = Path(folder)
     reason = _folder_problem(folder)
     if reason:
@@ -54,7 +54,7 @@ def output_folder(folder: str | Path, flag: str) -> Path:
 
 def output_file(path: str | Path, flag: str) -> Path:
     """``path`` if it can be written as a file (replaced or appended to); else raise
-    :class:`UnwritableOutputError` naming ``flag``. Creates nothing."""
+    :class:`UnwritableOutputError` naming ``flag``. Leaves nothing behind."""
     path = Path(path)
     if path.is_dir():
         reason = f"{path} is a folder, not a file"
@@ -76,7 +76,7 @@ def _folder_problem(folder: Path) -> str | None:
 
 
 def _nearest_existing(path: Path) -> Path:
-    """``path`` or its nearest ancestor that exists (``.`` for a relative path with none)."""
+    """``path`` (made absolute) or its nearest ancestor that exists."""
     path = path if path.is_absolute() else Path.cwd() / path
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -84,7 +84,8 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _cannot_create_in(folder: Path) -> str | None:
-    """Why no file can be created in the existing folder ``folder``, or ``None`` when one can."""
+    """Why no file can be created in the existing folder ``folder``, or ``None`` when one can
+    (probed with a file that is removed at once)."""
     try:
         fd, probe = tempfile.mkstemp(prefix=".retool-write-check-", dir=folder)
     except OSError as err:
