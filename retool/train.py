@@ -45,6 +45,7 @@ from retool import algo, runs
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
+from retool.flag_checks import output_folder
 from retool.rollout import RolloutBudgets
 from retool.seeding import derive_seed
 
@@ -490,7 +491,7 @@ def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "train", help="RL-train a model to use the code interpreter (GRPO/PPO)",
+        "train",
         description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset (configs/*.toml); "
         "every flag's default is the seed's configuration.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -510,6 +511,9 @@ def _run_train_command(args: argparse.Namespace) -> int:
             cfg = resumed_config(TrainConfig, args)
         else:
             cfg = config_from_args(TrainConfig, args)
+        output_folder(cfg.run_dir, "--resume" if args.resume else "--run-dir")
+        if cfg.engine == "vllm" and cfg.vllm.adapter_dir:  # the adapters the server hot-loads are written there
+            output_folder(cfg.vllm.adapter_dir, "--vllm-adapter-dir")
         run_dir = train(cfg, resume=bool(args.resume))
     except (ConfigError, DataError, StepError, FileNotFoundError, SandboxUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -42,7 +42,7 @@ def eval_dir(tmp_path) -> Path:
 
 
 def test_checkpoint_figures_from_fixture_results(eval_dir, tmp_path, capsys):
-    assert run_cli(["plot", "checkpoints", str(eval_dir), "--out", str(tmp_path / "out")]) == 0
+    assert run_cli(["plot", "checkpoints", str(eval_dir), "--output-dir", str(tmp_path / "out")]) == 0
     printed = [Path(line) for line in capsys.readouterr().out.split()]
     names = sorted(p.name for p in printed)
     assert names == ["behaviour_aime25_retool.png", "behaviour_aime25_retool.svg",
@@ -102,9 +102,9 @@ def test_unwritable_output_folder_is_one_line(eval_dir, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("keep me")
     for kind, source in (("checkpoints", eval_dir), ("training", FIXTURES / "run")):
-        assert run_cli(["plot", kind, str(source), "--out", str(blocker / "plots")]) == 2
+        assert run_cli(["plot", kind, str(source), "--output-dir", str(blocker / "plots")]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: cannot write --out") and len(err.strip().splitlines()) == 1
+        assert err.startswith("error: cannot write --output-dir") and len(err.strip().splitlines()) == 1
     assert blocker.read_text() == "keep me"
     assert not (FIXTURES / "run" / "plots").exists()
 

@@ -31,6 +31,7 @@ heading in ``--help``, a ``[local]`` table in a TOML preset, validated with the 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,8 @@ from retool.engines.base import (
     TransientEngineError,
     run_now,
 )
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- settings sections
 
@@ -391,11 +394,8 @@ def close_training_client(engine: Any, error: BaseException | None = None) -> No
     """Release what a training client holds when its run ends (``error``: what ended it,
     ``None`` for a normal end). A service engine ends its SDK session there (Tinker:
     the session is finished and the SDK's background heartbeat, config refresh and
-    telemetry stop); an engine without a ``close`` holds nothing to release. Never
-    raises: the run's own outcome stands."""
-    close = getattr(engine, "close", None)
-    if close is None:
-        return
+    telemetry stop); vLLM stops the server it started. Never raises: the run's own
+    outcome stands, and a failing close is logged once as a warning."""
     if error is None:
         status = "success"
     elif isinstance(error, Exception):
@@ -403,9 +403,10 @@ def close_training_client(engine: Any, error: BaseException | None = None) -> No
     else:  # KeyboardInterrupt, SystemExit
         status = "interrupted"
     try:
-        close(status)
-    except Exception:  # noqa: BLE001 - closing is best effort
-        pass
+        engine.close(status)
+    except Exception as err:  # noqa: BLE001 - the run has ended; its own outcome is what it reports
+        log.warning("closing the %s training client (run %s) failed: %s: %s",
+                    type(engine).__name__, status, type(err).__name__, err)
 
 
 def load_sampler(engine: str, request: SamplerRequest) -> EngineSampler:

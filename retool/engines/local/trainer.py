@@ -437,6 +437,13 @@ class LocalTrainingClient:
         """
         return self.sampler
 
+    def close(self, status: str = "success") -> None:
+        """End the run's use of the client: the local engine holds no process or session,
+        so this frees the sampler's stored KV caches (up to ``sample_kv_cache_mb``); the
+        model and optimiser go with the client. ``status`` is not recorded anywhere.
+        Harmless to call twice; the client still works afterwards (caches refill)."""
+        self.sampler.clear_kv_cache()
+
 
 def create_training_client(**options: Any) -> LocalTrainingClient:
     """The ``local`` entry of ``retool.engines.ENGINES``: options are ``LocalEngineConfig`` fields."""
