@@ -437,6 +437,7 @@ class ServiceTrainingClient:
         self._sample_pool = ThreadPoolExecutor(sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
         self._result_pool = ThreadPoolExecutor(2, thread_name_prefix=f"{flavour.name}-result")
         self._pending_gradient = False
+        self._closed = False
         self.adam_eps: float | None = None
         """Adam's epsilon for the service, replacing the trainer's (``--tinker-adam-eps``)."""
 
@@ -454,7 +455,6 @@ class ServiceTrainingClient:
                 raise RuntimeError(f"engine {self.flavour.name}: no training client to create")
             self._sdk_client = self._create()
         return self._sdk_client
-        self._closed = False
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
