@@ -86,7 +86,7 @@ def _settings_options(settings: LocalSettings | None) -> dict[str, Any]:
     settings = settings or LocalSettings()
     return {"sample_window_s": settings.sample_window_s, "max_sample_rows": settings.max_sample_rows,
             "sample_prefix_cache": settings.prefix_cache, "sample_kv_cache_mb": settings.kv_cache_mb,
-            "fast_sampling": settings.fast_sampling}
+            "fast_sampling": settings.fast_sampling, "decode_loop": settings.decode_loop}
 
 
 def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> LocalTrainingClient:
@@ -114,7 +114,8 @@ def sampler(request: SamplerRequest) -> EngineSampler:
     client = LocalSamplingClient(model, tokenizer, threading.Lock(), seed=request.seed,
                                  window_s=options["sample_window_s"], max_rows=options["max_sample_rows"],
                                  prefix_cache=options["sample_prefix_cache"],
-                                 kv_cache_mb=options["sample_kv_cache_mb"], fast=options["fast_sampling"])
+                                 kv_cache_mb=options["sample_kv_cache_mb"], fast=options["fast_sampling"],
+                                 decode_loop=options["decode_loop"])
     return EngineSampler(tokenizer, client)
 
 

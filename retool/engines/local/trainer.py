@@ -88,7 +88,7 @@ class LocalTrainingClient:
                                            max_rows=config.max_sample_rows,
                                            prefix_cache=config.sample_prefix_cache,
                                            kv_cache_mb=config.sample_kv_cache_mb,
-                                           fast=config.fast_sampling)
+                                           fast=config.fast_sampling, decode_loop=config.decode_loop)
         if config.packing != "bucketed":
             self._check_packing_is_exact()
 
