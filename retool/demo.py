@@ -236,8 +236,9 @@ def rl_gain(out: Path) -> Comparison:
     return compare(eval_path(out, STAGES[1]), eval_path(out, STAGES[2]))
 
 
-def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path) -> list[Path]:
-    """Plots, the HTML viewer and the summary files."""
+def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
+           peak_rss_bytes: int = 0) -> list[Path]:
+    """Plots, the HTML viewer and the summary files (with the process tree's peak RSS)."""
     from retool.bundled import resolve_model_name
     from retool.report.plots import plot_checkpoints, plot_training
     from retool.report.view import write_view
@@ -251,7 +252,8 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
                "rl_vs_sft": {"problems": gain.problems, "samples_per_problem": cfg.eval_samples,
                              **{m.name: {"before": m.before, "after": m.after, "difference": m.difference,
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
-                             "significant": accuracy.significant}}
+                             "significant": accuracy.significant},
+               "peak_rss_mb": round(peak_rss_bytes / 2**20)}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "summary.md", summary_markdown(summaries, gain, quick=cfg.quick,
                                                                       interpreter=cfg.interpreter))
@@ -316,6 +318,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     """Run every stage; return the summaries by stage."""
     from retool.bundled import resolve_model_name
 
+    from retool.peak_rss import PeakRSS
+
     cfg = cfg.shrunk()
     start = time.monotonic()
     out = Path(cfg.output_dir)
@@ -323,14 +327,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     check_identity(cfg, out)
     resolve_model_name(cfg.model)  # converts the bundled model once, or says how to install it
     paths = make_data(cfg, out)
-    summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
-    sft_dir = run_sft(cfg, out, paths["sft"])
-    summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
-    rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
-    summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
+    with PeakRSS() as memory:
+        summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
+        sft_dir = run_sft(cfg, out, paths["sft"])
+        summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
+        rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
+        summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
-    report(cfg, out, summaries, gain, rl_dir)
+    report(cfg, out, summaries, gain, rl_dir, memory.peak_bytes)
     print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter)
+    print(memory.sentence())
     return summaries
 
 

@@ -123,3 +123,27 @@ def test_an_unknown_decode_loop_is_a_clear_error(tiny_model):
     with pytest.raises(ValueError, match="decode_loop must be one of own, generate"):
         LocalSamplingClient(client.model, client.tokenizer, threading.Lock(), decode_loop="fast")
     assert LocalSettings().decode_loop == "own"
+
+
+def test_peak_rss_counts_child_processes():
+    """The demo's memory line sums the process tree: a child holding 200 MB shows up."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from retool.peak_rss import PeakRSS, tree_rss_bytes
+
+    holds = "import sys, time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); " \
+            "print('ok', flush=True); time.sleep(3)"
+    before = tree_rss_bytes(psutil.Process())
+    with PeakRSS(interval_s=0.1) as memory:
+        child = subprocess.Popen([sys.executable, "-c", holds], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ok"
+        time.sleep(0.5)
+        child.kill()
+        child.wait()
+    assert memory.sampled_bytes >= before + 150 * 2**20  # the child's pages, on top of this process
+    assert memory.peak_bytes >= memory.sampled_bytes
+    assert "GiB resident" in memory.sentence()

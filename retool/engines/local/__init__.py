@@ -46,8 +46,10 @@ Modules, each using only the ones listed after it:
 
 - ``trainer``: ``LocalTrainingClient`` (forward/backward, micro-batches, packing, Adam,
   checkpoints) and ``create_training_client``.
-- ``sampler``: ``LocalSamplingClient`` (request batching into ``generate``).
-- ``decoding``: logits processors, stopping criterion, per-row seeding.
+- ``sampler``: ``LocalSamplingClient`` (request batching, layouts, the choice of loop).
+- ``decode_loop``: the sampler's own decode loop (one forward per token, finished rows dropped).
+- ``decoding``: the row sampler (logprobs, top-k/top-p, draws), stopping criterion, per-row seeding.
+- ``memory``: glibc arena cap and ``malloc_trim`` after every batch.
 - ``kv_cache``: shared-prefix cache and the LRU store of earlier sequences' KV.
 - ``hf_compat``: everything that touches transformers' cache internals, version check.
 - ``model``: loading, device/dtype, LoRA, neutral generation config.
