@@ -91,10 +91,10 @@ class LocalSamplingClient:
     and every call is a plain left-padded ``generate``: the same tokens, slower.
 
     Memory: glibc keeps the memory that a batch's KV caches and logits free in per-thread
-    arenas, and the process can grow by about a batch's KV at every batch (measured in one run
-    of two: 2.3 ->
-    5.0 GB over three batches of 32 rows, the KV store at its 1 GB). The sampler caps the
-    arenas at two and trims them after every batch (``memory``).
+    arenas, and the process can grow by about a batch's KV at every batch (measured in
+    one run of two: 2.3 -> 5.0 GB over three batches of 32 rows, the KV store at its
+    1 GB). The sampler caps the arenas at two and trims them after every batch
+    (``memory``); then it stayed at 2.0 GB.
     """
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
