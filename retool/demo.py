@@ -51,6 +51,7 @@ from retool.flag_checks import output_folder
 from retool.protocol import INTERPRETERS, TemplateError
 from retool.report import ReportInputError, plots, view
 from retool.report.compare import compare, format_table
+from retool.peak_rss import PeakRSS
 from retool.results import EvalSummary
 from retool.runs import latest_checkpoint
 from retool.serialize import to_jsonable
@@ -233,8 +234,9 @@ def rl_gain(out: Path) -> Comparison:
     return compare(eval_path(out, STAGES[1]), eval_path(out, STAGES[2]))
 
 
-def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path) -> list[Path]:
-    """Plots, the HTML viewer and the summary files."""
+def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
+           peak_rss_bytes: int = 0) -> list[Path]:
+    """Plots, the HTML viewer and the summary files (with the process tree's peak RSS)."""
     written = plots.plot_checkpoints(out / "eval", out / "plots", order=STAGES)
     written += plots.plot_training(rl_dir, out / "plots")
     written.append(view.write_view([eval_path(out, STAGES[2])], out / "view.html",
@@ -244,7 +246,8 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
                "rl_vs_sft": {"problems": gain.problems, "samples_per_problem": cfg.eval_samples,
                              **{m.name: {"before": m.before, "after": m.after, "difference": m.difference,
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
-                             "significant": accuracy.significant}}
+                             "significant": accuracy.significant},
+               "peak_rss_mb": round(peak_rss_bytes / 2**20)}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "summary.md", summary_markdown(summaries, gain, quick=cfg.quick,
                                                                       interpreter=cfg.interpreter))
@@ -311,14 +314,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     check_identity(cfg, out)
     resolve_model_name(cfg.model)  # converts the bundled model once, or says how to install it
     paths = make_data(cfg, out)
-    summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
-    sft_dir = run_sft(cfg, out, paths["sft"])
-    summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
-    rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
-    summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
+    with PeakRSS() as memory:
+        summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
+        sft_dir = run_sft(cfg, out, paths["sft"])
+        summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
+        rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
+        summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
-    report(cfg, out, summaries, gain, rl_dir)
+    report(cfg, out, summaries, gain, rl_dir, memory.peak_bytes)
     print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter)
+    print(memory.sentence())
     return summaries
 
 

@@ -31,6 +31,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     assert "RL vs SFT on the same 2 held-out problems" in printed and "too small to show learning" in printed
     summaries = json.loads((out / "summary.json").read_text())
     gain = summaries.pop("rl_vs_sft")
+    assert summaries.pop("peak_rss_mb") > 100 and "peak memory: " in printed  # the process tree's peak RSS
     assert list(summaries) == list(STAGES)
     # the base model is evaluated on the first --base-eval-problems only; SFT and RL on all
     assert [s["num_problems"] for s in summaries.values()] == [1, 2, 2]

@@ -68,8 +68,11 @@ class LocalSettings:
     prefix_cache: bool = option(True, "compute a prompt prefix the rows of a generate call share once")
     kv_cache_mb: int = option(1024, "memory for earlier sequences' KV, so a trajectory's next turn prefills "
                                     "only its new tokens; 0 = off")
-    fast_sampling: bool = option(True, "the sampler's fast path (prefix cache, KV store, reserved decode room) on "
+    fast_sampling: bool = option(True, "the sampler's fast path (prefix cache, KV store, reserved decode room, own decode loop) on "
                                        "a tested transformers release; off = plain generate, same tokens, slower")
+    decode_loop: str = option("own", "own = the sampler's decode loop (drops finished rows from the batch); "
+                                     "generate = one HF generate call per batch, the earlier path",
+                              choices=("own", "generate"))
 
     def validate(self) -> None:
         require(self.sample_window_s >= 0, f"local_sample_window_s must be >= 0, got {self.sample_window_s}")

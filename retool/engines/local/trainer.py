@@ -95,7 +95,7 @@ class LocalTrainingClient:
                                            max_rows=config.max_sample_rows,
                                            prefix_cache=config.sample_prefix_cache,
                                            kv_cache_mb=config.sample_kv_cache_mb,
-                                           fast=config.fast_sampling)
+                                           fast=config.fast_sampling, decode_loop=config.decode_loop)
         if config.logprob_chunk_tokens:
             check_chunkable(self.model)
         if config.packing != "bucketed":
