@@ -23,11 +23,12 @@ likely tokens), alternating ``--repeats`` times; both must sample the same token
     python bench/sampling.py --requests 8 --max-tokens 128 --tool-prompts --decode
     python bench/sampling.py --requests 16 --max-tokens 128 --loops
 
-``--loops`` is the old path against the new one on the demo's own rollout requests (the
+``--loops`` is the old path against the new ones on the demo's own rollout requests (the
 tool prompts, the rollout's stop tokens, temperature 1, top-p 0.7): ``decode_loop=
 generate`` (one HF ``generate`` per batch) against ``decode_loop=own`` (the sampler's
-loop, finished rows dropped), alternating ``--repeats`` times, with the same sampled
-tokens. It prints tokens/s of both, their ratio, the load, and the bound of this
+loop, finished rows dropped) and ``decode_loop=lean`` (that loop with lean decode steps:
+merged weights, the shared prefix's KV read once), alternating ``--repeats`` times, with
+the same sampled tokens. It prints tokens/s of each, the ratios, the load, and the bound of this
 machine for the same tokens: matmul rate and memory bandwidth measured in the same run,
 each step costing at least its FLOPs at that rate and its bytes (weights + the rows' KV)
 at that bandwidth (``machine_bound``).
@@ -172,13 +173,17 @@ def decode_ab(sampler, prompts_P, args) -> None:
     print(f"speed-up: {base_s / new_s:.2f}x; same tokens: {tokens[base] == tokens[new]}")
 
 
+LOOPS = (("generate", "old path (HF generate)"), ("own", "own decode loop, model forward"),
+         ("lean", "new path (lean decode steps)"))
+
+
 def loops_ab(engine, sampler, prompts_P, args) -> None:
-    """The old path (``decode_loop=generate``) vs the new (``own``), same seeded rollout requests."""
+    """The old path (``decode_loop=generate``) vs ``own`` and the new ``lean``, same seeded rollout requests."""
     from retool.render import Renderer
 
     stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=0.7, stop_token_ids=stops, seed=0)
-    seconds: dict[str, list[float]] = {"generate": [], "own": []}
+    seconds: dict[str, list[float]] = {loop: [] for loop, _ in LOOPS}
     tokens = {}
     for _ in range(args.repeats):
         for loop in seconds:
@@ -187,21 +192,21 @@ def loops_ab(engine, sampler, prompts_P, args) -> None:
             tokens[loop] = asyncio.run(samples(sampler, prompts_P, params))
             seconds[loop].append(time.perf_counter() - start)
     rate, bandwidth = machine_rates()
-    lengths = [len(t) for t in tokens["own"]]
+    lengths = [len(t) for t in tokens["lean"]]
     bound_s = machine_bound(engine.model, prompts_P, lengths, rate, bandwidth)
     count = sum(lengths)
     mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
     print(f"{len(prompts_P)} rollout requests x <= {args.max_tokens} tokens (stop tokens {stops}), prompts of "
           f"{mean_prompt:.0f} tokens; {count} tokens sampled (rows of {min(lengths)}-{max(lengths)}); "
           f"torch threads {_threads()}; best of {args.repeats}")
-    for loop, label in (("generate", "old path (HF generate)"), ("own", "new path (own decode loop)")):
+    old = min(seconds["generate"])
+    for loop, label in LOOPS:
         best = min(seconds[loop])
-        print(f"{label}: {count / best:.1f} tok/s ({best:.1f} s; runs {', '.join(f'{s:.1f}' for s in seconds[loop])} s)")
-    old, new = min(seconds["generate"]), min(seconds["own"])
-    print(f"new / old: {old / new:.2f}x; same tokens: {tokens['own'] == tokens['generate']}")
+        print(f"{label}: {count / best:.1f} tok/s ({best:.1f} s; runs {', '.join(f'{s:.1f}' for s in seconds[loop])} s)"
+              f"; {old / best:.2f}x the old path; same tokens as the old path: {tokens[loop] == tokens['generate']}")
+    new = min(seconds["lean"])
     print(f"machine bound: {count / bound_s:.0f} tok/s ({bound_s:.2f} s at {rate / 1e9:.0f} GFLOP/s matmul and "
-          f"{bandwidth / 1e9:.1f} GB/s memory, measured now); new path at {count / bound_s / (count / new):.1f}x "
-          f"the bound's time")
+          f"{bandwidth / 1e9:.1f} GB/s memory, measured now); new path at {new / bound_s:.1f}x the bound's time")
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -1,9 +1,13 @@
-"""The local sampler's own decode loop (``decode_loop="own"``) against HF ``generate``.
+"""The local sampler's own decode loop (``decode_loop="own"`` and the lean steps of
+``"lean"``) against HF ``generate``.
 
-On the tiny random Llama of ``test_engine_local``: both paths sample the same tokens
-with logprobs within 1e-4 (also where finished rows are dropped from the batch and
-where the shared-prefix cache and the KV store lay the rows out), each is reproducible
-from its seed, and the own loop really shrinks its batch as rows finish.
+On the tiny random Llama of ``test_engine_local`` (LoRA adapters given non-zero weights,
+so that merging them matters): every path samples the same tokens with logprobs within
+1e-4 (also where finished rows are dropped from the batch and where the shared-prefix
+cache and the KV store lay the rows out), each is reproducible from its seed, the own
+loop really shrinks its batch as rows finish, the lean step merges the weights again
+after they change, and on tiny random Qwen2 (q/k/v biases) and Qwen3 (q/k norms) models
+the lean step's logits equal the model's own forward pass.
 """
 
 from __future__ import annotations
@@ -39,8 +43,19 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def engine(tiny_model: str, loop: str, **overrides) -> LocalTrainingClient:
-    return LocalTrainingClient(LocalEngineConfig(model=tiny_model, lora_rank=8, lora_alpha=16.0,
-                                                 decode_loop=loop, **overrides))
+    """A local engine whose LoRA adapters have non-zero (seeded) weights."""
+    client = LocalTrainingClient(LocalEngineConfig(model=tiny_model, lora_rank=8, lora_alpha=16.0,
+                                                   decode_loop=loop, **overrides))
+    perturb_lora(client.model, seed=3)
+    return client
+
+
+def perturb_lora(model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
 
 
 def batch(client: LocalTrainingClient, prompts, n: int, params) -> list[base.SampleResult]:
@@ -56,10 +71,11 @@ def flat(results: list[base.SampleResult]) -> list[base.SampledSequence]:
 PROMPTS = [SYSTEM + [10, 11], SYSTEM + [12], SYSTEM + [13, 14, 15, 16], [2, 20, 21]]
 
 
+@pytest.mark.parametrize("loop", ["own", "lean"])
 @pytest.mark.parametrize("prefix_cache", [True, False])
-def test_own_loop_samples_what_generate_samples(tiny_model, prefix_cache):
+def test_own_loop_samples_what_generate_samples(tiny_model, prefix_cache, loop):
     params = base.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, stop_token_ids=STOPS, seed=5)
-    own = flat(batch(engine(tiny_model, "own", sample_prefix_cache=prefix_cache), PROMPTS, 4, params))
+    own = flat(batch(engine(tiny_model, loop, sample_prefix_cache=prefix_cache), PROMPTS, 4, params))
     hf = flat(batch(engine(tiny_model, "generate", sample_prefix_cache=prefix_cache), PROMPTS, 4, params))
     assert [s.tokens for s in own] == [s.tokens for s in hf]
     assert [s.stop_reason for s in own] == [s.stop_reason for s in hf]
@@ -68,8 +84,9 @@ def test_own_loop_samples_what_generate_samples(tiny_model, prefix_cache):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
-def test_own_loop_logprobs_are_the_teacher_forced_policy(tiny_model):
-    client = engine(tiny_model, "own")
+@pytest.mark.parametrize("loop", ["own", "lean"])
+def test_own_loop_logprobs_are_the_teacher_forced_policy(tiny_model, loop):
+    client = engine(tiny_model, loop)
     params = base.SamplingParams(max_tokens=10, temperature=0.7, top_k=12, stop_token_ids=STOPS, seed=2)
     for prompt, result in zip(PROMPTS, batch(client, PROMPTS, 3, params)):
         for seq in result.sequences:
@@ -78,7 +95,7 @@ def test_own_loop_logprobs_are_the_teacher_forced_policy(tiny_model):
             assert seq.tokens[-1] in STOPS or len(seq.tokens) == 10
 
 
-@pytest.mark.parametrize("loop", ["own", "generate"])
+@pytest.mark.parametrize("loop", ["lean", "own", "generate"])
 def test_each_loop_is_reproducible_from_its_seed(tiny_model, loop):
     free = base.SamplingParams(max_tokens=8, stop_token_ids=STOPS)
     seeded = base.SamplingParams(max_tokens=8, stop_token_ids=STOPS, seed=9)
@@ -89,7 +106,7 @@ def test_each_loop_is_reproducible_from_its_seed(tiny_model, loop):
 
 
 def test_own_loop_drops_finished_rows_from_the_batch(tiny_model):
-    client = engine(tiny_model, "own")
+    client = engine(tiny_model, "own")  # (the lean steps bypass the model's forward, which this counts)
     widths: list[int] = []
     hook = client.model.register_forward_hook(lambda module, args, kwargs, out: widths.append(
         kwargs["input_ids"].shape[0]) if kwargs["input_ids"].shape[1] == 1 else None, with_kwargs=True)
@@ -98,20 +115,21 @@ def test_own_loop_drops_finished_rows_from_the_batch(tiny_model):
         sequences = flat(batch(client, PROMPTS, 4, params))
     finally:
         hook.remove()
-    assert widths[0] == len(sequences) and widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
+    assert widths[0] <= len(sequences) and widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
     # every decode step ran at least the rows still unfinished at that step
     for step, width in enumerate(widths, start=1):
         assert width >= sum(len(s.tokens) > step for s in sequences)
 
 
-def test_own_loop_fills_the_kv_store_that_the_next_turn_reuses(tiny_model):
+@pytest.mark.parametrize("loop", ["own", "lean"])
+def test_own_loop_fills_the_kv_store_that_the_next_turn_reuses(tiny_model, loop):
     params = base.SamplingParams(max_tokens=6, temperature=0.9, stop_token_ids=STOPS, seed=11)
-    client = engine(tiny_model, "own")
+    client = engine(tiny_model, loop)
     first = sample(client, SYSTEM + [7, 8, 9], 3, params).sequences
     contexts = [SYSTEM + [7, 8, 9] + list(s.tokens) + [40 + i, 41, 42] for i, s in enumerate(first)]
     second = flat(batch(client, contexts, 1, params))
     assert client.sampler.kv_reused_tokens == sum(len(SYSTEM) + 3 + len(s.tokens) - 1 for s in first)
-    fresh = flat(batch(engine(tiny_model, "own", sample_kv_cache_mb=0), contexts, 1, params))
+    fresh = flat(batch(engine(tiny_model, loop, sample_kv_cache_mb=0), contexts, 1, params))
     assert [s.tokens for s in second] == [s.tokens for s in fresh]
     for context, seq in zip(contexts, second):
         expected = teacher_forced_logprobs(client, context, seq.tokens, 0.9)
@@ -120,9 +138,82 @@ def test_own_loop_fills_the_kv_store_that_the_next_turn_reuses(tiny_model):
 
 def test_an_unknown_decode_loop_is_a_clear_error(tiny_model):
     client = engine(tiny_model, "own")
-    with pytest.raises(ValueError, match="decode_loop must be one of own, generate"):
+    with pytest.raises(ValueError, match="decode_loop must be one of lean, own, generate"):
         LocalSamplingClient(client.model, client.tokenizer, threading.Lock(), decode_loop="fast")
-    assert LocalSettings().decode_loop == "own"
+    assert LocalSettings().decode_loop == "lean" == LocalEngineConfig().decode_loop
+
+
+def test_lean_steps_follow_new_weights(tiny_model):
+    """After the weights change (in place, as an optimizer step does) the lean step merges
+    them again: its samples are the new policy's."""
+    params = base.SamplingParams(max_tokens=10, temperature=0.8, stop_token_ids=STOPS, seed=4)
+    client = engine(tiny_model, "lean")
+    before = batch(client, PROMPTS, 2, params)
+    merged = client.sampler._lean_weights
+    perturb_lora(client.model, seed=8)
+    after = flat(batch(client, PROMPTS, 2, params))
+    assert client.sampler._lean_weights is not merged
+    reference = engine(tiny_model, "generate")
+    perturb_lora(reference.model, seed=8)
+    expected = flat(batch(reference, PROMPTS, 2, params))
+    assert [s.tokens for s in after] == [s.tokens for s in expected] != [s.tokens for s in flat(before)]
+    for prompt, seq in zip([p for p in PROMPTS for _ in range(2)], after):
+        want = teacher_forced_logprobs(client, prompt, seq.tokens, 0.8)
+        assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4)
+
+
+def tiny_config(kind: str):
+    from transformers import Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    return Qwen2Config(**common) if kind == "qwen2" else Qwen3Config(head_dim=8, **common)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_lean_step_equals_the_model_forward_on_qwen(kind):
+    """Shared prefix + padded own columns + three lean steps: the logits of the model's
+    own forward pass over the same rows (same positions, same mask)."""
+    from transformers import AutoModelForCausalLM
+
+    from retool.engines.local import lean_decode
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.3, 0.2)
+    weights = lean_decode.decode_weights(model)
+    assert weights is not None
+    prefix = [5, 6, 7, 8, 9]
+    ids = torch.tensor([prefix + [0, 0, 11, 12], prefix + [0, 13, 14, 15], prefix + [16, 17, 18, 19]])
+    mask = (ids != 0).long()
+    steps = torch.tensor([[20, 21, 22], [23, 24, 25], [26, 27, 28]])
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        lean = lean_decode.LeanCache.from_hf(weights, out.past_key_values, mask, len(prefix), reserve=1)
+        full_ids, full_mask = torch.cat([ids, steps], 1), torch.cat([mask, torch.ones_like(steps)], 1)
+        full_positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
+        expected = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
+        for step in range(3):  # the third step outgrows the reserved room
+            got = lean.step(steps[:, step], full_positions[:, ids.shape[1] + step])
+            assert torch.allclose(got, expected[:, ids.shape[1] + step], atol=1e-4)
+
+
+def test_models_the_lean_step_does_not_cover_fall_back_to_the_model_forward():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from retool.engines.local import lean_decode
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    assert lean_decode.decode_weights(model) is None
+    sliding = tiny_config("qwen2")
+    sliding.use_sliding_window, sliding.sliding_window = True, 4
+    from transformers import AutoModelForCausalLM
+
+    assert lean_decode.decode_weights(AutoModelForCausalLM.from_config(sliding)) is None
 
 
 def test_peak_rss_counts_child_processes():

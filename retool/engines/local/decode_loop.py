@@ -27,27 +27,34 @@ attention are decoded without dropping rows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from retool.engines.local import hf_compat
 from retool.engines.local.decoding import RowSampler
+from retool.engines.local.hf_compat import KV
+from retool.engines.local.lean_decode import DecodeWeights, LeanCache
 
 DROP_SHARE = 0.25
 """Finished rows are dropped from the batch once they are at least this share of it."""
 
-OnFinished = Callable[[Any, int, int, list[int]], None]
-"""``(cache, batch row, original row, its tokens)``: called for a finished row while
-its KV is still in ``cache`` (before it is dropped or the loop ends)."""
+OnFinished = Callable[[Callable[[], KV], int, list[int]], None]
+"""``(row's KV, original row, its tokens)``: called for a finished row before it is
+dropped or the loop ends (pure-attention caches only); the first argument returns the row's KV (per layer keys and
+values over every column so far, the HF cache's layout)."""
 
 
 def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler: RowSampler,
-           max_tokens_R: Sequence[int], stop_ids: set[int],
-           on_finished: OnFinished | None = None) -> list[tuple[list[int], list[float]]]:
+           max_tokens_R: Sequence[int], stop_ids: set[int], on_finished: OnFinished | None = None,
+           lean: DecodeWeights | None = None, shared: int = 0) -> list[tuple[list[int], list[float]]]:
     """Tokens and logprobs of every row, each cut at its first stop token (kept) or budget.
 
     ``cache`` holds the KV of the first ``cache.get_seq_length()`` columns of
-    ``input_ids`` (or is ``None``); ``attention_mask`` marks padding with 0.
+    ``input_ids`` (or is ``None``); ``attention_mask`` marks padding with 0. With
+    ``lean`` weights (``lean_decode``) the decode steps after the prefill are lean steps;
+    the first ``shared`` columns of the prefilled cache must then be the same in every
+    row (the shared-prefix layout; 0 when none).
     """
     import torch
 
@@ -58,13 +65,17 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
                 use_cache=True, logits_to_keep=1, **({} if cache is None else hf_compat.forward_cache_kwargs(cache)))
     cache = hf_compat.cache_of(out)
     can_drop = hf_compat.pure_attention(cache)
+    step = _HFSteps(model, cache, attention_mask) if lean is None or not can_drop else \
+        LeanCache.from_hf(lean, cache, attention_mask, shared, max(max_tokens_R))
+    del cache
+    logits_B = out.logits[:, -1]
+    del out
     live = list(range(rows))  # original row of each batch row
     results: list[tuple[list[int], list[float]]] = [([], []) for _ in range(rows)]
     finished: set[int] = set()
-    next_positions = positions[:, -1:] + 1
-    mask = attention_mask
+    next_positions = positions[:, -1] + 1
     while True:
-        chosen_B, logprobs_B = sampler.draw(out.logits[:, -1], live)
+        chosen_B, logprobs_B = sampler.draw(logits_B, live)
         for b, (token, logprob) in enumerate(zip(chosen_B.tolist(), logprobs_B.tolist())):
             row = live[b]
             if row in finished:
@@ -74,18 +85,38 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
             logprobs.append(logprob)
             if token in stop_ids or len(tokens) >= max_tokens_R[row]:
                 finished.add(row)
-                if on_finished is not None:
-                    on_finished(cache, b, row, tokens)
+                if on_finished is not None and can_drop:
+                    on_finished(functools.partial(step.row_kv, b), row, tokens)
         if len(finished) == rows:
             return results
         done_B = [b for b, row in enumerate(live) if row in finished]
         if can_drop and len(done_B) >= DROP_SHARE * len(live):
-            keep = torch.tensor([b for b, row in enumerate(live) if row not in finished], device=mask.device)
-            hf_compat.keep_rows(cache, keep)
+            keep = torch.tensor([b for b, row in enumerate(live) if row not in finished], device=chosen_B.device)
+            step.keep_rows(keep)
             live = [live[b] for b in keep.tolist()]
-            chosen_B, mask, next_positions = chosen_B[keep], mask[keep], next_positions[keep]
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        out = model(input_ids=chosen_B[:, None], attention_mask=mask, position_ids=next_positions,
-                    use_cache=True, **hf_compat.forward_cache_kwargs(cache))
-        cache = hf_compat.cache_of(out)
+            chosen_B, next_positions = chosen_B[keep], next_positions[keep]
+        logits_B = step.step(chosen_B, next_positions)
         next_positions = next_positions + 1
+
+
+class _HFSteps:
+    """Decode steps through the model's own forward pass and its HF cache."""
+
+    def __init__(self, model: Any, cache: Any, attention_mask: Any) -> None:
+        self.model, self.cache, self.mask = model, cache, attention_mask
+
+    def step(self, tokens_B: Any, positions_B: Any) -> Any:
+        import torch
+
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        out = self.model(input_ids=tokens_B[:, None], attention_mask=self.mask, position_ids=positions_B[:, None],
+                         use_cache=True, **hf_compat.forward_cache_kwargs(self.cache))
+        self.cache = hf_compat.cache_of(out)
+        return out.logits[:, -1]
+
+    def keep_rows(self, index: Any) -> None:
+        hf_compat.keep_rows(self.cache, index)
+        self.mask = self.mask[index]
+
+    def row_kv(self, row: int) -> KV:
+        return hf_compat.row_kv(self.cache, row)

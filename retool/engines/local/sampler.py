@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams
-from retool.engines.local import decoding, hf_compat, kv_cache, memory
+from retool.engines.local import decoding, hf_compat, kv_cache, lean_decode, memory
 from retool.engines.local.decode_loop import decode
 from retool.engines.local.model import default_stop_token_ids, model_mode
 
 
-DECODE_LOOPS = ("own", "generate")
-"""``own``: the sampler's decode loop (``decode_loop.decode``; drops finished rows);
-``generate``: one HF ``generate`` call per batch (the earlier path, kept as a switch)."""
+DECODE_LOOPS = ("lean", "own", "generate")
+"""``lean``: the sampler's decode loop with lean decode steps (``lean_decode``: merged
+weights, the shared prefix's KV read once; Llama/Qwen-style models, others get ``own``);
+``own``: the same loop through the model's forward pass (``decode_loop.decode``; drops
+finished rows); ``generate``: one HF ``generate`` call per batch (the first path)."""
 
 
 @dataclass(eq=False)
@@ -99,7 +101,7 @@ class LocalSamplingClient:
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
                  window_s: float = 0.01, max_rows: int = 64, prefix_cache: bool = True,
-                 kv_cache_mb: int = 1024, fast: bool = True, decode_loop: str = "own") -> None:
+                 kv_cache_mb: int = 1024, fast: bool = True, decode_loop: str = "lean") -> None:
         if max_rows < 1 or window_s < 0 or kv_cache_mb < 0:
             raise ValueError("max_rows must be >= 1, window_s >= 0 and kv_cache_mb >= 0")
         if decode_loop not in DECODE_LOOPS:
@@ -113,6 +115,7 @@ class LocalSamplingClient:
         self.reserve_kv = self.fast
         self.decode_loop = decode_loop if self.fast else "generate"
         self.nucleus_candidates = 256
+        self._lean_weights: lean_decode.DecodeWeights | None = None
         self.kv_reused_tokens = 0
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.default_stop_ids = tuple(sorted(default_stop_token_ids(model, tokenizer)))
@@ -134,8 +137,10 @@ class LocalSamplingClient:
         self.kv_store.budget_bytes = value
 
     def clear_kv_cache(self) -> None:
-        """Forget every stored KV cache (they belong to the weights that made them)."""
+        """Forget every stored KV cache and the lean step's merged weights (they belong to
+        the weights that made them)."""
         self.kv_store.clear()
+        self._lean_weights = None
 
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int,
                      sampling_params: SamplingParams) -> SampleResult:
@@ -199,12 +204,13 @@ class LocalSamplingClient:
         seeds = decoding.row_seeds(self.seed, self.calls, [(r.params.seed, i) for r, i in rows])
         sampler = decoding.RowSampler(params, decoding.row_generators(seeds, device), self.nucleus_candidates)
         with self._lock, torch.no_grad(), model_mode(self.model, train=False):
-            cache, input_ids, attention_mask, prefix_saved, reused = self._layout(prompts)
-            if self.reserve_kv:
+            cache, input_ids, attention_mask, shared, prefix_saved, reused = self._layout(prompts)
+            lean = self._lean() if self.decode_loop == "lean" else None
+            if self.reserve_kv and lean is None:
                 cache = hf_compat.with_reserved_room(cache, self.model.config, max(max_tokens_R))
-            if self.decode_loop == "own":
+            if self.decode_loop != "generate":
                 sequences = self._decode(cache, input_ids, attention_mask, prompts, sampler, max_tokens_R,
-                                         set(stop_ids))
+                                         set(stop_ids), lean, shared)
             else:
                 sequences = self._generate_call(cache, input_ids, attention_mask, prompts, sampler, max_tokens_R,
                                                 stop_ids)
@@ -217,15 +223,16 @@ class LocalSamplingClient:
         return sequences
 
     def _decode(self, cache: Any, input_ids: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
-                sampler: decoding.RowSampler, max_tokens_R: list[int], stop_ids: set[int]) -> list[SampledSequence]:
-        """The rows sampled by the sampler's own decode loop; each finished row's KV goes to the store."""
-        def keep_kv(cache: Any, b: int, row: int, tokens: list[int]) -> None:
-            if self.kv_cache_bytes and not kv_cache.store_row(self.kv_store, cache, b, attention_mask[row],
-                                                              prompts[row], tuple(tokens)):
-                self.kv_cache_bytes = 0
+                sampler: decoding.RowSampler, max_tokens_R: list[int], stop_ids: set[int],
+                lean: lean_decode.DecodeWeights | None, shared: int) -> list[SampledSequence]:
+        """The rows sampled by the sampler's own decode loop (lean steps with ``lean``
+        weights); each finished row's KV goes to the store."""
+        def keep_kv(row_kv: Any, row: int, tokens: list[int]) -> None:
+            if self.kv_cache_bytes:
+                kv_cache.store_row(self.kv_store, row_kv(), attention_mask[row], prompts[row], tuple(tokens))
 
         rows_R = decode(self.model, cache, input_ids, attention_mask, sampler, max_tokens_R, stop_ids,
-                                    on_finished=keep_kv)
+                        on_finished=keep_kv, lean=lean, shared=shared)
         return [decoding.finish_row(tokens, logprobs, budget, stop_ids)
                 for (tokens, logprobs), budget in zip(rows_R, max_tokens_R)]
 
@@ -249,21 +256,28 @@ class LocalSamplingClient:
         self._store_rows(out, attention_mask, prompts, sequences)
         return sequences
 
-    def _layout(self, prompts: list[tuple[int, ...]]) -> tuple[Any, Any, Any, int, int]:
-        """Cache (``None``: none), input ids, attention mask and the prompt tokens saved by
-        the prefix cache and by the KV store, for one call: stored KV of earlier turns,
+    def _layout(self, prompts: list[tuple[int, ...]]) -> tuple[Any, Any, Any, int, int, int]:
+        """Cache (``None``: none), input ids, attention mask, the leading columns every row
+        shares (the prefix cache's; else 0), and the prompt tokens saved by the prefix cache
+        and by the KV store, for one call: stored KV of earlier turns,
         else a shared prefix computed once, else plain left padding."""
         pad, device = self.tokenizer.pad_token_id, self.model.device
         shared = kv_cache.shared_prefix_length(prompts) if self.prefix_cache else 0
         stored = kv_cache.stored_layout(self.kv_store, prompts, shared, pad, device)
         if stored is not None:
             cache, input_ids, attention_mask, reused = stored
-            return cache, input_ids, attention_mask, 0, reused
+            return cache, input_ids, attention_mask, 0, 0, reused
         cache = self._prefix_cache(prompts[0][:shared], len(prompts)) if shared else None
         if cache is None:
             shared = 0
         input_ids, attention_mask = kv_cache.left_pad(prompts, pad, device, keep=shared)
-        return cache, input_ids, attention_mask, shared * (len(prompts) - 1), 0
+        return cache, input_ids, attention_mask, shared, shared * (len(prompts) - 1), 0
+
+    def _lean(self) -> lean_decode.DecodeWeights | None:
+        """The lean step's weights for the model's current weights (merged again only
+        after they changed), or ``None`` for a model it does not cover."""
+        self._lean_weights = lean_decode.decode_weights(self.model, self._lean_weights)
+        return self._lean_weights
 
     def _prefix_cache(self, prefix: tuple[int, ...], rows: int) -> Any:
         """The KV cache of ``prefix`` repeated for ``rows`` rows, or ``None`` when the

@@ -1,0 +1,288 @@
+"""A lean decode step for Llama/Qwen-style models: merged weights, shared-prefix attention.
+
+The sampler's decode steps (``decode_loop="lean"``, the default) skip the model's
+modules: :func:`decode_weights` reads the weights once per weight version — every LoRA
+adapter merged into a copy of its base weight (``W + scale * B @ A``, PEFT's own
+``get_delta_weight``), q/k/v fused into one matrix and gate/up into another — and
+:class:`LeanCache` runs one token per row through the 30 layers with four matrix
+products, RMSNorm, RoPE and SiLU written out. Its attention reads the rows' shared
+prefix (system prompt, tool declaration, a group's question) once for all rows: the
+queries of every row against one copy of the prefix's keys is a single matrix product,
+the rows' own tokens (their prompt after the prefix, then the sampled ones) are a second
+product, and one softmax runs over both. The prompt is still prefilled by the model
+itself (``decode_loop``).
+
+Models it covers: ``llama`` (SmolLM2, Llama 2/3), ``qwen2`` and ``qwen3`` (per-head
+q/k norms) with SiLU MLPs, no sliding window and no tensor-parallel slicing; plain
+``nn.Linear`` or PEFT LoRA linears (no DoRA). :func:`decode_weights` returns ``None``
+for anything else and the sampler decodes with the model's own forward pass
+(``decode_loop="own"``).
+
+Exactness: merged weights and the fused products change float rounding only; the
+logprobs of sampled tokens agree with the model's own forward pass within 1e-4
+(``tests/test_sampler_fast.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from retool.engines.local.hf_compat import KV
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+"""``config.model_type`` values the lean step covers."""
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights, LoRA merged; ``qkv``/``gate_up`` are fused (out, in)."""
+
+    input_norm: Any
+    qkv: Any
+    qkv_bias: Any
+    q_norm: Any
+    k_norm: Any
+    o: Any
+    o_bias: Any
+    post_norm: Any
+    gate_up: Any
+    down: Any
+
+
+@dataclass(frozen=True)
+class DecodeWeights:
+    """Everything a decode step reads, for one weight version of the model."""
+
+    layers: tuple[LayerWeights, ...]
+    embed: Any
+    final_norm: Any
+    head: Any
+    rotary: Any
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    version: tuple
+
+
+def weight_version(model: Any) -> tuple:
+    """Changes whenever any parameter is replaced or updated in place (optimizer steps,
+    ``load_state_dict``, merging)."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def decode_weights(model: Any, previous: DecodeWeights | None = None) -> DecodeWeights | None:
+    """The lean step's weights for ``model`` (``previous`` again while its weights have not
+    changed), or ``None`` when the architecture is not covered (see the module doc)."""
+    version = weight_version(model)
+    if previous is not None and previous.version == version:
+        return previous
+    inner = _decoder(model)
+    if inner is None:
+        return None
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:
+        layers = tuple(_layer_weights(layer) for layer in inner.layers)
+    except _Unsupported:
+        return None
+    head = model.get_output_embeddings()
+    if _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
+        return None
+    return DecodeWeights(layers, inner.embed_tokens.weight, inner.norm.weight, head.weight, inner.rotary_emb,
+                         float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
+                         head_dim, version)
+
+
+class _Unsupported(Exception):
+    """A layer the lean step does not cover (the caller falls back)."""
+
+
+def _decoder(model: Any) -> Any:
+    """The ``*Model`` (embeddings, layers, norm, rotary) inside a (PEFT-wrapped) causal LM
+    of a covered architecture, else ``None``."""
+    config = model.config
+    if (getattr(config, "model_type", None) not in ARCHITECTURES or getattr(config, "hidden_act", None) != "silu"
+            or getattr(config, "pretraining_tp", 1) != 1 or getattr(config, "use_sliding_window", False)
+            or getattr(config, "mlp_bias", False)):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and any(t != "full_attention" for t in types):
+        return None
+    return inner
+
+
+def _layer_weights(layer: Any) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    q, k, v = (_merged(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj"))
+    o, gate, up, down = _merged(attn.o_proj), _merged(mlp.gate_proj), _merged(mlp.up_proj), _merged(mlp.down_proj)
+    if gate[1] is not None or up[1] is not None or down[1] is not None:
+        raise _Unsupported("MLP bias")
+    biases = [b for _, b in (q, k, v)]
+    qkv_bias = None
+    if any(b is not None for b in biases):
+        import torch
+
+        qkv_bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                              for (w, _), b in zip((q, k, v), biases)])
+    import torch
+
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return LayerWeights(layer.input_layernorm.weight, torch.cat([q[0], k[0], v[0]]), qkv_bias,
+                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                        o[0], o[1], layer.post_attention_layernorm.weight, torch.cat([gate[0], up[0]]), down[0])
+
+
+def _lora_layer(module: Any) -> Any:
+    from peft.tuners.lora import LoraLayer
+
+    return module if isinstance(module, LoraLayer) else None
+
+
+def _merged(module: Any) -> tuple[Any, Any]:
+    """(weight, bias) of a linear layer with its active LoRA adapters merged (a copy)."""
+    import torch
+
+    lora = _lora_layer(module)
+    if lora is None:
+        if not isinstance(module, torch.nn.Linear):
+            raise _Unsupported(type(module).__name__)
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    base = lora.get_base_layer()
+    if not isinstance(base, torch.nn.Linear) or any(lora.use_dora.values()):
+        raise _Unsupported("LoRA variant")
+    weight = base.weight.detach()
+    if not lora.disable_adapters and not lora.merged:
+        for name in lora.active_adapters:
+            if name in lora.lora_A:
+                weight = weight + lora.get_delta_weight(name).detach().to(weight.dtype)
+    return weight, None if base.bias is None else base.bias.detach()
+
+
+class LeanCache:
+    """The KV of a decode loop's rows: the shared prefix once (``kv_heads, P, head_dim``
+    per layer) and each row's own columns (``kv_heads, rows, capacity, head_dim``) with
+    room for ``reserve`` more, plus an additive mask (``-inf`` at padding)."""
+
+    def __init__(self, weights: DecodeWeights, prefix: list[tuple[Any, Any]], own: list[tuple[Any, Any]],
+                 own_mask: Any, reserve: int) -> None:
+        import torch
+
+        self.weights = weights
+        self.prefix = prefix
+        rows, width = own_mask.shape
+        self.width, capacity = width, width + max(1, reserve)
+        self.own = []
+        for keys, values in own:  # (rows, kv_heads, width, head_dim) -> (kv_heads, rows, capacity, head_dim)
+            buffers = keys.new_empty((keys.shape[1], rows, capacity, keys.shape[3])), \
+                values.new_empty((values.shape[1], rows, capacity, values.shape[3]))
+            buffers[0][:, :, :width] = keys.transpose(0, 1)
+            buffers[1][:, :, :width] = values.transpose(0, 1)
+            self.own.append(buffers)
+        self.bias = torch.zeros((rows, capacity), dtype=keys.dtype, device=keys.device)
+        self.bias[:, :width].masked_fill_(own_mask == 0, float("-inf"))
+
+    @classmethod
+    def from_hf(cls, weights: DecodeWeights, cache: Any, attention_mask: Any, shared: int,
+                reserve: int) -> LeanCache:
+        """The lean cache of a prefilled HF cache whose first ``shared`` columns are the same
+        in every row (the prefix cache's layout; 0 when none)."""
+        prefix = [(layer.keys[0, :, :shared].clone(), layer.values[0, :, :shared].clone()) for layer in cache.layers]
+        own = [(layer.keys[:, :, shared:], layer.values[:, :, shared:]) for layer in cache.layers]
+        return cls(weights, prefix, own, attention_mask[:, shared:], reserve)
+
+    def keep_rows(self, index: Any) -> None:
+        """Keep only the batch rows ``index``."""
+        self.own = [(k[:, index], v[:, index]) for k, v in self.own]
+        self.bias = self.bias[index]
+
+    def row_kv(self, row: int) -> KV:
+        """Per layer ``(keys, values)`` of batch row ``row`` over every column so far (prefix
+        columns, its own prompt columns, one per step): the HF cache's layout."""
+        import torch
+
+        return tuple((torch.cat([pk, k[:, row, :self.width]], dim=1), torch.cat([pv, v[:, row, :self.width]], dim=1))
+                     for (pk, pv), (k, v) in zip(self.prefix, self.own))
+
+    def step(self, tokens_B: Any, positions_B: Any) -> Any:
+        """Feed one token per row at its position; returns the next-token logits ``(rows, vocab)``."""
+        import torch
+        import torch.nn.functional as F
+
+        w = self.weights
+        rows, col = tokens_B.shape[0], self.width
+        if col == self.own[0][0].shape[2]:
+            self._grow()
+        x = w.embed[tokens_B]
+        cos, sin = w.rotary(x[:, None], positions_B[:, None])
+        cos, sin = cos[:, None, 0], sin[:, None, 0]  # (rows, 1, head_dim)
+        hidden = x.shape[-1]
+        q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
+        self.bias[:, col] = 0.0
+        bias = self.bias[None, :, None, :col + 1]
+        for layer, (pk, pv), (own_k, own_v) in zip(w.layers, self.prefix, self.own):
+            h = F.rms_norm(x, (hidden,), layer.input_norm, w.eps)
+            qkv = h @ layer.qkv.T if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv.T)
+            q = qkv[:, :q_size].view(rows, w.heads, w.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(rows, w.kv_heads, w.head_dim)
+            if layer.q_norm is not None:
+                q = F.rms_norm(q, (w.head_dim,), layer.q_norm, w.eps)
+                k = F.rms_norm(k, (w.head_dim,), layer.k_norm, w.eps)
+            own_k[:, :, col] = _rope(k, cos, sin).transpose(0, 1)
+            own_v[:, :, col] = qkv[:, q_size + kv_size:].view(rows, w.kv_heads, w.head_dim).transpose(0, 1)
+            attn = _attention(_rope(q, cos, sin), pk, pv, own_k[:, :, :col + 1], own_v[:, :, :col + 1], bias,
+                              w.kv_heads)
+            x = x + (attn @ layer.o.T if layer.o_bias is None else torch.addmm(layer.o_bias, attn, layer.o.T))
+            h = F.rms_norm(x, (hidden,), layer.post_norm, w.eps)
+            gate, up = (h @ layer.gate_up.T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.down.T
+        self.width = col + 1
+        return F.rms_norm(x, (hidden,), w.final_norm, w.eps) @ w.head.T
+
+    def _grow(self) -> None:
+        """Double the room of every row's columns (only when the reserve ran out)."""
+        import torch.nn.functional as F
+
+        extra = max(16, self.width)
+        self.own = [(F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra))) for k, v in self.own]
+        self.bias = F.pad(self.bias, (0, extra))
+
+
+def _rope(x: Any, cos: Any, sin: Any) -> Any:
+    """Rotary embedding of ``x`` (rows, heads, head_dim) as HF's ``apply_rotary_pos_emb``."""
+    import torch
+
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _attention(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any, bias: Any, kv_heads: int) -> Any:
+    """One query per row and head over the shared prefix (read once for all rows) and the
+    row's own columns; ``(rows, heads * head_dim)``.
+
+    ``q``: (rows, heads, d); ``prefix_*``: (kv_heads, P, d); ``own_*``: (kv_heads, rows, S, d);
+    ``bias``: (1, rows, 1, S). Query head ``h`` reads KV head ``h // (heads / kv_heads)``.
+    """
+    import torch
+
+    rows, heads, d = q.shape
+    group = heads // kv_heads
+    q = q.view(rows, kv_heads, group, d).transpose(0, 1) * d ** -0.5  # (kv_heads, rows, group, d)
+    prefix_len = prefix_k.shape[1]
+    own_scores = torch.matmul(q, own_k.transpose(-1, -2)) + bias  # (kv_heads, rows, group, S)
+    if prefix_len:
+        prefix_scores = torch.matmul(q.reshape(kv_heads, rows * group, d), prefix_k.transpose(-1, -2))
+        scores = torch.cat([prefix_scores.view(kv_heads, rows, group, prefix_len), own_scores], dim=-1)
+    else:
+        scores = own_scores
+    probs = scores.softmax(dim=-1)
+    out = torch.matmul(probs[..., prefix_len:], own_v)
+    if prefix_len:
+        prefix_probs = probs[..., :prefix_len].reshape(kv_heads, rows * group, prefix_len)
+        out = out + torch.matmul(prefix_probs, prefix_v).view(kv_heads, rows, group, d)
+    return out.transpose(0, 1).reshape(rows, heads * d)
