@@ -70,9 +70,11 @@ class LocalSettings:
                                     "only its new tokens; 0 = off")
     fast_sampling: bool = option(True, "the sampler's fast path (prefix cache, KV store, reserved decode room, own decode loop) on "
                                        "a tested transformers release; off = plain generate, same tokens, slower")
-    decode_loop: str = option("own", "own = the sampler's decode loop (drops finished rows from the batch); "
-                                     "generate = one HF generate call per batch, the earlier path",
-                              choices=("own", "generate"))
+    decode_loop: str = option("lean", "lean = the sampler's decode loop with lean steps (merged LoRA weights, "
+                                      "shared prefix read once; Llama/Qwen models, others get own); own = that "
+                                      "loop through the model's forward (drops finished rows from the batch); "
+                                      "generate = one HF generate call per batch, the first path",
+                              choices=("lean", "own", "generate"))
 
     def validate(self) -> None:
         require(self.sample_window_s >= 0, f"local_sample_window_s must be >= 0, got {self.sample_window_s}")

@@ -48,6 +48,7 @@ Modules, each using only the ones listed after it:
   checkpoints) and ``create_training_client``.
 - ``sampler``: ``LocalSamplingClient`` (request batching, layouts, the choice of loop).
 - ``decode_loop``: the sampler's own decode loop (one forward per token, finished rows dropped).
+- ``lean_decode``: lean decode steps for Llama/Qwen models (merged weights, shared-prefix attention).
 - ``decoding``: the row sampler (logprobs, top-k/top-p, draws), stopping criterion, per-row seeding.
 - ``memory``: glibc arena cap and ``malloc_trim`` after every batch.
 - ``kv_cache``: shared-prefix cache and the LRU store of earlier sequences' KV.

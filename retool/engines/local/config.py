@@ -61,10 +61,12 @@ class LocalEngineConfig:
     loop, which reach into transformers' cache internals (``hf_compat``); it uses them
     only on a tested transformers release and unless ``RETOOL_FAST_SAMPLING=0``. Off:
     plain ``generate``, the same tokens, slower."""
-    decode_loop: str = "own"
-    """``own``: the sampler's own decode loop, which calls the model once per token and
-    drops finished rows from the batch; ``generate``: one HF ``generate`` call per batch
-    (the earlier path; same tokens up to float rounding). See ``LocalSamplingClient``."""
+    decode_loop: str = "lean"
+    """``lean``: the sampler's own decode loop with lean decode steps (merged LoRA weights,
+    the shared prefix's KV read once; Llama/Qwen2/Qwen3 models, others get ``own``);
+    ``own``: that loop through the model's forward pass, once per token, finished rows
+    dropped from the batch; ``generate``: one HF ``generate`` call per batch (the first
+    path). All give the same tokens up to float rounding. See ``LocalSamplingClient``."""
     seed: int = 42
     """Seeds the adapter initialisation and the sampling stream."""
     init_from: str | None = None

@@ -3,7 +3,8 @@
 The sampler's decode steps (``decode_loop="lean"``, the default) skip the model's
 modules: :func:`decode_weights` reads the weights once per weight version — every LoRA
 adapter merged into a copy of its base weight (``W + scale * B @ A``, PEFT's own
-``get_delta_weight``), q/k/v fused into one matrix and gate/up into another — and
+``get_delta_weight``), q/k/v fused into one matrix and gate/up into another, each
+reordered into oneDNN's blocked layout on a CPU (2.5x faster products at a few rows) — and
 :class:`LeanCache` runs one token per row through the 30 layers with four matrix
 products, RMSNorm, RoPE and SiLU written out. Its attention reads the rows' shared
 prefix (system prompt, tool declaration, a group's question) once for all rows: the
@@ -25,6 +26,8 @@ logprobs of sampled tokens agree with the model's own forward pass within 1e-4
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +93,8 @@ def decode_weights(model: Any, previous: DecodeWeights | None = None) -> DecodeW
     head = model.get_output_embeddings()
     if _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
         return None
-    return DecodeWeights(layers, inner.embed_tokens.weight, inner.norm.weight, head.weight, inner.rotary_emb,
+    return DecodeWeights(layers, inner.embed_tokens.weight, inner.norm.weight, _packed(head.weight.detach()),
+                         inner.rotary_emb,
                          float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
                          head_dim, version)
 
@@ -133,9 +137,51 @@ def _layer_weights(layer: Any) -> LayerWeights:
     import torch
 
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return LayerWeights(layer.input_layernorm.weight, torch.cat([q[0], k[0], v[0]]), qkv_bias,
+    return LayerWeights(layer.input_layernorm.weight, _packed(torch.cat([q[0], k[0], v[0]])), qkv_bias,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                        o[0], o[1], layer.post_attention_layernorm.weight, torch.cat([gate[0], up[0]]), down[0])
+                        _packed(o[0]), o[1], layer.post_attention_layernorm.weight,
+                        _packed(torch.cat([gate[0], up[0]])), _packed(down[0]))
+
+
+def _packed(weight: Any) -> Any:
+    """``weight`` (out, in) reordered into oneDNN's blocked layout for :func:`_linear` when
+    that runs here (fp32 on a CPU with oneDNN): ~2.5x faster products at a few rows than
+    the plain layout (measured at 16 rows: 6.4 vs 15.9 ms for the 49k x 576 head)."""
+    import torch
+
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_linear():
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    """Whether torch's oneDNN linear (the op ``torch.compile`` uses for frozen CPU weights)
+    is present and agrees with a plain product here."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 8, generator=generator), torch.randn(5, 8, generator=generator)
+    try:
+        got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None,
+                                                 "none", [], "")
+    except RuntimeError as exc:
+        warnings.warn(f"oneDNN linear unavailable ({exc}); lean decode steps use plain products", RuntimeWarning,
+                      stacklevel=2)
+        return False
+    return bool(torch.allclose(got, x @ w.T, atol=1e-5))
+
+
+def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
+    """``x @ weight.T + bias`` for a weight from :func:`_packed`."""
+    import torch
+    import torch.nn.functional as F
+
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def _lora_layer(module: Any) -> Any:
@@ -227,7 +273,7 @@ class LeanCache:
         bias = self.bias[None, :, None, :col + 1]
         for layer, (pk, pv), (own_k, own_v) in zip(w.layers, self.prefix, self.own):
             h = F.rms_norm(x, (hidden,), layer.input_norm, w.eps)
-            qkv = h @ layer.qkv.T if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv.T)
+            qkv = _linear(h, layer.qkv, layer.qkv_bias)
             q = qkv[:, :q_size].view(rows, w.heads, w.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(rows, w.kv_heads, w.head_dim)
             if layer.q_norm is not None:
@@ -237,12 +283,12 @@ class LeanCache:
             own_v[:, :, col] = qkv[:, q_size + kv_size:].view(rows, w.kv_heads, w.head_dim).transpose(0, 1)
             attn = _attention(_rope(q, cos, sin), pk, pv, own_k[:, :, :col + 1], own_v[:, :, :col + 1], bias,
                               w.kv_heads)
-            x = x + (attn @ layer.o.T if layer.o_bias is None else torch.addmm(layer.o_bias, attn, layer.o.T))
+            x = x + _linear(attn, layer.o, layer.o_bias)
             h = F.rms_norm(x, (hidden,), layer.post_norm, w.eps)
-            gate, up = (h @ layer.gate_up.T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer.down.T
+            gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + _linear(F.silu(gate) * up, layer.down)
         self.width = col + 1
-        return F.rms_norm(x, (hidden,), w.final_norm, w.eps) @ w.head.T
+        return _linear(F.rms_norm(x, (hidden,), w.final_norm, w.eps), w.head)
 
     def _grow(self) -> None:
         """Double the room of every row's columns (only when the reserve ran out)."""
