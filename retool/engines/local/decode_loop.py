@@ -21,8 +21,13 @@ the model sees the same tokens and mask for every row still running, so each row
 tokens and logprobs equal the ``generate`` path's up to the float rounding that a
 different batch composition causes (tested within 1e-4).
 
+With ``lean`` weights (``lean_decode``, the sampler's default for Llama/Qwen models) the
+decode steps after the prefill skip the model's modules: the prefilled HF cache becomes
+a ``LeanCache`` (the shared prefix once, each row's own columns) and each step is
+``LeanCache.step``; otherwise a step is the model's forward pass over its HF cache.
+
 Not covered: beam search, stop strings, speculative decoding; caches that are not pure
-attention are decoded without dropping rows.
+attention are decoded without dropping rows and without lean steps.
 """
 
 from __future__ import annotations

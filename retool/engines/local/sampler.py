@@ -80,12 +80,16 @@ class LocalSamplingClient:
     the same samples as the plain HF path; ``bench/sampling.py --tool-prompts --decode``
     measures them.
 
-    Decode loop (``decode_loop``): ``own`` (default) prefills once and calls the model
-    once per token itself (``decode_loop.decode``), dropping rows that hit a stop token or
-    their budget from the batch, so that a batch's late steps cost only the rows still
-    running; ``generate`` is one HF ``generate`` call per batch, which computes every row
-    until the last one finishes. Both draw the same tokens with the same logprobs (up to
-    float rounding); ``bench/sampling.py --loops`` compares them.
+    Decode loop (``decode_loop``): ``own`` prefills once and calls the model once per
+    token itself (``decode_loop.decode``), dropping rows that hit a stop token or their
+    budget from the batch, so that a batch's late steps cost only the rows still running;
+    ``lean`` (default) is that loop with lean decode steps (``lean_decode``: LoRA merged
+    into a copy of the weights once per weight version, fused and oneDNN-packed products,
+    the shared prefix's KV read once for all rows; Llama/Qwen2/Qwen3 models, others get
+    ``own``); ``generate`` is one HF ``generate`` call per batch, which computes every row
+    until the last one finishes. All draw the same tokens with the same logprobs (up to
+    float rounding); ``bench/sampling.py --loops`` compares them. The merged copy costs
+    the model's weights once more in memory (538 MB for SmolLM2-135M in fp32).
 
     Fast path: the prefix cache, the KV store, reserved room and the own decode loop
     reach into transformers' cache internals (``hf_compat``). With ``fast=False``, or on
