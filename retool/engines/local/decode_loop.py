@@ -22,9 +22,12 @@ tokens and logprobs equal the ``generate`` path's up to the float rounding that 
 different batch composition causes (tested within 1e-4).
 
 With ``lean`` weights (``lean_decode``, the sampler's default for Llama/Qwen models) the
-decode steps after the prefill skip the model's modules: the prefilled HF cache becomes
-a ``LeanCache`` (the shared prefix once, each row's own columns) and each step is
-``LeanCache.step``; otherwise a step is the model's forward pass over its HF cache.
+prefill of the rows' own columns (after a shared prefix) and every decode step skip the
+model's modules: a ``LeanCache`` (the shared prefix once, each row's own columns) is
+filled by ``LeanCache.prefill`` and stepped by ``LeanCache.step``. Rows laid out over
+stored KV of earlier turns are prefilled by the model and their HF cache converted
+(``LeanCache.from_hf``). Without lean weights a step is the model's forward pass over
+its HF cache.
 
 Not covered: beam search, stop strings, speculative decoding; caches that are not pure
 attention are decoded without dropping rows and without lean steps.
@@ -66,15 +69,19 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
     rows = len(max_tokens_R)
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     past = 0 if cache is None else cache.get_seq_length()
-    out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask, position_ids=positions[:, past:],
-                use_cache=True, logits_to_keep=1, **({} if cache is None else hf_compat.forward_cache_kwargs(cache)))
-    cache = hf_compat.cache_of(out)
-    can_drop = hf_compat.pure_attention(cache)
-    step = _HFSteps(model, cache, attention_mask) if lean is None or not can_drop else \
-        LeanCache.from_hf(lean, cache, attention_mask, shared, max(max_tokens_R))
+    if lean is not None and past == shared and (cache is None or hf_compat.pure_attention(cache)):
+        step, logits_B = LeanCache.prefill(lean, cache, shared, input_ids, attention_mask, positions,
+                                           max(max_tokens_R))
+        can_drop = True
+    else:
+        out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask, position_ids=positions[:, past:],
+                    use_cache=True, logits_to_keep=1,
+                    **({} if cache is None else hf_compat.forward_cache_kwargs(cache)))
+        can_drop = hf_compat.pure_attention(hf_compat.cache_of(out))
+        step = _HFSteps(model, hf_compat.cache_of(out), attention_mask) if lean is None or not can_drop else \
+            LeanCache.from_hf(lean, hf_compat.cache_of(out), attention_mask, shared, max(max_tokens_R))
+        logits_B = out.logits[:, -1]
     del cache
-    logits_B = out.logits[:, -1]
-    del out
     live = list(range(rows))  # original row of each batch row
     results: list[tuple[list[int], list[float]]] = [([], []) for _ in range(rows)]
     finished: set[int] = set()

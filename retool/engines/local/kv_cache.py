@@ -101,7 +101,7 @@ def prefix_cache(model: Any, prefix: tuple[int, ...], rows: int, store: KVStore)
     into ``store``), or ``None`` when the model's cache is not pure attention."""
     import torch
 
-    out = model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True)
+    out = model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True, logits_to_keep=1)
     cache = hf_compat.cache_of(out)
     if not hf_compat.pure_attention(cache):
         return None

@@ -242,6 +242,67 @@ class LeanCache:
         own = [(layer.keys[:, :, shared:], layer.values[:, :, shared:]) for layer in cache.layers]
         return cls(weights, prefix, own, attention_mask[:, shared:], reserve)
 
+    @classmethod
+    def prefill(cls, weights: DecodeWeights, prefix_cache: Any, shared: int, input_ids: Any, attention_mask: Any,
+                positions: Any, reserve: int) -> tuple[LeanCache, Any]:
+        """Prefill the rows' own columns (after the ``shared`` prefix columns, whose KV
+        ``prefix_cache`` holds; ``None`` when ``shared`` is 0) with the lean weights: the
+        lean cache and the last column's logits ``(rows, vocab)``."""
+        import torch
+
+        w = weights
+        rows, width = input_ids.shape[0], input_ids.shape[1] - shared
+        if prefix_cache is None:
+            empty = w.embed.new_empty((w.kv_heads, 0, w.head_dim))
+            prefix = [(empty, empty)] * len(w.layers)
+        else:
+            prefix = [(layer.keys[0, :, :shared].clone(), layer.values[0, :, :shared].clone())
+                      for layer in prefix_cache.layers]
+        none = w.embed.new_empty((rows, w.kv_heads, 0, w.head_dim))
+        cache = cls(weights, prefix, [(none, none)] * len(w.layers), attention_mask[:, :0], width + reserve)
+        return cache, cache._prefill(input_ids[:, shared:], attention_mask[:, shared:], positions[:, shared:])
+
+    def _prefill(self, ids_BT: Any, mask_BT: Any, positions_BT: Any) -> Any:
+        """Run the rows' own columns through every layer (causal within a row, padding
+        masked; a padding column sees itself, so nothing is all-masked), filling the cache."""
+        import torch
+        import torch.nn.functional as F
+
+        w = self.weights
+        rows, width = ids_BT.shape
+        group, d = w.heads // w.kv_heads, w.head_dim
+        x = w.embed[ids_BT].reshape(rows * width, -1)
+        cos, sin = w.rotary(x.view(rows, width, -1), positions_BT)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (rows, width, 1, head_dim)
+        causal = torch.ones(width, width, dtype=torch.bool, device=ids_BT.device).tril()
+        allowed = causal & ((mask_BT[:, None, :] != 0) | torch.eye(width, dtype=torch.bool, device=ids_BT.device))
+        bias = x.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # (rows, query, key)
+        bias = bias[:, :, None].expand(rows, width, group, width).reshape(1, rows, width * group, width)
+        hidden = x.shape[-1]
+        q_size, kv_size = w.heads * d, w.kv_heads * d
+        for layer, (pk, pv), (own_k, own_v) in zip(w.layers, self.prefix, self.own):
+            h = F.rms_norm(x, (hidden,), layer.input_norm, w.eps)
+            qkv = _linear(h, layer.qkv, layer.qkv_bias).view(rows, width, -1)
+            q = qkv[..., :q_size].reshape(rows, width, w.heads, d)
+            k = qkv[..., q_size:q_size + kv_size].reshape(rows, width, w.kv_heads, d)
+            if layer.q_norm is not None:
+                q = F.rms_norm(q, (d,), layer.q_norm, w.eps)
+                k = F.rms_norm(k, (d,), layer.k_norm, w.eps)
+            own_k[:, :, :width] = _rope(k, cos, sin).permute(2, 0, 1, 3)
+            own_v[:, :, :width] = qkv[..., q_size + kv_size:].reshape(rows, width, w.kv_heads, d).permute(2, 0, 1, 3)
+            q = _rope(q, cos, sin).view(rows, width, w.kv_heads, group, d).permute(2, 0, 1, 3, 4)
+            attn = _attention_rows(q.reshape(w.kv_heads, rows, width * group, d), pk, pv,
+                                   own_k[:, :, :width], own_v[:, :, :width], bias)
+            attn = attn.view(w.kv_heads, rows, width, group, d).permute(1, 2, 0, 3, 4).reshape(rows * width, -1)
+            x = x + _linear(attn, layer.o, layer.o_bias)
+            h = F.rms_norm(x, (hidden,), layer.post_norm, w.eps)
+            gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + _linear(F.silu(gate) * up, layer.down)
+        self.bias[:, :width].masked_fill_(mask_BT == 0, float("-inf"))
+        self.width = width
+        last = x.view(rows, width, hidden)[:, -1]
+        return _linear(F.rms_norm(last, (hidden,), w.final_norm, w.eps), w.head)
+
     def keep_rows(self, index: Any) -> None:
         """Keep only the batch rows ``index``."""
         self.own = [(k[:, index], v[:, index]) for k, v in self.own]
@@ -314,21 +375,29 @@ def _attention(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any, bia
     ``q``: (rows, heads, d); ``prefix_*``: (kv_heads, P, d); ``own_*``: (kv_heads, rows, S, d);
     ``bias``: (1, rows, 1, S). Query head ``h`` reads KV head ``h // (heads / kv_heads)``.
     """
+    rows, heads, d = q.shape
+    q = q.view(rows, kv_heads, heads // kv_heads, d).transpose(0, 1)  # (kv_heads, rows, group, d)
+    return _attention_rows(q, prefix_k, prefix_v, own_k, own_v, bias).transpose(0, 1).reshape(rows, heads * d)
+
+
+def _attention_rows(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any, bias: Any) -> Any:
+    """Softmax attention of queries ``q`` (kv_heads, rows, n, d) over the shared prefix (one
+    matrix product for all rows) and each row's own columns (``bias`` (1, rows, n, S)
+    added to their scores); (kv_heads, rows, n, d)."""
     import torch
 
-    rows, heads, d = q.shape
-    group = heads // kv_heads
-    q = q.view(rows, kv_heads, group, d).transpose(0, 1) * d ** -0.5  # (kv_heads, rows, group, d)
+    kv_heads, rows, n, d = q.shape
+    q = q * d ** -0.5
     prefix_len = prefix_k.shape[1]
-    own_scores = torch.matmul(q, own_k.transpose(-1, -2)) + bias  # (kv_heads, rows, group, S)
+    own_scores = torch.matmul(q, own_k.transpose(-1, -2)) + bias  # (kv_heads, rows, n, S)
     if prefix_len:
-        prefix_scores = torch.matmul(q.reshape(kv_heads, rows * group, d), prefix_k.transpose(-1, -2))
-        scores = torch.cat([prefix_scores.view(kv_heads, rows, group, prefix_len), own_scores], dim=-1)
+        prefix_scores = torch.matmul(q.reshape(kv_heads, rows * n, d), prefix_k.transpose(-1, -2))
+        scores = torch.cat([prefix_scores.view(kv_heads, rows, n, prefix_len), own_scores], dim=-1)
     else:
         scores = own_scores
     probs = scores.softmax(dim=-1)
     out = torch.matmul(probs[..., prefix_len:], own_v)
     if prefix_len:
-        prefix_probs = probs[..., :prefix_len].reshape(kv_heads, rows * group, prefix_len)
-        out = out + torch.matmul(prefix_probs, prefix_v).view(kv_heads, rows, group, d)
-    return out.transpose(0, 1).reshape(rows, heads * d)
+        prefix_probs = probs[..., :prefix_len].reshape(kv_heads, rows * n, prefix_len)
+        out = out + torch.matmul(prefix_probs, prefix_v).view(kv_heads, rows, n, d)
+    return out
