@@ -172,8 +172,9 @@ def tiny_config(kind: str):
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_lean_step_equals_the_model_forward_on_qwen(kind):
-    """Shared prefix + padded own columns + three lean steps: the logits of the model's
-    own forward pass over the same rows (same positions, same mask)."""
+    """Shared prefix + padded own columns (prefilled by the model, or by the lean
+    prefill) + three lean steps: the logits of the model's own forward pass over the
+    same rows (same positions, same mask)."""
     from transformers import AutoModelForCausalLM
 
     from retool.engines.local import lean_decode
@@ -197,9 +198,13 @@ def test_lean_step_equals_the_model_forward_on_qwen(kind):
         full_ids, full_mask = torch.cat([ids, steps], 1), torch.cat([mask, torch.ones_like(steps)], 1)
         full_positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
         expected = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
+        prefix_cache = model(input_ids=ids[:1, :len(prefix)], use_cache=True).past_key_values
+        prefilled, first = lean_decode.LeanCache.prefill(weights, prefix_cache, len(prefix), ids, mask, positions, 1)
+        assert torch.allclose(first, expected[:, ids.shape[1] - 1], atol=1e-4)
         for step in range(3):  # the third step outgrows the reserved room
-            got = lean.step(steps[:, step], full_positions[:, ids.shape[1] + step])
-            assert torch.allclose(got, expected[:, ids.shape[1] + step], atol=1e-4)
+            for cache in (lean, prefilled):
+                got = cache.step(steps[:, step], full_positions[:, ids.shape[1] + step])
+                assert torch.allclose(got, expected[:, ids.shape[1] + step], atol=1e-4)
 
 
 def test_models_the_lean_step_does_not_cover_fall_back_to_the_model_forward():
