@@ -572,6 +572,7 @@ def test_reserved_kv_layers_sample_what_growing_by_concatenation_samples(make_en
 
     reserved, plain = make_engine(), make_engine()
     plain.sampler.reserve_kv = False
+    reserved.sampler.decode_loop = plain.sampler.decode_loop = "own"  # lean steps keep their own KV buffers
     reserved_layer = hf_compat.reserved_layer_class()
     updates, original = collections.Counter(), reserved_layer.update
 
