@@ -30,6 +30,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     assert "RL vs SFT on the same 2 held-out problems" in printed and "too small to show learning" in printed
     summaries = json.loads((out / "summary.json").read_text())
     gain = summaries.pop("rl_vs_sft")
+    rollouts = summaries.pop("rl_rollouts")
     assert list(summaries) == list(STAGES)
     # the base model is evaluated on the first --base-eval-problems only; SFT and RL on all
     assert [s["num_problems"] for s in summaries.values()] == [1, 2, 2]
@@ -44,6 +45,14 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
         assert (out / name).is_file(), name
     markdown = (out / "summary.md").read_text()
     assert "| after RL |" in markdown and "| accuracy |" in markdown and "paired s.e." in markdown
+    # the informative share: mixed-reward groups of all the RL stage rolled out, refills included
+    rl_metrics = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert rollouts["groups"] == sum(r["rollout/groups"] for r in rl_metrics) >= 2
+    assert rollouts["informative_groups"] == round(sum(r["rollout/groups"] * r["rollout/informative_group_rate"]
+                                                       for r in rl_metrics))
+    sentence = f"{rollouts['informative_groups']} of {rollouts['groups']} groups informative"
+    assert sentence in printed and sentence in markdown
+    assert json.loads((out / "rl" / "config.json").read_text())["curriculum"] == "difficulty"
     rl_rows = (out / "rl" / "metrics.jsonl").read_text().splitlines()
 
     # Re-running resumes every stage: nothing is trained or sampled again.
@@ -81,6 +90,8 @@ def test_a_rerun_with_another_seed_or_interpreter_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--seed 7 → 8" in err and "--interpreter 'stateless' → 'stateful'" in err
     assert "use another --output-dir" in err
+    with pytest.raises(ConfigError, match="--rl-difficulty '' → 'product=1'"):
+        check_identity(DemoConfig(seed=7, rl_difficulty="product=1"), out)  # the stored RL problems are level 0
     (out / "demo.json").write_text("{")
     with pytest.raises(ConfigError, match="unreadable"):
         check_identity(DemoConfig(seed=7), out)
@@ -104,6 +115,8 @@ def test_quick_shrinks_the_defaults():
 def test_bad_sizes_are_rejected(capsys):
     assert cli_main(["demo", "--rl-group-size", "1"]) == 2
     assert "rl_group_size must be >= 2" in capsys.readouterr().err
+    assert cli_main(["demo", "--rl-difficulty", "product=9"]) == 2
+    assert "--rl-difficulty: difficulty: levels must be 0..2" in capsys.readouterr().err
 
 
 def _gain(before: float, after: float, stderr: float | None) -> Comparison:
