@@ -3,6 +3,7 @@ draws (seeded, distinct, floored), its checkpointed state, and an exact resume w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -160,3 +161,17 @@ def test_sigkill_mid_step_then_resume_draws_and_trains_exactly_alike(tmp_path):
     for key, state in ref_opt["state"].items():
         for moment in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt["state"][key][moment], state[moment], atol=1e-6, rtol=0)
+
+
+def test_a_checkpoint_carries_the_pool_and_a_resume_restores_it(tmp_path):
+    problems = pool(4)
+    trainer = Trainer(make_config(TrainConfig, curriculum="difficulty"), engine=None, rollout=None, problems=problems,
+                      sandbox=None)
+    trainer.pool = record(trainer.pool, problems[:2], [ALL_RIGHT, MIXED])
+    folder = tmp_path / "checkpoints" / "step_000003"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps(dataclasses.asdict(trainer.checkpoint_state(3))))
+    resumed = Trainer(trainer.config, engine=None, rollout=None, problems=problems, sandbox=None)
+    resumed.restore_state(runs.read_trainer_state(folder))
+    assert resumed.pool == trainer.pool
+    assert resumed.choose(4, 0, 2, []) == trainer.choose(4, 0, 2, [])
