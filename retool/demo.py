@@ -273,7 +273,7 @@ class RolloutShare:
 
     def sentence(self) -> str:
         return (f"RL rollouts: {self.informative} of {self.groups} groups informative ({self.share:.0%}, mixed "
-                f"rewards) over {self.steps} steps")
+                f"rewards) over {self.steps} step{'s' if self.steps != 1 else ''}")
 
     def to_json(self) -> dict[str, float]:
         return {"steps": self.steps, "groups": self.groups, "informative_groups": self.informative,
@@ -289,7 +289,8 @@ def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
         return None
     rows = read_metrics(path)
     groups = [round(r["rollout/groups"]) for r in rows]
-    rates = [r.get("rollout/informative_group_rate", 1 - r["rollout/degenerate_group_rate"]) for r in rows]
+    rates = [r["rollout/informative_group_rate"] if "rollout/informative_group_rate" in r
+             else 1 - r["rollout/degenerate_group_rate"] for r in rows]  # a run from before the rate
     return RolloutShare(len(rows), sum(groups), sum(round(g * rate) for g, rate in zip(groups, rates)))
 
 

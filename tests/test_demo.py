@@ -128,3 +128,15 @@ def test_gain_sentence_gives_the_verdict():
     assert "within 2 standard errors: noise" in gain_sentence(_gain(0.4, 0.5, 0.1))
     assert "RL hurt" in gain_sentence(_gain(0.7, 0.4, 0.1))
     assert "no paired standard error" in gain_sentence(_gain(0.5, 0.5, 0.0))
+
+
+def test_the_informative_share_counts_every_rolled_out_group(tmp_path):
+    from retool.demo import RolloutShare, rl_rollouts
+
+    assert rl_rollouts(tmp_path) is None  # no RL run yet
+    rows = [{"step": 1, "rollout/groups": 6.0, "rollout/informative_group_rate": 2 / 6},
+            {"step": 2, "rollout/groups": 2.0, "rollout/degenerate_group_rate": 0.5}]  # a row from before the rate
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    share = rl_rollouts(tmp_path)
+    assert share == RolloutShare(steps=2, groups=8, informative=3) and share.share == 3 / 8
+    assert share.sentence() == "RL rollouts: 3 of 8 groups informative (38%, mixed rewards) over 2 steps"
