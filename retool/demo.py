@@ -140,7 +140,8 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
-IDENTITY = ("model", "seed", "interpreter", "rl_difficulty")  # what the stored stages were made with; a change needs a new folder
+IDENTITY = ("model", "seed", "interpreter", "rl_difficulty")
+"""What the stored stages were made with; a change needs a new folder."""
 
 
 def check_identity(cfg: DemoConfig, out: Path) -> None:
@@ -240,7 +241,8 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p,
-        refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter, sandbox_workers=4, run_dir=str(run_dir),
+        refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
+        sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
         dtype=cfg.dtype)
     return train(train_cfg, resume=(run_dir / "config.json").exists())

@@ -61,6 +61,7 @@ def test_command_writes_the_launch_folder(tmp_path, capsys):
     (["--mode", "text"], "retool mode only"),
     (["--loss", "importance_sampling"], "PPO-clip"),
     (["--refill-rounds", "2"], "dynamic sampling"),
+    (["--curriculum", "difficulty"], "difficulty curriculum has no verl equivalent"),
     (["--gpus-per-node", "8", "--tensor-parallel", "3"], "divide"),
     (["--val-top-p", "0"], "val_top_p"),
     (["--temperature", "0"], "temperature must be > 0"),

@@ -19,7 +19,7 @@ config and checks each value.
 
 Refused, because the verl run would silently differ: text mode (the agent loop always
 declares the tool), the ``importance_sampling`` loss, dynamic sampling
-(``refill_rounds``) and dropping degenerate groups.
+(``refill_rounds``), dropping degenerate groups and the difficulty curriculum.
 
 Not covered: Megatron (FSDP only), verl's reference-model and critic settings (GRPO
 without KL uses neither).
@@ -96,6 +96,8 @@ class VerlConfig(VerlSettings, TrainConfig):
         require(self.loss == "ppo", "verl-config writes the PPO-clip loss only (loss = ppo)")
         require(self.refill_rounds == 0 and not self.drop_degenerate_groups,
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
+        require(self.curriculum == "none", "the difficulty curriculum has no verl equivalent here (verl's "
+                "dataloader draws the batches); drop --curriculum")
 
 
 def agent_loop_settings(cfg: VerlConfig) -> dict[str, Any]:
