@@ -9,6 +9,10 @@ mechanism costs: p50 of (a) with everything on minus p50 with that one left out
 (``SandboxConfig.benchmark_skip``). Shared mechanisms (network namespace, minimal root
 filesystem) are entered once at start-up and cost nothing per call.
 
+Then the hardening mechanisms (clean template, control groups, per-call and per-session
+tmpfs, per-session network namespace): before (none of them) and after (all of them) in
+one run, and what each costs, for stateless calls and for sessions (first and later calls).
+
 Last, the stateful interpreter against the stateless one (the baseline of that table),
 in the same sandbox, rounds interleaved so machine load hits both alike: per-call
 latency of trajectories of ``--session-calls`` calls (each a session opened at its first
@@ -16,7 +20,7 @@ call and closed after its last), at 1 and 8 trajectories at once; p50/p95 of all
 p50 of first calls (they fork the session's interpreter) and of later calls, the ratio
 stateless/stateful, and the load average before and after.
 
-Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--only stateful]``.
+Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--rounds 30] [--only hardening]``.
 Needs Linux; the isolation columns need root or unprivileged user namespaces.
 """
 
@@ -142,6 +146,61 @@ def mechanism_costs(calls: int) -> None:
         print(f"  {label:28} p50 {p50:6.1f} ms{cost}")
 
 
+HARDENING = ("template", "cgroups", "scratch_quota", "session_netns")
+"""The mechanisms that close the structural attack classes: a clean template to fork
+children from, a control group per call and session, a tmpfs per call and session, a
+network namespace per session."""
+
+
+def hardening_costs(rounds: int) -> None:
+    """Before/after the hardening mechanisms, in one run: one sandbox with none of them
+    ("before"), one with all ("after") and one without each, rounds interleaved so that
+    machine load hits every variant alike. Per round and variant: one stateless call and
+    one session of three calls (its first call forks the interpreter)."""
+    print(f"\nhardening mechanisms: before/after and the cost of each ({rounds} rounds, variants interleaved); "
+          "load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    variants = {"before (none of them)": HARDENING, "after (all of them)": (),
+                **{f"after, without {m}": (m,) for m in HARDENING}}
+    logging.getLogger("retool.sandbox").setLevel(logging.ERROR)  # the variants are degraded on purpose
+    boxes = {label: Sandbox(SandboxConfig(timeout_s=30, workers=8, max_sessions=8, benchmark_skip=skip))
+             for label, skip in variants.items()}
+    samples = {label: {"stateless": [], "first": [], "later": []} for label in variants}
+    try:
+        for sb in boxes.values():
+            sb.start()
+            sb.run_sync("1")
+        for _ in range(rounds):
+            for label, sb in boxes.items():
+                t = time.perf_counter()
+                assert sb.run_sync(SNIPPETS["a_print"]).ok
+                samples[label]["stateless"].append(time.perf_counter() - t)
+                session = trajectory_latencies(sb, SNIPPETS["a_print"], 3, stateful=True)
+                samples[label]["first"].append(session[0])
+                samples[label]["later"] += session[1:]
+        rates = {label: summary(*measure_sandbox(boxes[label], SNIPPETS["a_print"], 4 * rounds, 8))[2]
+                 for label in ("before (none of them)", "after (all of them)")}
+    finally:
+        for sb in boxes.values():
+            sb.close()
+    p50 = {label: {k: percentile(sorted(v), 50) * 1e3 for k, v in kinds.items()} for label, kinds in samples.items()}
+    after = p50["after (all of them)"]
+    header = f"  {'variant':28} {'stateless p50':>13} {'session 1st p50':>15} {'later p50':>9}"
+    print(header + "\n  " + "-" * (len(header) - 2))
+    for label, row in p50.items():
+        print(f"  {label:28} {row['stateless']:10.1f} ms {row['first']:12.1f} ms {row['later']:6.1f} ms")
+    print("  cost of each mechanism (all on minus all on but that one), stateless / session 1st / later:")
+    for m in HARDENING:
+        row = p50[f"after, without {m}"]
+        print(f"    {m:16} {after['stateless'] - row['stateless']:+6.1f} ms {after['first'] - row['first']:+6.1f} ms "
+              f"{after['later'] - row['later']:+6.1f} ms")
+    before = p50["before (none of them)"]
+    print(f"  after/before p50 ratio: stateless {after['stateless'] / before['stateless']:.2f}x, "
+          f"session 1st {after['first'] / before['first']:.2f}x, later {after['later'] / before['later']:.2f}x; "
+          f"calls/s at concurrency 8: before {rates['before (none of them)']:.1f}, "
+          f"after {rates['after (all of them)']:.1f}")
+    print("  load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
 def trajectory_latencies(sb: Sandbox, code: str, calls: int, stateful: bool) -> list[float]:
     """Per-call latencies of one trajectory of ``calls`` calls (one session when ``stateful``;
     its opening is in the first call, its closing in no call)."""
@@ -204,14 +263,18 @@ def main() -> int:
                         help="trajectories per mode and cell in the stateful comparison")
     parser.add_argument("--session-calls", type=int, default=4,
                         help="calls per trajectory in the stateful comparison (the rollout's default budget)")
-    parser.add_argument("--only", choices=("baseline", "mechanisms", "stateful"),
-                        help="run one part only (default: all three)")
+    parser.add_argument("--rounds", type=int, default=30,
+                        help="interleaved rounds in the before/after table of the hardening mechanisms")
+    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "stateful"),
+                        help="run one part only (default: all four)")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, uid {os.geteuid()}\n")
     if args.only in (None, "baseline"):
         compare(args.calls, args.baseline_calls)
     if args.only in (None, "mechanisms"):
         mechanism_costs(args.calls)
+    if args.only in (None, "hardening"):
+        hardening_costs(args.rounds)
     if args.only in (None, "stateful"):
         stateful_vs_stateless(args.trajectories, args.session_calls)
     return 0

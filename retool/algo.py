@@ -18,6 +18,12 @@ functions, and the tests check them against hand computations.
 - **Micro-batching**: :func:`plan_micro_batches` splits a batch under a token budget,
   either length-bucketed (padded rows of similar length) or packed (padding-free).
 
+- **Sampler-trainer correction** (off by default): :func:`behaviour_weights` truncates
+  or masks the importance ratio ``pi_old / mu`` between the trainer's and the sampler's
+  logprobs; the RL losses then use ``pi_theta / pi_old`` as their ratio.
+- **Overlong trajectories** and **pass@k rewards** (off by default):
+  :func:`overlong_penalty`, :func:`is_truncated`, :func:`passk_rewards`.
+
 Deliberately left out: a KL penalty against a reference model (the seed and ReTool's
 reproduction train without one), entropy bonuses, sequence-level aggregation, value
 functions. torch is not imported here (the losses only call tensor methods), so the
@@ -32,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from retool.types import Datum, Trajectory
+from retool.types import Datum, StopReason, Trajectory
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -60,6 +66,36 @@ def group_advantages(rewards_G: Sequence[float], normalize_std: bool = False,
     return tuple((r - mean) / scale for r in rewards_G)
 
 
+def passk_rewards(rewards_G: Sequence[float], k: int) -> tuple[float, ...]:
+    """Pass@k-aware rewards of one group (PKPO, Walder & Karkhanis 2025; verl ``grpo_passk``).
+
+    Sample ``i``'s new reward is the mean, over every ``k``-subset of the group that
+    contains it, of the subset's best reward: the unbiased pass@k estimator's share of
+    sample ``i``. With rewards sorted ascending, sample ``i`` at (1-based) rank ``p`` is
+    the best of ``C(p-1, k-1)`` such subsets, and the sample at rank ``q > p`` is the
+    best of ``C(q-2, k-2)``; so ``s_i = (C(p-1,k-1) r_i + sum_{q>p} C(q-2,k-2) r_(q)) /
+    C(n-1,k-1)``. ``k = 1`` gives the rewards unchanged; a larger ``k`` moves credit
+    from the best samples to the rest of a group that has one good answer. The result is
+    group-centred like any reward (:func:`group_advantages`). Needs ``1 <= k < n``
+    (``k = n`` gives every sample the group's best reward: no signal).
+    """
+    n = len(rewards_G)
+    if not 1 <= k < n:
+        raise ValueError(f"passk needs 1 <= k < group size, got k={k} for {n} rewards")
+    order = sorted(range(n), key=lambda i: (rewards_G[i], i))
+    sorted_r = [rewards_G[i] for i in order]
+    total = math.comb(n - 1, k - 1)
+    out = [0.0] * n
+    for p, i in enumerate(order, start=1):
+        above = sum(math.comb(q - 2, k - 2) * sorted_r[q - 1] for q in range(p + 1, n + 1)) if k >= 2 else 0.0
+        out[i] = (math.comb(p - 1, k - 1) * sorted_r[p - 1] + above) / total
+    return tuple(out)
+
+
+ADVANTAGES = ("grpo", "passk")
+"""``grpo``: group-centred rewards; ``passk``: :func:`passk_rewards` first, then centred."""
+
+
 def is_degenerate(rewards_G: Sequence[float]) -> bool:
     """True when every reward of the group is equal, so all advantages are zero."""
     return max(rewards_G) - min(rewards_G) == 0.0
@@ -68,6 +104,57 @@ def is_degenerate(rewards_G: Sequence[float]) -> bool:
 def count_degenerate_groups(rewards_BG: Sequence[Sequence[float]]) -> int:
     """How many of the groups are degenerate (for ``rollout/degenerate_group_rate``)."""
     return sum(1 for rewards_G in rewards_BG if is_degenerate(rewards_G))
+
+
+# ---------------------------------------------------------------- overlong trajectories
+
+
+OVERLONG = ("none", "mask", "soft")
+"""``none``: truncated trajectories are graded like any other (no box: -1); ``mask``:
+they get loss weight 0 (no gradient; counted); ``soft``: DAPO's linear length penalty
+(:func:`overlong_penalty`) is added to every reward before group-centring."""
+
+
+def is_truncated(trajectory: Trajectory) -> bool:
+    """True when a budget, not the policy, ended the trajectory (turn or trajectory tokens,
+    turns or code calls ran out; or the prompt alone filled the budget)."""
+    return trajectory.stop_reason is not StopReason.STOP
+
+
+def policy_tokens(trajectory: Trajectory) -> int:
+    """Tokens the policy sampled (mask 1): prompt, template and interpreter tokens never count."""
+    return sum(trajectory.mask_T)
+
+
+def policy_token_budget(max_trajectory_tokens: int, max_turn_tokens: int, max_assistant_turns: int,
+                        prompt_len: int) -> int:
+    """The most tokens the policy could sample in one trajectory: the trajectory budget
+    less the prompt, and at most ``max_assistant_turns * max_turn_tokens``. Tool responses
+    take room from the first bound, so a trajectory that calls tools stops earlier; the
+    penalty measures only the policy's own tokens against this ceiling."""
+    return max(1, min(max_trajectory_tokens - prompt_len, max_assistant_turns * max_turn_tokens))
+
+
+def overlong_penalty(length: int, budget: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) of a response of ``length``
+    policy tokens: 0 up to ``budget - buffer``, then falling linearly to -1 at ``budget``,
+    -1 beyond. Added to the outcome reward. A buffer longer than the budget is cut to it."""
+    if buffer < 1 or budget < 1:
+        raise ValueError(f"overlong buffer and budget must be >= 1, got {buffer} and {budget}")
+    buffer = min(buffer, budget)
+    if length <= budget - buffer:
+        return 0.0
+    if length <= budget:
+        return (budget - buffer - length) / buffer
+    return -1.0
+
+
+def sampler_nll(datums_D: Sequence[Datum]) -> float:
+    """Mean ``-log mu`` of the sampled tokens over the trained tokens: a one-sample
+    estimate of the sampling policy's entropy (exact in expectation at top_p 1), which
+    every engine has (the services return no entropy). 0.0 without trained tokens."""
+    pairs = [(lp, w) for d in datums_D for lp, w in zip(d.sampler_logprobs_N, d.weights_N) if w != 0]
+    return -sum(lp for lp, _ in pairs) / len(pairs) if pairs else 0.0
 
 
 # ---------------------------------------------------------------- datums
@@ -120,15 +207,38 @@ def group_datums(group: Sequence[Trajectory], normalize_std: bool = False) -> tu
 # ---------------------------------------------------------------- losses
 
 
+BEHAVIOUR_IS = ("off", "token-tis", "sequence-tis", "token-mask")
+"""Corrections for the sampler-trainer mismatch (:func:`behaviour_weights`)."""
+
+BEHAVIOUR_IS_KEYS = {"token-tis": "behaviour_token_cap", "sequence-tis": "behaviour_sequence_cap",
+                     "token-mask": "behaviour_mask_threshold"}
+"""The RL-loss config key that turns each correction on (its value is the cap or threshold)."""
+
+
+
 @dataclass(frozen=True)
 class LossInputs:
     """What a loss needs besides the trainer's logprobs, one entry per target token.
 
     ``sampler_logprobs_N`` and ``advantages_N`` are ``None`` for ``cross_entropy``.
+    ``behaviour_weights_N`` (a sampler-trainer correction, :func:`behaviour_weights`)
+    switches the RL losses to the decoupled form: their ratio becomes ``pi_theta /
+    pi_old`` (``pi_old`` = the trainer's logprobs, detached) and the per-token loss is
+    multiplied by the weights; ``None`` (the default) keeps ``pi_theta / mu``.
     """
 
     sampler_logprobs_N: Tensor | None = None
     advantages_N: Tensor | None = None
+    behaviour_weights_N: Tensor | None = None
+
+    def ratio(self, logprobs_N: Tensor) -> Tensor:
+        """The policy ratio: ``pi_theta / mu``, or ``pi_theta / pi_old`` with behaviour weights."""
+        if self.behaviour_weights_N is None:
+            return (logprobs_N - self.sampler_logprobs_N).exp()
+        return (logprobs_N - logprobs_N.detach()).exp()
+
+    def weighted(self, loss_N: Tensor) -> Tensor:
+        return loss_N if self.behaviour_weights_N is None else loss_N * self.behaviour_weights_N
 
 
 @dataclass(frozen=True)
@@ -157,7 +267,7 @@ def ppo_loss(logprobs_N: Tensor, inputs: LossInputs, config: Mapping[str, float]
     (0 = off).
     """
     advantages_N = inputs.advantages_N
-    ratio_N = (logprobs_N - inputs.sampler_logprobs_N).exp()
+    ratio_N = inputs.ratio(logprobs_N)
     pg_loss1_N = -advantages_N * ratio_N
     pg_loss2_N = -advantages_N * ratio_N.clamp(config["clip_low_threshold"],
                                                 config["clip_high_threshold"])
@@ -169,17 +279,17 @@ def ppo_loss(logprobs_N: Tensor, inputs: LossInputs, config: Mapping[str, float]
         dual_N = (advantages_N < 0) & (pg_loss3_N < loss_N)
         loss_N = pg_loss3_N.where(dual_N, loss_N)
         clipped_N = clipped_N | dual_N
-    return LossTerms(loss_N, clipped_N)
+    return LossTerms(inputs.weighted(loss_N), clipped_N)
 
 
 def importance_sampling_loss(logprobs_N: Tensor, inputs: LossInputs,
                              config: Mapping[str, float]) -> LossTerms:
     """REINFORCE corrected for the sampler: ``loss = -A * exp(logprob - sampler_logprob)``.
 
-    No clipping; on-policy the ratio is ~1 and this is plain policy gradient.
+    No clipping; on-policy the ratio is ~1 and this is plain policy gradient. With
+    behaviour weights: ``loss = -A * w * exp(logprob - pi_old)``.
     """
-    ratio_N = (logprobs_N - inputs.sampler_logprobs_N).exp()
-    return LossTerms(-inputs.advantages_N * ratio_N)
+    return LossTerms(inputs.weighted(-inputs.advantages_N * inputs.ratio(logprobs_N)))
 
 
 def cross_entropy_loss(logprobs_N: Tensor, inputs: LossInputs,
@@ -195,9 +305,12 @@ LOSSES: dict[str, LossFn] = {
 }
 """Loss functions by the name ``forward_backward(loss_fn=...)`` takes (Tinker's names)."""
 
+BEHAVIOUR_DEFAULTS: dict[str, float] = {key: 0.0 for key in BEHAVIOUR_IS_KEYS.values()}
+"""The sampler-trainer corrections every RL loss accepts, all off (0)."""
+
 LOSS_DEFAULTS: dict[str, dict[str, float]] = {
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28, "dual_clip": 0.0},
-    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28, "dual_clip": 0.0, **BEHAVIOUR_DEFAULTS},
+    "importance_sampling": dict(BEHAVIOUR_DEFAULTS),
     "cross_entropy": {},
 }
 """Default ``loss_fn_config`` of each loss; a config may override only these keys."""
@@ -232,7 +345,21 @@ def loss_config(loss_fn: str, overrides: Mapping[str, float] | None = None) -> d
             raise ValueError("ppo needs 0 < clip_low_threshold <= 1 <= clip_high_threshold")
         if config["dual_clip"] and config["dual_clip"] <= 1:
             raise ValueError("ppo dual_clip must be 0 (off) or > 1")
+    _check_behaviour_config(config)
     return config
+
+
+def _check_behaviour_config(config: Mapping[str, float]) -> None:
+    on = [key for key in BEHAVIOUR_IS_KEYS.values() if config.get(key)]
+    if len(on) > 1:
+        raise ValueError(f"choose one sampler-trainer correction, got {on}")
+    if on and not config[on[0]] > 1:
+        raise ValueError(f"{on[0]} must be 0 (off) or > 1, got {config[on[0]]}")
+
+
+def behaviour_correction_on(config: Mapping[str, float]) -> bool:
+    """Whether a loss config asks for a sampler-trainer correction."""
+    return any(config.get(key) for key in BEHAVIOUR_IS_KEYS.values())
 
 
 def weighted_sum(loss_N: Tensor, weights_N: Tensor, normalizer: float) -> Tensor:
@@ -247,6 +374,54 @@ def weighted_sum(loss_N: Tensor, weights_N: Tensor, normalizer: float) -> Tensor
 def token_mean(loss_N: Tensor, weights_N: Tensor) -> Tensor:
     """The weighted mean of a per-token loss over the tokens with non-zero weight."""
     return weighted_sum(loss_N, weights_N, float(weights_N.sum()))
+
+
+# ---------------------------------------------------------------- sampler-trainer mismatch
+
+
+@dataclass(frozen=True)
+class BehaviourWeights:
+    """Per-token importance weights of one datum and what they did.
+
+    ``ratio_N`` is ``pi_old / mu`` per token (sequence-level: the sequence's product,
+    repeated); ``weight_N`` the factor the loss multiplies; ``limited_N`` marks tokens
+    whose ratio was capped (TIS) or that were masked (weight 0).
+    """
+
+    ratio_N: Tensor
+    weight_N: Tensor
+    limited_N: Tensor
+
+
+def behaviour_weights(old_logprobs_N: Tensor, sampler_logprobs_N: Tensor, trained_N: Tensor,
+                      config: Mapping[str, float]) -> BehaviourWeights:
+    """Importance weights ``pi_old / mu`` of one datum's trained tokens, truncated or masked.
+
+    ``old_logprobs_N`` are the trainer's logprobs (``pi_old``, detached: with one update
+    per batch they are the current policy's), ``sampler_logprobs_N`` the sampler's
+    (``mu``); only ``trained_N`` tokens count. Exactly one config key is non-zero:
+    ``behaviour_token_cap`` C: ``w_t = min(r_t, C)``; ``behaviour_sequence_cap`` C:
+    ``w = min(prod_t r_t, C)`` for every token; ``behaviour_mask_threshold`` T:
+    ``w_t = 1`` if ``1/T <= r_t <= T`` else 0 (TIS: Yao et al. 2025; masking: verl's
+    rollout correction, slime's MIS). Untrained tokens get weight 0 and ratio 1.
+    """
+    log_ratio_N = (old_logprobs_N - sampler_logprobs_N).where(trained_N, 0.0)
+    token_cap, sequence_cap = config.get("behaviour_token_cap", 0.0), config.get("behaviour_sequence_cap", 0.0)
+    threshold = config.get("behaviour_mask_threshold", 0.0)
+    if sum(1 for v in (token_cap, sequence_cap, threshold) if v) != 1:
+        raise ValueError("behaviour_weights needs exactly one of behaviour_token_cap, behaviour_sequence_cap, "
+                         "behaviour_mask_threshold")
+    if sequence_cap:
+        log_ratio_N = log_ratio_N.sum().expand_as(log_ratio_N)
+    ratio_N = log_ratio_N.exp()
+    if threshold:
+        limited_N = (ratio_N > threshold) | (ratio_N < 1.0 / threshold)
+        weight_N = (~limited_N).to(ratio_N.dtype)
+    else:
+        cap = token_cap or sequence_cap
+        limited_N = ratio_N > cap
+        weight_N = ratio_N.clamp(max=cap)
+    return BehaviourWeights(ratio_N, weight_N * trained_N, limited_N & trained_N)
 
 
 # ---------------------------------------------------------------- micro-batching

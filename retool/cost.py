@@ -1,25 +1,44 @@
-"""What a run costs: ``cost/step`` and ``cost/total`` from token counts and sandbox CPU time.
+"""What a run costs: ``cost/step`` and ``cost/total``, in the units the service bills.
 
-The trainer counts, per step, the prompt tokens the sampler prefilled
-(``tokens/prefill``), the tokens it sampled (``tokens/sampled``), the tokens trained
-(``tokens/trained``) and the CPU seconds the sandbox's code calls used
-(``sandbox/cpu_s``); ``retool sft`` counts trained tokens and ``retool eval`` prefilled
-and sampled tokens and sandbox CPU. Given a price table — the user's own numbers in a
-small TOML file, none built in — a step costs::
+Given a price table — the user's own numbers in a small TOML file, none built in — with
+token prices in USD per million tokens, ``checkpoint`` in USD per checkpoint operation
+and ``sandbox_cpu_hour`` in USD per CPU-hour of sandboxed code, a step costs, by the
+table's ``units``:
 
-    cost = (prefill * prefill_price + sampled * sample_price + trained * train_price) / 1e6
-           + cpu_s * sandbox_cpu_hour_price / 3600
+``units = "policy_tokens"`` (the default; PyTRIO's bill, the local engines)::
 
-with token prices in USD per million tokens and ``sandbox_cpu_hour`` in USD per CPU-hour.
-A table holds one ``[ENGINE]`` table of defaults per engine (``tinker``, ``pytrio``,
-``local``, ``vllm``: the local engines' tokens can be priced too, e.g. at what the GPU
-hour costs per token) and optional ``[ENGINE."MODEL"]`` tables that override them::
+    (tokens/prefill * prefill + tokens/sampled * sample + tokens/trained * train) / 1e6
+
+``tokens/prefill`` counts a request's prompt once, ``tokens/trained`` the policy tokens
+trained (interpreter tokens excluded). The reference run's PyTRIO bill is in these units.
+
+``units = "tinker_billing"`` (Tinker's documented billing events, ``tinker.types``:
+``sampling_prefill`` cached or not, ``sampling_sample``, ``training``, ``checkpoint``)::
+
+    ((tokens/prefill_service - tokens/prefill_cached) * prefill
+     + tokens/prefill_cached * prefill_cached + tokens/sampled * sample
+     + tokens/forward_backward * train) / 1e6 + engine/checkpoints * checkpoint
+
+``tokens/prefill_service`` is every prompt token the service prefilled (once per sample:
+Tinker bills a multi-sample request's other samples as cached), ``tokens/prefill_cached``
+what it reported as cached (``prompt_cache_hit_tokens``), ``tokens/forward_backward``
+every token of every datum sent to ``forward_backward`` (interpreter and prompt tokens
+included: Tinker's ``training`` event counts "tokens processed by forward/backward
+passes"; that it is every input token is inferred, not documented), ``engine/checkpoints``
+the persistent checkpoints saved (two per retool checkpoint: state and sampler weights;
+counted into the step after the save, so the run's last checkpoint is not in its total).
+
+Both add ``sandbox/cpu_s * sandbox_cpu_hour / 3600``. A table holds one ``[ENGINE]``
+table of defaults per engine (``tinker``, ``pytrio``, ``local``, ``vllm``) and optional
+``[ENGINE."MODEL"]`` tables that override them::
 
     [tinker]
+    units = "tinker_billing"
     prefill = 0.1
+    prefill_cached = 0.02
     sample = 0.3
     train = 0.3
-    sandbox_cpu_hour = 0.05
+    checkpoint = 0.0
 
     [tinker."Qwen/Qwen3.5-4B"]
     train = 0.4
@@ -28,9 +47,9 @@ hour costs per token) and optional ``[ENGINE."MODEL"]`` tables that override the
 ``--max-cost`` (train, sft) ends a run cleanly, after a checkpoint, once another step
 like the last would pass the budget.
 
-Not covered: storage of checkpoints, minimum charges, discounts, prefix-cache pricing
-(the services bill cached prompt tokens differently; ``tokens/prefill`` counts what the
-sampler was sent, so this is an upper bound there), the CPU time of the grader.
+Not covered: checkpoint storage (Tinker bills gigabyte-hours), minimum charges,
+discounts, the CPU time of the grader; ``retool eval`` and ``retool sft`` price what they
+count (eval: prefill and sampled tokens, sft: trained tokens) in ``policy_tokens`` units.
 """
 
 from __future__ import annotations
@@ -48,23 +67,36 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-PRICE_KEYS = ("prefill", "sample", "train", "sandbox_cpu_hour")
+PRICE_KEYS = ("prefill", "prefill_cached", "sample", "train", "checkpoint", "sandbox_cpu_hour")
+UNITS = ("policy_tokens", "tinker_billing")
 
 
 @dataclass(frozen=True)
 class Prices:
-    """USD per million tokens of each kind, and per CPU-hour of sandboxed code."""
+    """USD per million tokens of each kind, per checkpoint operation and per CPU-hour of
+    sandboxed code, in the ``units`` the service bills (module docstring)."""
 
     prefill: float = 0.0
     sample: float = 0.0
     train: float = 0.0
     sandbox_cpu_hour: float = 0.0
+    prefill_cached: float = 0.0
+    checkpoint: float = 0.0
+    units: str = "policy_tokens"
 
     def step_cost(self, metrics: Mapping[str, float]) -> float:
-        """The cost of one step from its ``tokens/*`` and ``sandbox/cpu_s`` metrics."""
-        tokens = (metrics.get("tokens/prefill", 0.0) * self.prefill + metrics.get("tokens/sampled", 0.0) * self.sample
-                  + metrics.get("tokens/trained", 0.0) * self.train) / 1e6
-        return tokens + metrics.get("sandbox/cpu_s", 0.0) * self.sandbox_cpu_hour / 3600
+        """The cost of one step from its ``tokens/*``, ``engine/checkpoints`` and
+        ``sandbox/cpu_s`` metrics."""
+        m = metrics.get
+        sandbox = m("sandbox/cpu_s", 0.0) * self.sandbox_cpu_hour / 3600
+        if self.units == "tinker_billing":
+            cached = m("tokens/prefill_cached", 0.0)
+            tokens = ((m("tokens/prefill_service", 0.0) - cached) * self.prefill + cached * self.prefill_cached
+                      + m("tokens/sampled", 0.0) * self.sample + m("tokens/forward_backward", 0.0) * self.train)
+            return tokens / 1e6 + m("engine/checkpoints", 0.0) * self.checkpoint + sandbox
+        tokens = m("tokens/prefill", 0.0) * self.prefill + m("tokens/sampled", 0.0) * self.sample \
+            + m("tokens/trained", 0.0) * self.train
+        return tokens / 1e6 + sandbox
 
 
 def load_prices(path: str | Path, engine: str, model: str) -> Prices:
@@ -79,13 +111,20 @@ def load_prices(path: str | Path, engine: str, model: str) -> Prices:
     values = {k: v for k, v in section.items() if not isinstance(v, dict)}
     override = section.get(model, {})
     values.update(override if isinstance(override, dict) else {})
+    units = values.pop("units", "policy_tokens")
+    if units not in UNITS:
+        raise ConfigError(f"price table {path}: units {units!r} in [{engine}]; known: {UNITS}")
     unknown = set(values) - set(PRICE_KEYS)
     if unknown:
-        raise ConfigError(f"price table {path}: unknown keys {sorted(unknown)} in [{engine}]; known: {PRICE_KEYS}")
-    if not all(isinstance(v, (int, float)) and v >= 0 for v in values.values()):
+        raise ConfigError(f"price table {path}: unknown keys {sorted(unknown)} in [{engine}]; known: "
+                          f"{PRICE_KEYS + ('units',)}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values.values()):
         raise ConfigError(f"price table {path}: prices must be numbers >= 0 (USD per million tokens, "
-                          "sandbox_cpu_hour per CPU-hour)")
-    return Prices(**{k: float(v) for k, v in values.items()})
+                          "checkpoint per checkpoint, sandbox_cpu_hour per CPU-hour)")
+    if units == "policy_tokens" and {"prefill_cached", "checkpoint"} & set(values):
+        raise ConfigError(f"price table {path}: prefill_cached and checkpoint need units = \"tinker_billing\" "
+                          f"in [{engine}] (policy_tokens units price neither)")
+    return Prices(units=units, **{k: float(v) for k, v in values.items()})
 
 
 @dataclass

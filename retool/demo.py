@@ -42,12 +42,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.console import Console
+from rich.table import Table
+
+from retool import tasks
 from retool.algo import PACKINGS
 from retool.atomic import atomic_write_text
-from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.bundled import BundledModelMissing, resolve_model_name
+from retool.config import ConfigError, add_config_args, config_from_args, make_config, option, require
 from retool.curriculum import CURRICULA
-from retool.protocol import INTERPRETERS
+from retool.evaluate import EvalConfig, evaluate, format_behaviour
+from retool.flag_checks import output_folder
+from retool.protocol import INTERPRETERS, TemplateError
+from retool.report import ReportInputError, plots, view
+from retool.report.compare import compare, format_table
 from retool.results import EvalSummary
+from retool.runs import latest_checkpoint
+from retool.serialize import to_jsonable
+from retool.sft import ConversationError, SFTConfig, sft
+from retool.train import TrainConfig, train
 
 if TYPE_CHECKING:
     from retool.report.compare import Comparison
@@ -168,9 +181,6 @@ def check_identity(cfg: DemoConfig, out: Path) -> None:
 
 def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     """Write the three disjoint splits of the arithmetic task (skipped when present)."""
-    from retool import tasks
-    from retool.serialize import to_jsonable
-
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     paths = {"sft": data / "sft.jsonl", "rl": data / "rl.jsonl", "test": data / "test.jsonl"}
@@ -190,9 +200,6 @@ def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
 def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint: Path | None,
              problems: int | None = None) -> EvalSummary:
     """Evaluate one stage on the first ``problems`` held-out problems (all by default); return its summary."""
-    from retool.config import make_config
-    from retool.evaluate import EvalConfig, evaluate
-
     problems = min(problems or cfg.eval_problems, cfg.eval_problems)
     _say(f"eval {label}: {problems} problems x {cfg.eval_samples} samples")
     eval_cfg = make_config(
@@ -207,10 +214,6 @@ def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint
 
 def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
     """Cold-start SFT on the dialogues; returns the run folder (resumed if interrupted)."""
-    from retool.config import make_config
-    from retool.runs import latest_checkpoint
-    from retool.sft import SFTConfig, sft
-
     run_dir = out / "sft"
     latest = latest_checkpoint(run_dir)
     if latest is not None and latest[0] >= cfg.sft_steps:
@@ -226,10 +229,6 @@ def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
 
 def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
     """RL from the SFT adapter; returns the run folder (resumed if interrupted)."""
-    from retool.config import make_config
-    from retool.runs import latest_checkpoint
-    from retool.train import TrainConfig, train
-
     run_dir = out / "rl"
     latest = latest_checkpoint(run_dir)
     if latest is not None and latest[0] >= cfg.rl_steps:
@@ -255,8 +254,6 @@ def eval_path(out: Path, label: str) -> Path:
 
 def rl_gain(out: Path) -> Comparison:
     """After RL against after SFT on the same held-out problems, as ``retool compare`` computes it."""
-    from retool.report.compare import compare
-
     return compare(eval_path(out, STAGES[1]), eval_path(out, STAGES[2]))
 
 
@@ -298,14 +295,10 @@ def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
 
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path) -> list[Path]:
     """Plots, the HTML viewer and the summary files."""
-    from retool.bundled import resolve_model_name
-    from retool.report.plots import plot_checkpoints, plot_training
-    from retool.report.view import write_view
-
-    written = plot_checkpoints(out / "eval", out / "plots", order=STAGES)
-    written += plot_training(rl_dir, out / "plots")
-    written.append(write_view([eval_path(out, STAGES[2])], out / "view.html",
-                              tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
+    written = plots.plot_checkpoints(out / "eval", out / "plots", order=STAGES)
+    written += plots.plot_training(rl_dir, out / "plots")
+    written.append(view.write_view([eval_path(out, STAGES[2])], out / "view.html",
+                                   tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
     accuracy = gain.metric("accuracy")
     summary = {**{k: s.to_json() for k, s in summaries.items()},
                "rl_vs_sft": {"problems": gain.problems, "samples_per_problem": cfg.eval_samples,
@@ -340,14 +333,14 @@ QUICK_NOTE = "--quick is a smoke run of every stage: far too small to show learn
 def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, quick: bool = False,
                      interpreter: str = "stateless", rollouts: RolloutShare | None = None) -> str:
     """The demo's tables as Markdown (the same numbers the console shows)."""
-    from retool.report.compare import format_table
-
     rows = [STATEFUL_NOTE, ""] if interpreter == "stateful" else []
     rows += ["| stage | problems × k | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
             "|---|---|---|---|---|---|---|---|"]
     for stage, s in summaries.items():
         rows.append(f"| {stage} | {s.num_problems} × {s.k} | {s.average_at_k:.1%} | {s.average_at_k_stderr:.1%} | "
                     f"{s.pass_at_k:.1%} | {s.format:.1%} | {s.used_tool_rate:.1%} | {s.code_calls:.2f} |")
+    rows += ["", "Tool-use behaviour (the ReTool paper's analyses; `retool compare` below pairs them):", ""]
+    rows += [f"- {stage}: {format_behaviour(s.behaviour)}" for stage, s in summaries.items() if s.behaviour]
     rows += ["", f"**{gain_sentence(gain)}.**", "", "After RL against after SFT (`retool compare`: per-problem "
              "differences, so each problem's difficulty cancels):", "", format_table(gain)]
     if rollouts is not None:
@@ -359,9 +352,6 @@ def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, qui
 
 def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, seconds: float,
                 quick: bool, interpreter: str = "stateless", rollouts: RolloutShare | None = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     mode = "" if interpreter == "stateless" else f", {interpreter} interpreter"
     table = Table(title=f"retool demo — held-out arithmetic, tool on{mode} ({seconds / 60:.1f} min)")
     for column in ("stage", "problems × k", "accuracy", "± s.e.", "Pass@k", "format", "used the tool", "code calls"):
@@ -381,8 +371,6 @@ def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, 
 
 def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     """Run every stage; return the summaries by stage."""
-    from retool.bundled import resolve_model_name
-
     cfg = cfg.shrunk()
     start = time.monotonic()
     out = Path(cfg.output_dir)
@@ -403,7 +391,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "demo", help="the whole pipeline on CPU: SmolLM2 → cold-start SFT → RL → evals, plots, viewer",
+        "demo",
         description=__doc__.split("\n\n")[0] + " Default sizes take tens of minutes on 2 cores; --quick a few.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(p, DemoConfig)
@@ -411,13 +399,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_demo_command(args: argparse.Namespace) -> int:
-    from retool.bundled import BundledModelMissing
-    from retool.protocol import TemplateError
-    from retool.report import ReportInputError
-    from retool.sft import ConversationError
-
     try:
-        run_demo(config_from_args(DemoConfig, args))
+        cfg = config_from_args(DemoConfig, args)
+        output_folder(cfg.output_dir, "--output-dir")
+        run_demo(cfg)
     except (ConfigError, BundledModelMissing, ReportInputError, ConversationError, TemplateError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

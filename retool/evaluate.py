@@ -47,15 +47,29 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retool import __version__
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
 from retool.cost import PriceTableOption, cost_meter
-from retool.data import require_usable_golds
-from retool.engines import EngineCheckpoint, EngineChoice, EngineSampler, Requirements, SamplerRequest, check_supported
+from retool.data import BUNDLED, DataError, problems_fingerprint, read_problems, require_usable_golds
+from retool.engines import (
+    EngineCheckpoint,
+    EngineChoice,
+    EngineSampler,
+    Requirements,
+    SamplerRequest,
+    check_supported,
+    load_sampler,
+    reads_checkpoint,
+)
+from retool.flag_checks import output_file, output_folder
+from retool.log import StepProgress
+from retool.protocol import TemplateError
+from retool.render import Renderer
 from retool.results import (
     EvalSummary,
     ProblemResult,
@@ -65,8 +79,10 @@ from retool.results import (
     SamplingSettings,
     SandboxSettings,
 )
-from retool.rollout import RolloutBudgets
+from retool.reward import agrade
+from retool.rollout import Rollout, RolloutBudgets, RolloutError
 from retool.runs import resolve_checkpoint
+from retool.sandbox import SandboxUnavailableError
 from retool.seeding import context_digest, derive_seed
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
@@ -198,8 +214,6 @@ def load_eval_model(cfg: EvalConfig, choice: ModelChoice) -> EvalModel:
 
     The base model is loaded as it is; a checkpoint in the adapter shape it was saved with.
     """
-    from retool.engines import load_sampler, reads_checkpoint
-
     if choice.engine_checkpoint is not None and not reads_checkpoint(cfg.engine, choice.engine_checkpoint.engine):
         raise ConfigError(f"checkpoint {choice.checkpoint} was written by the {choice.engine_checkpoint.engine} "
                           f"engine; evaluate it with --engine {choice.engine_checkpoint.engine}")
@@ -268,8 +282,6 @@ class Dataset:
 
 def load_dataset(cfg: EvalConfig) -> Dataset:
     """Read the eval's problems; a bad row or a duplicate id raises ``DataError``."""
-    from retool.data import BUNDLED, problems_fingerprint, read_problems
-
     result = read_problems(cfg.dataset, question_field=cfg.question_field, answer_field=cfg.answer_field,
                            id_field=cfg.id_field)
     name = cfg.dataset if cfg.dataset in BUNDLED else Path(cfg.dataset).stem
@@ -280,8 +292,6 @@ def load_dataset(cfg: EvalConfig) -> Dataset:
 
 def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> ResultsHeader:
     """The first line of a results file (docs/formats.md): what was evaluated, and how."""
-    from retool import __version__
-
     tools = cfg.mode == "retool"
     sampling = SamplingSettings(
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_trajectory_tokens=cfg.max_trajectory_tokens,
@@ -392,8 +402,6 @@ def _open_results(cfg: EvalConfig, path: Path, header: ResultsHeader, dataset: D
 async def _sample_pending(cfg: EvalConfig, model: EvalModel, sandbox: Any, pending: list,
                           results: ResultsFile) -> Counter:
     """Roll out every pending problem, ``concurrency`` at a time; append each as it finishes."""
-    from retool.log import StepProgress
-
     renderer, rollout_config = _rollout_parts(cfg, model)
     semaphore, counts = asyncio.Semaphore(cfg.concurrency), Counter()
 
@@ -423,8 +431,6 @@ async def _sample_pending(cfg: EvalConfig, model: EvalModel, sandbox: Any, pendi
 
 def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any]:
     """The renderer and rollout budgets every problem shares."""
-    from retool.render import Renderer
-
     renderer = Renderer(model.tokenizer, chat_template=model.choice.chat_template, tools=cfg.mode == "retool",
                         model_name=model.choice.model, interpreter=cfg.interpreter)
     return renderer, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
@@ -433,9 +439,6 @@ def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any]:
 async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, rollout_config: Any, sandbox: Any,
                           index: int, problem: Any) -> tuple[ProblemResult, ProblemSampler]:
     """``val_n`` trajectories of one problem and its results line."""
-    from retool.reward import agrade
-    from retool.rollout import Rollout, RolloutError
-
     seed = problem_seed(cfg.seed, problem.id)
     sampler = ProblemSampler(model.sampler, seed if cfg.seeded else None)
     rollout = Rollout(renderer, sampler, sandbox, agrade, rollout_config)
@@ -455,7 +458,7 @@ async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, roll
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "eval", help="evaluate a base model or checkpoint: Average@k, Pass@k, Format (resumable)",
+        "eval",
         description="Evaluate a dataset x a model (base or checkpoint) x a mode (retool = tool on, text = "
         "tool off) x val_n samples: Average@k, Pass@k, unbiased pass@k, Format, code calls, turns. Writes one "
         "JSONL results file (docs/formats.md) and resumes it when re-run with the same settings. Every "
@@ -467,12 +470,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_eval_command(args: argparse.Namespace) -> int:
-    from retool.data import DataError
-    from retool.protocol import TemplateError
-    from retool.sandbox import SandboxUnavailableError
-
     try:
-        report = evaluate(config_from_args(EvalConfig, args))
+        cfg = config_from_args(EvalConfig, args)
+        check_outputs(cfg)
+        report = evaluate(cfg)
     except (ConfigError, DataError, TemplateError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -484,6 +485,28 @@ def _run_eval_command(args: argparse.Namespace) -> int:
         return 130
     print(format_summary(report))
     return 0
+
+
+def format_behaviour(figures: Mapping[str, float]) -> str:
+    """The behaviour figures (:func:`retool.stats.behaviour_figures`) as one line."""
+    parts = [f"response {figures['response_tokens']:.0f} tokens", f"calls in {100 * figures['call_rate']:.0f}%"]
+    if "code_lines_per_call" in figures:
+        parts.append(f"{figures['code_lines_per_call']:.1f} lines per call")
+    if "call_success_rate" in figures:
+        parts.append(f"{100 * figures['call_success_rate']:.0f}% of calls ran without error")
+    if "first_call_position" in figures:
+        parts.append(f"first call at {100 * figures['first_call_position']:.0f}% of the response")
+    parts.append(f"{figures['self_corrections']:.2f} self-corrections per sample")
+    return ", ".join(parts)
+
+
+def check_outputs(cfg: EvalConfig) -> None:
+    """Refuse, before any work, a results file (``--output``) or folder (``--output-dir``)
+    that cannot be written (:mod:`retool.flag_checks`)."""
+    if cfg.output:
+        output_file(cfg.output, "--output")
+    else:
+        output_folder(cfg.output_dir, "--output-dir")
 
 
 def format_summary(report: EvalReport) -> str:
@@ -501,6 +524,7 @@ def format_summary(report: EvalReport) -> str:
         f"  unbiased  {unbiased}",
         f"  code calls {s.code_calls:.2f}  turns {s.turns:.2f}  tokens {s.tokens:.0f}  "
         f"correct {s.num_correct}/{s.num_samples}  solved {s.num_solved}/{s.num_problems}",
+        *([f"  behaviour: {format_behaviour(s.behaviour)}"] if s.behaviour else []),
         f"  this run: sampled {report.sampled_problems} problems ({report.sampler_requests} sampler requests, "
         f"{report.sampled_tokens} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
         *cost,

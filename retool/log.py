@@ -17,6 +17,7 @@ the output is not a terminal it prints one plain line per step instead.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -24,6 +25,9 @@ import secrets
 import time
 from pathlib import Path
 from typing import Any, Mapping
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from retool.atomic import atomic_write_text
 
@@ -134,8 +138,6 @@ _REMOTE = {"swanlab": _SwanlabSink, "wandb": _WandbSink, "tensorboard": _Tensorb
 
 def check_sinks(sinks: tuple[str, ...]) -> None:
     """Raise before training if a sink is unknown or its package is missing."""
-    import importlib.util
-
     for sink in sinks:
         if sink not in SINKS:
             raise ValueError(f"unknown metric sink {sink!r}; choose from {', '.join(SINKS)}")
@@ -180,9 +182,6 @@ class StepProgress:
     """
 
     def __init__(self, total: int, *, start: int = 0, description: str = "train"):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.console = Console(stderr=True)
         self.total, self.start, self.t0 = total, start, time.monotonic()
         self.live = self.console.is_terminal

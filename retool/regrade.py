@@ -42,9 +42,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.atomic import UnwritableOutputError, atomic_open, writable_folder
+from retool.atomic import atomic_open
+from retool.data import DataError, problems_fingerprint, read_problems
+from retool.flag_checks import UnwritableOutputError, output_file, output_folder
+from retool.grader_pool import GraderPool
 from retool.report import ReportInputError, read_jsonl
 from retool.results import ProblemResult, ResultsFileError, is_results_file, read_results, summarize
+from retool.reward import GoldAnswerError, try_grade_many
+from retool.runs import data_fingerprint
 from retool.serialize import to_jsonable, trajectory_from_jsonable
 from retool.types import Grade, Trajectory
 
@@ -128,8 +133,6 @@ def final_text(trajectory: Trajectory) -> str:
 def grade_again(trajectories: Sequence[Trajectory], golds: Sequence[str], where: Sequence[str],
                 pool=None) -> list[Grade]:
     """The current grader's grade of each trajectory's final text against its gold."""
-    from retool.reward import GoldAnswerError, try_grade_many
-
     outcomes = try_grade_many([final_text(t) for t in trajectories], list(golds), pool=pool)
     for outcome, place in zip(outcomes, where):
         if isinstance(outcome, GoldAnswerError):
@@ -214,8 +217,6 @@ def _run_data(run_dir: Path, data: str | None) -> tuple[str, list[str]]:
     data, notes = str(config["train_data"]), []
     record = run_dir / "train_data.json"
     if record.is_file() and Path(data).is_file():
-        from retool.runs import data_fingerprint
-
         if _json_file(record).get("sha256") != data_fingerprint(Path(data))["sha256"]:
             notes.append(f"note: {data} changed since the run started (its sha256 differs from train_data.json)")
     return data, notes
@@ -232,8 +233,6 @@ def _json_file(path: Path) -> dict:
 
 
 def _read_golds(data: str) -> Golds:
-    from retool.data import DataError, problems_fingerprint, read_problems
-
     try:
         found = read_problems(data)
         return Golds(str(found.path), {p.id: p.answer for p in found.problems}, problems_fingerprint(found.problems))
@@ -293,7 +292,7 @@ def print_report(report: RegradeReport, out=None) -> None:
 def register(subparsers) -> None:
     """Add ``retool regrade``."""
     parser = subparsers.add_parser(
-        "regrade", help="grade recorded answers again with the current grader (eval file or run folder)",
+        "regrade",
         description="Grade every recorded final answer of an eval results file or of a run's saved "
                     "trajectories again with the current grader, write the result to a NEW file (the "
                     "original is never changed) and print what changed.")
@@ -327,14 +326,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _regrade(args: argparse.Namespace) -> RegradeReport:
-    from retool.grader_pool import GraderPool
-
     source: Path = args.source
     if source.is_dir():
         if args.output is not None:
             raise RegradeError("--output is for an eval results file; a run folder takes --output-dir")
         output_dir = args.output_dir or source / "regraded"
-        writable_folder(output_dir, "--output-dir")
+        output_folder(output_dir, "--output-dir")
         with GraderPool() as pool:
             return regrade_run(source, output_dir, args.data, pool)
     if not source.is_file():
@@ -346,7 +343,7 @@ def _regrade(args: argparse.Namespace) -> RegradeReport:
     output = args.output or default_output(source)
     if output.resolve() == source.resolve():
         raise RegradeError(f"--output {output} is the original file: regrade never changes it; choose another")
-    writable_folder(output.parent, "--output")
+    output_file(output, "--output")
     golds = _read_golds(args.data) if args.data else None
     with GraderPool() as pool:
         return regrade_results(source, output, golds, pool)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from retool.report import ReportInputError, read_eval_results, read_jsonl
 from retool.results import is_results_file
+from retool.sandbox import Sandbox, SandboxConfig
 from retool.serialize import trajectory_from_jsonable
 from retool.types import ExecutionResult, ToolCall, Trajectory
 
@@ -189,16 +190,12 @@ async def replay(items: list[Recorded], sandbox, limits: Limits) -> list[CallRep
 
 def sandbox_config(limits: Limits, **overrides):
     """The sandbox of a replay: the recorded limits, defaults for the rest."""
-    from retool.sandbox import SandboxConfig
-
     recorded = {k: v for k, v in (("timeout_s", limits.timeout_s), ("memory_mb", limits.memory_mb)) if v is not None}
     return SandboxConfig(**{**recorded, **overrides})
 
 
 def run_replay(items: list[Recorded], limits: Limits, **config_overrides) -> list[CallReplay]:
     """Start a sandbox with the recorded limits, replay ``items``' calls, stop it."""
-    from retool.sandbox import Sandbox
-
     async def main() -> list[CallReplay]:
         async with Sandbox(sandbox_config(limits, **config_overrides)) as sandbox:
             return await replay(items, sandbox, limits)
@@ -255,7 +252,7 @@ def print_summary(source: Path, calls: list[CallReplay], trajectories: int, out=
 def register(subparsers) -> None:
     """Add ``retool replay``."""
     parser = subparsers.add_parser(
-        "replay", help="run recorded code calls again in the current sandbox and check they reproduce",
+        "replay",
         description="Re-execute the code calls recorded in an eval results file or a run's trajectory "
                     "file/folder in the current sandbox (the recorded timeout and memory limit where the "
                     "source has them) and compare status and output call by call. Exit code 0 when every "

@@ -45,6 +45,7 @@ from retool.stats import (
     TrajectoryStats,
     average_at_k,
     average_at_k_stderr,
+    behaviour_figures,
     check_counts,
     pass_at_k_empirical,
     trajectory_stats,
@@ -278,21 +279,30 @@ class EvalSummary:
     num_formatted: int
     num_solved: int
     stop_reasons: dict[str, int]
+    behaviour: dict[str, float] | None = None
+    """:func:`retool.stats.behaviour_figures` (response length, call rate, code lines per
+    call, call success rate, first-call position, self-corrections); ``None`` in files
+    written before it was recorded."""
 
     def to_json(self) -> dict:
-        row = {"type": "summary", **{key: getattr(self, name) for key, name in _SUMMARY_KEYS}}
+        row = {"type": "summary", **{key: getattr(self, name) for key, name in _SUMMARY_KEYS
+                                     if key not in _OPTIONAL_SUMMARY_KEYS or getattr(self, name) is not None}}
         row["pass@k_unbiased"] = {str(j): p for j, p in self.pass_at_k_unbiased.items()}
         return row
 
     @classmethod
     def from_json(cls, row: Mapping) -> EvalSummary:
-        values = {name: row[key] for key, name in _SUMMARY_KEYS}
+        values = {name: row[key] for key, name in _SUMMARY_KEYS if key not in _OPTIONAL_SUMMARY_KEYS}
+        values.update({name: row.get(key) for key, name in _SUMMARY_KEYS if key in _OPTIONAL_SUMMARY_KEYS})
         values["pass_at_k_unbiased"] = {int(j): p for j, p in row["pass@k_unbiased"].items()}
         return cls(**values)
 
 
 _SUMMARY_KEYS = tuple((f.name.replace("_at_", "@"), f.name) for f in dataclasses.fields(EvalSummary))
 """(JSON key, field) in the file's order: ``average@k`` ↔ ``average_at_k``, …"""
+_OPTIONAL_SUMMARY_KEYS = ("behaviour",)
+"""Summary keys older files lack: read as ``None``, and left out of the line when ``None``
+(so such files read and write back byte for byte)."""
 
 
 def summarize(samples_P: Iterable[Sequence[Trajectory]]) -> EvalSummary:
@@ -318,7 +328,8 @@ def summary_of_stats(stats_P: Sequence[TrajectoryStats]) -> EvalSummary:
         turns=total.turns_mean, tokens=total.tokens_mean, sampled_tokens=total.sampled_tokens_mean,
         average_at_k_stderr=average_at_k_stderr(counts), k=k, num_problems=len(counts),
         num_samples=total.trajectories, num_correct=total.correct, num_formatted=total.formatted,
-        num_solved=sum(1 for _, c in counts if c > 0), stop_reasons=total.stop_reasons)
+        num_solved=sum(1 for _, c in counts if c > 0), stop_reasons=total.stop_reasons,
+        behaviour=behaviour_figures(total))
 
 
 # ---------------------------------------------------------------- reading

@@ -44,12 +44,17 @@ from pathlib import Path
 from typing import Any
 
 from retool import runs
+from retool.algo import make_datum
 from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
-from retool.protocol import INTERPRETERS, TOOL_NAME, system_prompt
-from retool.types import Datum
+from retool.engines.base import AdamParams
+from retool.flag_checks import output_folder
+from retool.log import check_sinks
+from retool.protocol import INTERPRETERS, TOOL_NAME, TemplateError, parse_assistant, system_prompt, truncate_tool_output
+from retool.render import Renderer
+from retool.types import Datum, ToolCall
 
 SCHEDULES = ("constant", "linear", "cosine")
 ROLES = ("system", "user", "assistant", "tool")
@@ -102,7 +107,6 @@ class SFTConfig(CostOptions, ModelConfig):
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         require(self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "invalid Adam settings")
         require(self.grad_clip_norm is None or self.grad_clip_norm > 0, "grad_clip_norm must be > 0 (or none)")
-        from retool.log import check_sinks
 
         try:
             check_sinks(self.sinks)
@@ -294,8 +298,6 @@ class AssistantFormatter:
 
 
 def _template_error(renderer: Any, why: str) -> Exception:
-    from retool.protocol import TemplateError
-
     return TemplateError(f"the chat template of {renderer.model_name} cannot be used for SFT: {why}")
 
 
@@ -315,8 +317,6 @@ def dialogue_tokens(dialogue: Dialogue, renderer: Any, formatter: AssistantForma
     Raises :class:`ConversationError` when an assistant text does not parse back, with
     the protocol's parser, to the same call (or to no call, for the final answer).
     """
-    from retool.protocol import truncate_tool_output
-
     tokens = renderer.prompt_tokens(dialogue.prompt_messages())
     mask, truncated = [0] * len(tokens), 0
     for k, turn in enumerate(dialogue.turns):
@@ -337,10 +337,7 @@ def dialogue_tokens(dialogue: Dialogue, renderer: Any, formatter: AssistantForma
 
 
 def _check_round_trip(renderer: Any, text: str, turn: AssistantTurn, where: str) -> None:
-    from retool.protocol import parse_assistant
-    from retool.types import ToolCall
-
-    parsed = parse_assistant(text, renderer.tool_format)
+    parsed = parse_assistant(text, renderer.tool_format, in_thinking=renderer.opens_thinking)
     code = parsed.call.code if isinstance(parsed.call, ToolCall) else None
     if parsed.call is not None and code is None:
         raise ConversationError(f"{where}: the rendered turn holds a malformed tool call "
@@ -379,8 +376,6 @@ def build_sft_data(dialogues: Sequence[Dialogue], renderer: Any, *, max_seq_toke
 
     Raises :class:`ConversationError` when every dialogue is over ``max_seq_tokens``.
     """
-    from retool.algo import make_datum
-
     formatter = AssistantFormatter(renderer)
     datums, dropped, truncated = [], [], 0
     for dialogue in dialogues:
@@ -437,8 +432,6 @@ class SFTRun:
 
 def sft_step(run: SFTRun, step: int) -> dict[str, float]:
     """One SFT step: this step's batch → forward_backward(cross_entropy) → optim_step."""
-    from retool.engines.base import AdamParams
-
     cfg, t0 = run.config, time.monotonic()
     batch = [run.datums[i] for i in runs.batch_indices(step, cfg.batch_size, len(run.datums), cfg.seed)]
     lr = learning_rate(step, run.total_steps, cfg)
@@ -467,8 +460,6 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
 
 def build_run(cfg: SFTConfig, dialogues: Sequence[Dialogue]) -> tuple[SFTRun, SFTData]:
     """Load the engine and turn ``dialogues`` into datums."""
-    from retool.render import Renderer
-
     cost = cost_meter(cfg, cfg.engine, cfg.model)  # a bad price table fails before the model loads
     engine = runs.load_engine(cfg, cfg.seed)
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=True, model_name=cfg.model,
@@ -532,7 +523,7 @@ def _report_data(run_dir: Path, data: SFTData, data_info: dict[str, str]) -> Non
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "sft", help="cold-start SFT on tool dialogues (loss on assistant tokens only)",
+        "sft",
         description="Cold-start SFT (ReTool's first stage) on OpenAI-format tool dialogues, with the loss on "
         "assistant tokens only (tool output and template tokens are masked). Writes RUN_DIR/metrics.jsonl and checkpoints in the layout "
         "of `retool train`, whose --init-from RUN_DIR starts RL from the result (use the same model, "
@@ -546,10 +537,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_sft_command(args: argparse.Namespace) -> int:
-    from retool.protocol import TemplateError
-
     try:
         cfg = resumed_config(SFTConfig, args) if args.resume else config_from_args(SFTConfig, args)
+        output_folder(cfg.run_dir, "--resume" if args.resume else "--run-dir")
         run_dir = sft(cfg, resume=bool(args.resume))
     except (ConfigError, ConversationError, TemplateError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

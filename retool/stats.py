@@ -20,6 +20,11 @@ Definitions (those of the seed's report, plus the unbiased estimator):
   variance both evals share, so it is the honest "did training help" test
   (``retool compare``).
 
+- **behaviour figures** (:func:`behaviour_figures`) — the ReTool paper's analyses of
+  *how* the model uses the tool, pooled over trajectories: response length, call rate,
+  code lines per call, share of calls that ran without error, position of the first call,
+  self-corrections.
+
 - **trajectory totals** (:class:`TrajectoryStats`) — correct, formatted, reward, turns,
   call attempts, valid and executed calls, tokens, stop reasons of a set of
   trajectories: the one aggregation behind the training metrics and the eval summary
@@ -172,6 +177,15 @@ class TrajectoryStats:
     """Whole contexts, prompt included (as the trajectory budget counts them)."""
     sampled_tokens: int = 0
     """Policy tokens (mask sum)."""
+    code_lines: int = 0
+    """Non-blank code lines of the valid calls."""
+    ok_calls: int = 0
+    """Calls that ran without an error (status ``ok``)."""
+    first_call_position: float = 0.0
+    """Sum over trajectories with a call that ran of where the first one ends, as a
+    fraction of the trajectory's sampled tokens (:func:`first_call_position`)."""
+    self_corrections: int = 0
+    """Calls that ran without error right after a call that failed or was invalid."""
     invalid_calls: dict[str, int] = field(default_factory=dict)
     """Invalid call attempts by reason, in order of first appearance."""
     stop_reasons: dict[str, int] = field(default_factory=dict)
@@ -256,9 +270,68 @@ def trajectory_stats(trajectories: Iterable[Trajectory]) -> TrajectoryStats:
         used_tool=sum(t.num_code_calls > 0 for t in trajectories),
         tokens=sum(len(t.tokens_T) for t in trajectories),
         sampled_tokens=sum(sum(t.mask_T) for t in trajectories),
+        code_lines=sum(code_lines(call.code) for call in attempts if isinstance(call, ToolCall)),
+        ok_calls=sum(r.ok for r in results),
+        first_call_position=math.fsum(p for p in map(first_call_position, trajectories) if p is not None),
+        self_corrections=sum(map(self_corrections, trajectories)),
         invalid_calls=dict(Counter(call.reason for call in attempts if isinstance(call, InvalidToolCall))),
         stop_reasons=dict(Counter(t.stop_reason.value for t in trajectories)),
     )
+
+
+# ---------------------------------------------------------------- the paper's behaviour figures
+
+
+def code_lines(code: str) -> int:
+    """Non-blank lines of a snippet."""
+    return sum(1 for line in code.splitlines() if line.strip())
+
+
+def first_call_position(trajectory: Trajectory) -> float | None:
+    """Where the first call that ran ends, as a fraction of the trajectory's sampled
+    tokens (the call closes its turn, so: the sampled tokens up to and including that
+    turn over all sampled tokens); ``None`` without such a call."""
+    total = sum(turn.num_tokens for turn in trajectory.turns)
+    done = 0
+    for turn in trajectory.turns:
+        done += turn.num_tokens
+        if turn.exchange is not None and turn.exchange.result is not None:
+            return done / total if total else 0.0
+    return None
+
+
+def self_corrections(trajectory: Trajectory) -> int:
+    """Calls that ran without error right after a call that failed (ran with an error,
+    timed out, ...) or was invalid: code that fixes an earlier failed call."""
+    exchanges = [turn.exchange for turn in trajectory.turns if turn.exchange is not None]
+    failed = [e.result is None or not e.result.ok for e in exchanges]
+    return sum(1 for i in range(1, len(exchanges)) if failed[i - 1] and exchanges[i].result is not None
+               and exchanges[i].result.ok)
+
+
+BEHAVIOUR_FIGURES: dict[str, tuple[str, str]] = {
+    "response_tokens": ("sampled_tokens", "trajectories"),
+    "call_rate": ("used_tool", "trajectories"),
+    "code_lines_per_call": ("code_lines", "valid_tool_calls"),
+    "call_success_rate": ("ok_calls", "code_calls"),
+    "first_call_position": ("first_call_position", "used_tool"),
+    "self_corrections": ("self_corrections", "trajectories"),
+}
+"""The ReTool paper's behaviour analyses as pooled ratios of :class:`TrajectoryStats`
+totals, ``name: (numerator, denominator)``: response length (sampled tokens only),
+share of trajectories with a call that ran, code lines per valid call, share of calls
+that ran without error, where the first call ends (fraction of the response), and
+self-corrections per trajectory."""
+
+COUNT_FIGURES = ("response_tokens", "code_lines_per_call", "self_corrections")
+"""Behaviour figures that are counts (the others are shares)."""
+
+
+def behaviour_figures(stats: TrajectoryStats) -> dict[str, float]:
+    """Each :data:`BEHAVIOUR_FIGURES` ratio of ``stats``; a figure whose denominator is 0
+    (no calls, say) is left out."""
+    return {name: getattr(stats, num) / getattr(stats, den)
+            for name, (num, den) in BEHAVIOUR_FIGURES.items() if getattr(stats, den)}
 
 
 def is_name_error(result: ExecutionResult) -> bool:

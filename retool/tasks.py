@@ -46,8 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retool.atomic import UnwritableOutputError, atomic_write_jsonl, writable_folder
+from retool.atomic import atomic_write_jsonl
+from retool.flag_checks import UnwritableOutputError, output_file
 from retool.protocol import INTERPRETERS, TOOL_NAME, check_interpreter, system_prompt
+from retool.sandbox import Sandbox, SandboxConfig
 from retool.types import Problem
 
 SPLITS = ("sft", "rl", "test")
@@ -420,8 +422,6 @@ def _stateful_calls(draw: Draw) -> list[tuple[str, str]]:
 
 def _run_all(snippets: list[list[str]], sandbox: Any, stateful: bool) -> list[list[str]]:
     """The observations of each dialogue's snippets, run in order (in one session when ``stateful``)."""
-    from retool.sandbox import Sandbox, SandboxConfig
-
     async def dialogue(sb: Any, codes: list[str]) -> list[Any]:
         if not stateful:
             return [await sb.run(code, timeout_s=10.0) for code in codes]
@@ -473,7 +473,7 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "task-data", help="write the synthetic arithmetic task: SFT dialogues or RL/test problems",
+        "task-data",
         description="Write the synthetic tool-worthy arithmetic task. Split 'sft' writes OpenAI-format "
         "tool dialogues for `retool sft` (tool outputs from the real sandbox); splits 'rl' and 'test' "
         "write problem rows {id, question, answer, data_source} for `retool train` and evaluation. "
@@ -497,7 +497,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run_task_data(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     try:
-        writable_folder(args.output.parent, "--output")
+        output_file(args.output, "--output")
         if args.split == "sft" and args.difficulty.strip():
             raise ValueError("--difficulty applies to the 'rl' and 'test' splits; SFT dialogues use level 0")
         if args.split == "sft":

@@ -41,10 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retool import curriculum, runs
+from retool import algo, curriculum, runs
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
+from retool.flag_checks import output_folder
 from retool.rollout import RolloutBudgets
 from retool.seeding import derive_seed
 
@@ -81,6 +82,24 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     clip_high: float = option(1.28, "PPO ratio clip upper bound (1 + eps_high, clip-higher)")
     dual_clip: float | None = option(None, "PPO dual-clip constant c (e.g. 10); none = off")
     normalize_std: bool = option(False, "divide group-centred advantages by the group std")
+    advantage: str = option("grpo", "grpo: group-centred rewards; passk: pass@k-aware rewards (PKPO / verl "
+                                    "grpo_passk, --passk K), then centred", choices=algo.ADVANTAGES)
+    passk: int = option(2, "K of --advantage passk (1 <= K < group_size; 1 = grpo)")
+    overlong: str = option("none", "truncated trajectories (a budget ended them): none = graded like others; "
+                                   "mask = loss weight 0 (no gradient); soft = DAPO's linear penalty over the "
+                                   "last --overlong-buffer policy tokens of the policy-token budget "
+                                   "(min(max_trajectory_tokens - prompt, max_assistant_turns x max_turn_tokens)), "
+                                   "added to every reward before centring; tool tokens never count",
+                           choices=algo.OVERLONG)
+    overlong_buffer: int = option(512, "L of --overlong soft: the penalty falls from 0 to -1 over the last L "
+                                       "policy tokens of the budget")
+    behaviour_is: str = option("off", "sampler-trainer correction: the loss ratio becomes pi_theta/pi_old "
+                                      "(trainer logprobs) times w from r = pi_old/mu (sampler logprobs): "
+                                      "token-tis w = min(r_t, C), sequence-tis w = min(prod r_t, C), token-mask "
+                                      "w = 1 if 1/T <= r_t <= T else 0; off = ratio pi_theta/mu as before",
+                               choices=algo.BEHAVIOUR_IS)
+    behaviour_is_cap: float = option(2.0, "C of token-tis / sequence-tis (> 1)")
+    behaviour_is_threshold: float = option(2.0, "T of token-mask (> 1)")
     drop_degenerate_groups: bool = option(False, "skip groups whose rewards are all equal (zero advantage)")
     refill_rounds: int = option(0, "dynamic sampling (DAPO): up to N extra rollout rounds of fresh problems "
                                    "while fewer than batch_size groups are informative; only those are trained")
@@ -123,6 +142,11 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(self.curriculum in curriculum.CURRICULA,
                 f"curriculum must be one of {', '.join(curriculum.CURRICULA)}, got {self.curriculum!r}")
         require(0 < self.curriculum_floor <= 1, f"curriculum_floor must be in (0, 1], got {self.curriculum_floor}")
+        require(self.advantage != "passk" or 1 <= self.passk < self.group_size,
+                f"--passk must be in [1, group_size) = [1, {self.group_size}), got {self.passk}")
+        require(self.overlong_buffer >= 1, f"overlong_buffer must be >= 1, got {self.overlong_buffer}")
+        require(self.behaviour_is_cap > 1 and self.behaviour_is_threshold > 1,
+                "behaviour_is_cap and behaviour_is_threshold must be > 1")
         from retool.log import check_sinks
 
         try:
@@ -134,6 +158,7 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     def requirements(self) -> Requirements:
         """What this run asks of its engine (checked against the engine's capabilities)."""
         return Requirements(full_finetune=self.full_finetune, loss=self.loss, dual_clip=self.dual_clip is not None,
+                            behaviour_is=self.behaviour_is != "off",
                             packing=self.packing, train_top_p=self.top_p, train_temperature=self.temperature,
                             resume=True)
 
@@ -200,9 +225,9 @@ class Trainer:
 
 def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     """Run one RL step; return its metrics and the trajectory groups (with advantages)."""
-    from retool import algo
     from retool.engines.base import AdamParams
     from retool.rollout import rollout_metrics
+    from retool.stats import behaviour_figures, trajectory_stats
 
     cfg, t0 = trainer.config, time.monotonic()
     try:  # a service engine loads the new weights here (e.g. a vLLM server's adapter swap)
@@ -225,14 +250,14 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
         trainer.reused_groups = 0
     runs.failpoint("after_rollout", step)
 
-    rewards_BG = _rewards(groups)
+    rewards_BG, metrics = _shaped_rewards(cfg, groups)
     degenerate_B = [algo.is_degenerate(rewards_G) for rewards_G in rewards_BG]
     drop = cfg.drop_degenerate_groups or cfg.refill_rounds > 0
-    advantages_BG = [algo.group_advantages(rewards_G, cfg.normalize_std) for rewards_G in rewards_BG]
+    advantages_BG = [_advantages(cfg, rewards_G) for rewards_G in rewards_BG]
     kept = [(g, a) for g, a, degenerate in zip(groups, advantages_BG, degenerate_B) if not (drop and degenerate)]
-    datums = [algo.trajectory_datum(t, a) for g, adv in kept for t, a in zip(g, adv)]
+    datums = [algo.trajectory_datum(t, a) for g, adv in kept for t, a in zip(g, adv)
+              if not (cfg.overlong == "mask" and algo.is_truncated(t))]
     datums = [d for d in datums if d.num_trained > 0]
-    metrics: dict[str, float] = {}
     t1 = time.monotonic()
     if datums:
         adam = AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
@@ -247,12 +272,14 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
                             "after fixing the cause (e.g. a lower --lr or --micro-batch-tokens)") from err
         metrics.update(fb.metrics)
         metrics.update(opt.metrics)
+        metrics["train/sampler_nll"] = algo.sampler_nll(datums)
     t_train = time.monotonic() - t1
 
     flat = [t for g in groups for t in g]
     usage = trainer.rollout.take_usage()
     trained = float(sum(d.num_trained for d in datums))
     metrics.update(rollout_metrics(flat))
+    metrics.update({f"behaviour/{k}": v for k, v in behaviour_figures(trajectory_stats(flat)).items()})
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
     _add_totals(trainer.totals, usage["prefill"], usage["sampled"], trained, metrics.get("sandbox/cpu_s", 0.0))
     if trainer.pool is not None:
@@ -287,10 +314,44 @@ def _rewards(groups: list) -> list[list[float]]:
     return [[t.grade.reward for t in g] for g in groups]
 
 
+def _shaped_rewards(cfg: TrainConfig, groups: list) -> tuple[list[list[float]], dict[str, float]]:
+    """The rewards advantages are computed from (``--overlong soft`` adds its penalty), and
+    how many trajectories ``--overlong`` touched."""
+    flat = [t for g in groups for t in g]
+    truncated = sum(1 for t in flat if algo.is_truncated(t))
+    metrics = {"rollout/truncated": float(truncated)}
+    if cfg.overlong == "mask":
+        metrics["train/overlong_masked"] = float(truncated)
+    if cfg.overlong != "soft":
+        return _rewards(groups), metrics
+    penalties_BG = [[algo.overlong_penalty(algo.policy_tokens(t), _policy_budget(cfg, t), cfg.overlong_buffer)
+                     for t in g] for g in groups]
+    flat_penalties = [p for penalties_G in penalties_BG for p in penalties_G]
+    metrics["train/overlong_penalised"] = float(sum(1 for p in flat_penalties if p < 0))
+    metrics["train/overlong_penalty_mean"] = sum(flat_penalties) / len(flat_penalties)
+    return [[r + p for r, p in zip(rewards_G, penalties_G)]
+            for rewards_G, penalties_G in zip(_rewards(groups), penalties_BG)], metrics
+
+
+def _policy_budget(cfg: TrainConfig, trajectory: Any) -> int:
+    return algo.policy_token_budget(cfg.max_trajectory_tokens, cfg.max_turn_tokens, cfg.max_assistant_turns,
+                                    trajectory.prompt_len)
+
+
+def _advantages(cfg: TrainConfig, rewards_G: list[float]) -> tuple[float, ...]:
+    if cfg.advantage == "passk":
+        rewards_G = list(algo.passk_rewards(rewards_G, cfg.passk))
+    return algo.group_advantages(rewards_G, cfg.normalize_std)
+
+
 def _loss_config(cfg: TrainConfig) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if cfg.behaviour_is != "off":
+        value = cfg.behaviour_is_threshold if cfg.behaviour_is == "token-mask" else cfg.behaviour_is_cap
+        out[algo.BEHAVIOUR_IS_KEYS[cfg.behaviour_is]] = value
     if cfg.loss != "ppo":
-        return {}
-    out = {"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high}
+        return out
+    out.update({"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high})
     if cfg.dual_clip is not None:
         out["dual_clip"] = cfg.dual_clip
     return out
@@ -409,7 +470,9 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
         raise
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model,
                         interpreter=cfg.interpreter)
-    rollout = Rollout(renderer, engine.save_weights_for_sampler(), sandbox, agrade,
+    # no sampler yet: every step takes one on its current weights (train_step), so none is
+    # made on untrained weights that a resume would replace at once
+    rollout = Rollout(renderer, None, sandbox, agrade,  # type: ignore[arg-type]
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost)
@@ -425,6 +488,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
     trainer = build_trainer(cfg, inputs.problems)
     ended: BaseException | None = None
     try:
+        if not (resume and runs.latest_checkpoint(run_dir)):  # a resume takes its checkpoint's client instead
+            getattr(trainer.engine, "start", lambda: None)()  # a service engine's run, refused before any file
         runs.create_run(run_dir, cfg)
         atomic_write_json(run_dir / TRAIN_DATA_RECORD, {**inputs.fingerprint, "problems": len(inputs.problems)})
         runs.run_steps(runs.StepLoop(
@@ -468,7 +533,7 @@ def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "train", help="RL-train a model to use the code interpreter (GRPO/PPO)",
+        "train",
         description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset (configs/*.toml); "
         "every flag's default is the seed's configuration.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -488,6 +553,9 @@ def _run_train_command(args: argparse.Namespace) -> int:
             cfg = resumed_config(TrainConfig, args)
         else:
             cfg = config_from_args(TrainConfig, args)
+        output_folder(cfg.run_dir, "--resume" if args.resume else "--run-dir")
+        if cfg.engine == "vllm" and cfg.vllm.adapter_dir:  # the adapters the server hot-loads are written there
+            output_folder(cfg.vllm.adapter_dir, "--vllm-adapter-dir")
         run_dir = train(cfg, resume=bool(args.resume))
     except (ConfigError, DataError, StepError, FileNotFoundError, SandboxUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)

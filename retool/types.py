@@ -2,8 +2,8 @@
 
 Small, frozen dataclasses passed between stages: a problem, a parsed tool call,
 the result of executing one snippet, the grade of one answer, one assistant turn,
-one trajectory. Nothing here does work; behaviour lives in the modules that make
-and consume these records.
+one trajectory, one group of trajectories. Nothing here does work; behaviour lives in
+the modules that make and consume these records.
 
 Shape suffixes follow the STYLE guide: ``tokens_T`` is one entry per token of a
 trajectory, ``rewards_G`` one entry per member of a group.
@@ -200,6 +200,28 @@ class Trajectory:
     def num_code_calls(self) -> int:
         """Calls that actually ran in the sandbox (not invalid or over-budget attempts)."""
         return sum(1 for t in self.turns if t.exchange is not None and t.exchange.result is not None)
+
+
+@dataclass(frozen=True)
+class TrajectoryGroup:
+    """The trajectories of one problem sampled together: a GRPO group.
+
+    Advantages are computed within a group (each reward against its group's mean), so
+    the group, not the single trajectory, is what the rollout hands to the reward and
+    advantage stages.
+    """
+
+    problem: Problem
+    trajectories_G: tuple[Trajectory, ...]
+
+    def __post_init__(self) -> None:
+        if not self.trajectories_G:
+            raise ValueError(f"a group needs at least one trajectory (problem {self.problem.id})")
+
+    @property
+    def rewards_G(self) -> tuple[float, ...]:
+        """Each trajectory's outcome reward, in order."""
+        return tuple(t.grade.reward for t in self.trajectories_G)
 
 
 # ---------------------------------------------------------------- training

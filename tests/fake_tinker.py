@@ -47,13 +47,34 @@ import numpy as np
 
 FAKE_LORA_ALPHA = 32.0
 """The fake service's LoRA alpha (the services choose their own; none takes one)."""
+DENOMINATORS = ("call_tokens", "samples", "advantage_tokens", "datum_tokens", "sum")
+"""What a service may divide a call's summed loss by: the call's active targets, its
+datums, its targets with a nonzero advantage, each datum's own active targets, nothing."""
 
 
 class FakeService:
     """The server side: checkpoints on disk, recorded gradients, injected faults."""
 
-    def __init__(self, root: str | Path, flavour: str, lora_alpha: float = FAKE_LORA_ALPHA) -> None:
+    def __init__(self, root: str | Path, flavour: str, lora_alpha: float = FAKE_LORA_ALPHA,
+                 duplicate_seeded: bool = False, denominator: str | None = None) -> None:
         self.root, self.flavour, self.lora_alpha = Path(root), flavour, lora_alpha
+        self.denominator = denominator or ("sum" if flavour == "tinker" else "call_tokens")
+        """What the summed loss of a call is divided by (:data:`DENOMINATORS`): Tinker's
+        documented ``sum``; PyTRIO's inferred ``call_tokens``; the others to test the probe."""
+        assert self.denominator in DENOMINATORS, self.denominator
+        self.duplicate_seeded = duplicate_seeded
+        """Reproduce the reported Tinker behaviour: a seeded request for ``n > 1`` samples
+        answers ``n`` token-identical sequences (one sample, repeated)."""
+        self.sample_requests: list[tuple[int, int | None]] = []
+        """Every sample request as sent: (``num_samples``, ``seed``)."""
+        self.billing: list[Any] = []
+        """Tinker only: what its billing would record, as the SDK's billing event types
+        (``tinker.types.*BillingEvent``), one per request: prefill cached and not,
+        sampled and trained tokens, checkpoints (the ephemeral snapshots are not)."""
+        self.closed: list[str] = []
+        self.deleted: list[str] = []
+        """Every checkpoint deleted through the REST client."""
+        """The status of every service session closed (PyTRIO: ``ENDED``/``CANCELLED``)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.faults: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.calls: collections.Counter = collections.Counter()
@@ -92,6 +113,12 @@ class FakeService:
         if status == "timeout":
             return TimeoutError("fake: request timed out")
         return ControlAPIError(f"fake HTTP {status}", status_code=int(status), retryable=status in (429, 500))
+
+    def bill(self, event: str, **fields: Any) -> None:
+        if self.flavour == "tinker":
+            import tinker
+
+            self.billing.append(getattr(tinker.types, event)(**fields))
 
     # ------------------------------------------------------------ paths
 
@@ -155,12 +182,13 @@ class FakeService:
         self.training_clients.append(trainer)
         return trainer
 
-    def sampler(self, model_path: str | None, base_model: str | None) -> FakeSampler:
+    def sampler(self, model_path: str | None, base_model: str | None, count: bool = True) -> FakeSampler:
         from retool.engines import SamplerRequest
         from retool.engines.base import EngineCheckpoint
         from retool.engines.local import sampler
 
-        self.check("create_sampling_client")
+        if count:
+            self.check("create_sampling_client")
         if model_path:
             folder = self.folder(model_path)
             saved = EngineCheckpoint.read(folder)
@@ -195,18 +223,52 @@ class FakeTrainer:
         from retool.engines.local.model import model_mode
 
         self.service.requests.append(("forward_backward", (data, loss_fn, config)))
-        per_call = self.service.flavour == "pytrio"
+        self.service.bill("TrainingBillingEvent", token_count=sum(d.model_input.length for d in data))
         denominator = 1.0
-        if per_call:  # PyTRIO: the call's active targets (not -100; cross-entropy: weight != 0)
-            denominator = float(sum(self._active(d, loss_fn).sum() for d in data))
         outputs, loss_sum = [], 0.0
         with model_mode(self.local.model, train=True):
             for datum in data:
                 logprobs_N = self._logprobs(datum)
+                denominator = self._denominator(data, datum, loss_fn)
                 loss = self._token_losses(datum, loss_fn, config or {}, logprobs_N).sum() / denominator
                 loss.backward()
                 loss_sum += loss.item() * denominator
                 outputs.append({"logprobs": self._tensor(logprobs_N.detach().numpy().astype(np.float32))})
+        return self._output(outputs, loss_sum, denominator)
+
+    def forward(self, data: list, loss_fn: str, config: dict | None) -> Any:
+        """The logprobs of every target, no gradient (the SDKs' ``forward``)."""
+        import torch
+
+        from retool.engines.local.model import model_mode
+
+        with torch.no_grad(), model_mode(self.local.model, train=False):
+            outputs = [{"logprobs": self._tensor(self._logprobs(d).numpy().astype(np.float32))} for d in data]
+        return self._output(outputs, 0.0, 1.0)
+
+    def _denominator(self, data: list, datum: Any, loss_fn: str) -> float:
+        """What this datum's summed loss is divided by in this call (:data:`DENOMINATORS`)."""
+        kind = self.service.denominator
+        if kind == "sum":
+            return 1.0
+        if kind == "samples":
+            return float(len(data))
+        if kind == "datum_tokens":
+            return max(float(self._active(datum, loss_fn).sum()), 1.0)
+        if kind == "advantage_tokens":
+            return max(float(sum((self._active(d, loss_fn) & self._advantaged(d)).sum() for d in data)), 1.0)
+        # call_tokens: the call's active targets (not -100; cross-entropy: weight != 0)
+        return float(sum(self._active(d, loss_fn).sum() for d in data))
+
+    def _advantaged(self, datum: Any) -> Any:
+        import torch
+
+        advantages = datum.loss_fn_inputs.get("advantages")
+        if advantages is None:
+            return torch.ones(len(datum.loss_fn_inputs["target_tokens"].tolist()), dtype=torch.bool)
+        return torch.tensor(advantages.tolist()) != 0
+
+    def _output(self, outputs: list, loss_sum: float, denominator: float) -> Any:
         if self.service.flavour == "tinker":
             import tinker
 
@@ -285,8 +347,11 @@ class FakeTrainer:
         return pytrio.types.OptimStepResponse(metrics={})
 
     def save(self, kind: str, name: str) -> Any:
+        self.service.bill("CheckpointBillingEvent", count=1)
         folder = self.service.root / kind / name
         self.local.save_state(folder)
+        if kind == "external_weights":
+            tinker_layout(folder / "adapter", folder / "tinker_adapter")
         path = self.service.path(kind, name)
         if self.service.flavour == "tinker":
             import tinker
@@ -299,14 +364,55 @@ class FakeTrainer:
         cls = pytrio.types.SaveWeightsResponse if kind == "weights" else pytrio.types.SaveWeightsForSamplerResponse
         return cls(path=path, model=self.model, size=sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()))
 
+    def ephemeral_sampler(self) -> FakeSampler:
+        """A sampler on the current weights, saved outside the account's checkpoints (as
+        the services' ephemeral snapshots are): ``save_weights_and_get_sampling_client``."""
+        name = f"snapshot-{uuid.uuid4().hex[:8]}"
+        self.local.save_state(self.service.root / "ephemeral" / name)
+        return self.service.sampler(self.service.path("ephemeral", name), None, count=False)
+
+
+def tinker_layout(peft_folder: Path, target: Path) -> None:
+    """A PEFT adapter in Tinker's documented adapter layout (tinker-cookbook's weights
+    README and fixtures): keys under ``base_model.model.``, the output layer named
+    ``model.unembed_tokens``, and an ``adapter_config.json`` of ``r`` and ``lora_alpha``
+    only. (The tiny test models have no fused Q/K/V; a Qwen3.5 fixture covers that.)"""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((peft_folder / "adapter_config.json").read_text())
+    weights = load_file(peft_folder / "adapter_model.safetensors")
+    renamed = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+               .replace("base_model.model.lm_head.", "base_model.model.model.unembed_tokens."): v
+               for k, v in weights.items()}
+    assert all(k.startswith("base_model.model.") for k in renamed), sorted(renamed)[:2]
+    target.mkdir(parents=True)
+    save_file(renamed, str(target / "adapter_model.safetensors"))
+    (target / "adapter_config.json").write_text(json.dumps({"r": config["r"], "lora_alpha": config["lora_alpha"]}))
+
 
 class FakeSampler:
     """A sampling client with fixed weights: the local engine's sampler on its own loop."""
 
     def __init__(self, service: FakeService, local_sampler: Any) -> None:
         self.service, self.local = service, local_sampler
+        self.seen: list[tuple[int, ...]] = []
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="fake-sampler").start()
+
+    def cache_hits(self, prompt: list[int]) -> int:
+        """A prefix cache: the longest prefix this prompt shares with one sent before."""
+        best = 0
+        for seen in self.seen:
+            n = 0
+            for a, b in zip(seen, prompt):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        self.seen.append(tuple(prompt))
+        return best
 
     def submit(self, prompt: Any, num_samples: int, params: Any) -> Any:
         try:
@@ -321,12 +427,21 @@ class FakeSampler:
         stop = tuple(int(t) for t in params.stop) if params.stop else ()
         ours = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                               top_k=max(params.top_k, 0), stop_token_ids=stop, seed=params.seed)
-        result = await self.local.sample(prompt.to_ints(), num_samples, ours)
+        self.service.sample_requests.append((num_samples, params.seed))
+        if self.service.duplicate_seeded and params.seed is not None and num_samples > 1:
+            one = await self.local.sample(prompt.to_ints(), 1, ours)
+            result = type(one)(one.sequences * num_samples)
+        else:
+            result = await self.local.sample(prompt.to_ints(), num_samples, ours)
         reasons = ["length" if s.stop_reason.value == "length" else "stop" for s in result.sequences]
         if self.service.flavour == "tinker":
             import tinker
 
-            return tinker.types.SampleResponse(sequences=[
+            hits, length = self.cache_hits(prompt.to_ints()), prompt.length
+            self.service.bill("SamplingPrefillBillingEvent", cached=False, token_count=length - hits)
+            self.service.bill("SamplingPrefillBillingEvent", cached=True, token_count=hits + (num_samples - 1) * length)
+            self.service.bill("SamplingSampleBillingEvent", token_count=sum(len(s.tokens) for s in result.sequences))
+            return tinker.types.SampleResponse(prompt_cache_hit_tokens=hits, sequences=[
                 tinker.types.SampledSequence(stop_reason=r, sequence_id=uuid.uuid4().hex,
                                              tokens_np=np.asarray(s.tokens, dtype=np.int32),
                                              logprobs_np=np.asarray(s.logprobs, dtype=np.float32))
@@ -356,6 +471,9 @@ class TinkerTrainingClient:
     def forward_backward(self, data, loss_fn, loss_fn_config=None):
         return self._t.submit("forward_backward", self._t.forward_backward, data, loss_fn, loss_fn_config)
 
+    def forward(self, data, loss_fn, loss_fn_config=None):
+        return self._t.submit("forward", self._t.forward, data, loss_fn, loss_fn_config)
+
     def optim_step(self, optim_params=None, *, adam_params=None):
         return self._t.submit("optim_step", self._t.optim_step, optim_params or adam_params)
 
@@ -367,7 +485,14 @@ class TinkerTrainingClient:
         return self._t.submit("save_weights_for_sampler", self._t.save, "sampler_weights", name)
 
     def save_weights_external(self, name, ttl_seconds=None, age_encryption_recipients=None):
+        assert ttl_seconds is None or 3600 <= ttl_seconds <= 10 * 365 * 86400, "Tinker's documented TTL range"
         return self._t.submit("save_weights_external", self._t.save, "external_weights", name)
+
+    def save_weights_and_get_sampling_client(self, name=None, retry_config=None, record_stability_info=False,
+                                             kind="snapshot"):
+        type(self).last_retry_config = retry_config
+        return self._t.submit("save_weights_and_get_sampling_client",
+                              lambda: TinkerSamplingClient(self._t.ephemeral_sampler()))
 
 
 class TinkerRestClient:
@@ -384,12 +509,24 @@ class TinkerRestClient:
         import tinker
 
         try:
-            adapter = self.service.folder(tinker_path) / "adapter"
+            adapter = self.service.folder(tinker_path) / "tinker_adapter"
         except Exception as err:
             return self.service.future(error=err)
         urls = {f.name: f.resolve().as_uri() for f in adapter.iterdir() if f.is_file()}
         expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
         return self.service.future(tinker.types.ExternalWeightsUrlsResponse(urls=urls, expires=expires))
+
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path):
+        import shutil
+
+        try:
+            folder = self.service.folder(tinker_path)
+        except Exception as err:
+            return self.service.future(error=err)
+        shutil.rmtree(folder)
+        self.service.deleted.append(tinker_path)
+        return self.service.future(None)
 
 
 class TinkerSamplingClient:
@@ -438,7 +575,10 @@ class TinkerServiceClient:
 
     def close(self, status, detail=None):
         type(self).closed_with = status
-        return self.service.future(None)
+        def finish():
+            self.service.check("close")  # fail("close", ...) makes it fail
+            self.service.closed.append(status)
+        return self._later(finish)
 
 
 class PytrioTrainingClient:
@@ -450,6 +590,9 @@ class PytrioTrainingClient:
     def forward_backward(self, data, loss_fn="cross_entropy", loss_fn_config=None, auto_shift=False):
         return self._t.submit("forward_backward", self._t.forward_backward, data, loss_fn, loss_fn_config)
 
+    def forward(self, data, loss_fn="cross_entropy", loss_fn_config=None, auto_shift=False):
+        return self._t.submit("forward", self._t.forward, data, loss_fn, loss_fn_config)
+
     def optim_step(self, adam_params):
         return self._t.submit("optim_step", self._t.optim_step, adam_params)
 
@@ -458,6 +601,10 @@ class PytrioTrainingClient:
 
     def save_weights_for_sampler(self, name, ttl_seconds=None):
         return self._t.submit("save_weights_for_sampler", self._t.save, "sampler_weights", name)
+
+    def save_weights_and_get_sampling_client(self):
+        self._t.service.check("save_weights_and_get_sampling_client")
+        return PytrioSamplingClient(self._t.ephemeral_sampler())
 
 
 class PytrioSamplingClient:
@@ -476,6 +623,7 @@ class PytrioServiceClient:
 
     def __init__(self, api_key=None):
         self.service.check("login")
+        self._runtime = _PytrioRuntime(self.service)
 
     def create_lora_training_client(self, base_model, rank=32, seed=None, train_mlp=True, train_attn=True,
                                     train_unembed=True):
@@ -494,6 +642,17 @@ class PytrioServiceClient:
         rest = PytrioRestClient()
         rest.service = self.service
         return rest
+
+
+class _PytrioRuntime:
+    """PyTRIO 0.2.9's private ``ServiceRuntime``: ``shutdown(status)`` closes the session."""
+
+    def __init__(self, service: FakeService) -> None:
+        self.service = service
+
+    def shutdown(self, status="ENDED"):
+        assert status in ("ENDED", "CANCELLED"), "PyTRIO's ServiceSessionCloseStatus"
+        self.service.closed.append(status)
 
 
 class PytrioRestClient:

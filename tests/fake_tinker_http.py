@@ -167,9 +167,15 @@ class TinkerHTTPFake:
         return self._trainers[body["model_id"]].save("weights", body["path"]).model_dump(mode="json")
 
     def _save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
-        if not body.get("path"):
-            raise _HTTPError(400, "fake Tinker server: save_weights_for_sampler needs a name")
-        saved = self._trainers[body["model_id"]].save("sampler_weights", body["path"])
+        trainer = self._trainers[body["model_id"]]
+        if not body.get("path"):  # ephemeral (save_weights_and_get_sampling_client): a session, no checkpoint
+            if body.get("sampling_session_seq_id") is None:
+                raise _HTTPError(400, "fake Tinker server: save_weights_for_sampler needs a name or a "
+                                      "sampling_session_seq_id")
+            session_id = f"sampler-{uuid.uuid4().hex[:8]}"
+            self._samplers[session_id] = (trainer.ephemeral_sampler(), trainer.model, None)
+            return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
+        saved = trainer.save("sampler_weights", body["path"])
         return {"path": saved.path, "type": "save_weights_for_sampler"}
 
     def _create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:

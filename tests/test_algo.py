@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -159,7 +160,9 @@ def test_micro_batch_shares_add_up_to_the_token_mean():
 def test_loss_registry_and_config_validation():
     assert set(algo.LOSSES) == {"ppo", "importance_sampling", "cross_entropy"}
     assert algo.loss_config("ppo") == {"temperature": 1.0, "clip_low_threshold": 0.8,
-                                       "clip_high_threshold": 1.28, "dual_clip": 0.0}
+                                       "clip_high_threshold": 1.28, "dual_clip": 0.0,
+                                       "behaviour_token_cap": 0.0, "behaviour_sequence_cap": 0.0,
+                                       "behaviour_mask_threshold": 0.0}
     for bad in [("dpo", None), ("ppo", {"clip_lo": 0.8}), ("ppo", {"clip_low_threshold": 1.2}),
                 ("ppo", {"dual_clip": 0.5}), ("cross_entropy", {"temperature": 0.0}),
                 ("importance_sampling", {"clip_low_threshold": 0.8})]:
@@ -185,3 +188,113 @@ def test_packed_plan_sums_lengths():
     assert plan == [(0, 3), (2, 1, 4)]
     with pytest.raises(ValueError):
         algo.plan_micro_batches([1], 10, packing="zip")
+
+
+# ---------------------------------------------------------------- pass@k advantages
+
+
+def test_passk_rewards_hand_computed_binary_group():
+    # n=4, k=2: the correct sample is the best of its 3 pairs (1); each wrong one shares
+    # 1 of its 3 pairs with the correct one (1/3)
+    assert algo.passk_rewards([1.0, 0.0, 0.0, 0.0], 2) == pytest.approx((1.0, 1 / 3, 1 / 3, 1 / 3))
+
+
+def test_passk_rewards_hand_computed_graded_rewards():
+    # pairs {0,1}: 1, {0,2}: 0.5, {1,2}: 1 -> each sample's mean over its two pairs
+    assert algo.passk_rewards([0.5, 1.0, 0.0], 2) == pytest.approx((0.75, 1.0, 0.75))
+    # n=4, k=3: triples of {-1, -1, 1, -1}: any triple with sample 2 is 1, the one without is -1
+    assert algo.passk_rewards([-1.0, -1.0, 1.0, -1.0], 3) == pytest.approx((1 / 3, 1 / 3, 1.0, 1 / 3))
+
+
+def test_passk_one_is_grpo_and_bad_k_is_refused():
+    assert algo.passk_rewards([0.3, -1.0, 2.0], 1) == (0.3, -1.0, 2.0)
+    for k in (0, 3):
+        with pytest.raises(ValueError, match="1 <= k < group size"):
+            algo.passk_rewards([0.3, -1.0, 2.0], k)
+
+
+# ---------------------------------------------------------------- overlong trajectories
+
+
+def test_overlong_penalty_hand_computed():
+    assert [algo.overlong_penalty(n, 100, 20) for n in (10, 80, 90, 100, 120)] == pytest.approx(
+        [0.0, 0.0, -0.5, -1.0, -1.0])
+    assert algo.overlong_penalty(30, 40, 100) == pytest.approx(-0.75)  # buffer cut to the budget: -30/40
+    with pytest.raises(ValueError):
+        algo.overlong_penalty(10, 100, 0)
+
+
+def test_policy_token_budget_and_length_count_only_policy_tokens():
+    assert algo.policy_token_budget(8192, 1024, 6, 500) == 6144
+    assert algo.policy_token_budget(2000, 1024, 6, 500) == 1500
+    t = _trajectory(1.0)
+    assert algo.policy_tokens(t) == 4  # 2 + 2 sampled; prompt and interpreter tokens excluded
+    assert not algo.is_truncated(t)
+    for reason in (StopReason.LENGTH, StopReason.BUDGET, StopReason.PROMPT):
+        assert algo.is_truncated(dataclasses.replace(t, stop_reason=reason))
+
+
+def test_sampler_nll_is_the_mean_negative_sampler_logprob_of_trained_tokens():
+    d = algo.trajectory_datum(_trajectory(1.0), 0.5)
+    assert algo.sampler_nll([d, d]) == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 4)
+    assert algo.sampler_nll([]) == 0.0
+
+
+# ---------------------------------------------------------------- sampler-trainer correction
+
+
+RATIOS = [2.5, 1.2, 0.4, 9.0]
+TRAINED = torch.tensor([True, True, True, False])
+
+
+def _behaviour(config):
+    sampler = torch.full((4,), -1.0)
+    old = torch.tensor([math.log(r) for r in RATIOS]) + sampler
+    return algo.behaviour_weights(old, sampler, TRAINED, config)
+
+
+def test_token_tis_caps_each_ratio():
+    w = _behaviour({"behaviour_token_cap": 2.0})
+    assert w.ratio_N.tolist() == pytest.approx([2.5, 1.2, 0.4, 1.0])  # untrained: ratio 1
+    assert w.weight_N.tolist() == pytest.approx([2.0, 1.2, 0.4, 0.0])
+    assert w.limited_N.tolist() == [True, False, False, False]
+
+
+def test_sequence_tis_caps_the_product_over_trained_tokens():
+    w = _behaviour({"behaviour_sequence_cap": 2.0})  # 2.5 * 1.2 * 0.4 = 1.2
+    assert w.weight_N.tolist() == pytest.approx([1.2, 1.2, 1.2, 0.0])
+    assert not w.limited_N.any()
+    w = _behaviour({"behaviour_sequence_cap": 1.1})
+    assert w.weight_N.tolist() == pytest.approx([1.1, 1.1, 1.1, 0.0])
+    assert w.limited_N.tolist() == [True, True, True, False]
+
+
+def test_token_mask_drops_tokens_outside_the_threshold_band():
+    w = _behaviour({"behaviour_mask_threshold": 2.0})  # keep 1/2 <= r <= 2
+    assert w.weight_N.tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert w.limited_N.tolist() == [True, False, True, False]
+
+
+def test_behaviour_config_takes_one_correction_above_one():
+    assert algo.loss_config("ppo", {"behaviour_token_cap": 2.0})["behaviour_token_cap"] == 2.0
+    with pytest.raises(ValueError, match="choose one"):
+        algo.loss_config("ppo", {"behaviour_token_cap": 2.0, "behaviour_mask_threshold": 2.0})
+    with pytest.raises(ValueError, match="> 1"):
+        algo.loss_config("importance_sampling", {"behaviour_sequence_cap": 0.5})
+    with pytest.raises(ValueError, match="exactly one"):
+        _behaviour({})
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "importance_sampling"])
+def test_behaviour_weights_make_the_ratio_pi_theta_over_pi_old(loss_fn):
+    # sampler logprobs far off (ratio vs mu = 3): without weights PPO clips token 0;
+    # with weights the ratio is pi_theta / pi_old = 1, so the loss is -A * w and so is its gradient
+    logprobs = torch.tensor([math.log(0.3), math.log(0.3)], requires_grad=True)
+    inputs = algo.LossInputs(torch.tensor([math.log(0.1)] * 2), torch.tensor([1.0, -2.0]),
+                             behaviour_weights_N=torch.tensor([2.0, 0.5]))
+    terms = algo.LOSSES[loss_fn](logprobs, inputs, algo.loss_config(loss_fn))
+    assert terms.loss_N.tolist() == pytest.approx([-2.0, 1.0])
+    terms.loss_N.sum().backward()
+    assert logprobs.grad.tolist() == pytest.approx([-2.0, 1.0])
+    if loss_fn == "ppo":
+        assert not terms.clipped_N.any()

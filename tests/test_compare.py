@@ -11,8 +11,8 @@ import pytest
 
 from retool.cli import main
 from retool.report import read_eval_results
-from retool.report.compare import compare
-from retool.stats import paired_difference, paired_ratio_difference
+from retool.report.compare import compare, format_table
+from retool.stats import paired_difference, paired_ratio_difference, trajectory_stats
 
 EVAL = Path(__file__).parent / "fixtures" / "report" / "eval"
 
@@ -86,7 +86,9 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     assert main(["compare", str(EVAL / "base.jsonl"), str(EVAL / "step-20.jsonl"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["metrics"]) == {"accuracy", "format", "used_tool", "code_calls", "tokens",
-                                    "valid_tool_call_rate", "name_error_rate"}
+                                    "valid_tool_call_rate", "name_error_rate", "response_tokens",
+                                    "code_lines_per_call", "call_success_rate", "first_call_position",
+                                    "self_corrections"}
     # a missing file and a file that is not an eval are clear errors, not tracebacks
     assert main(["compare", str(tmp_path / "nope.jsonl"), str(EVAL / "base.jsonl")]) == 1
     assert "cannot read" in capsys.readouterr().err
@@ -162,3 +164,25 @@ def test_interpreter_modes_are_named_in_the_differences(tmp_path, capsys):
                     _header(sandbox={**sandbox, "interpreter": "stateful"}))
     assert main(["compare", str(before), str(after)]) == 0
     assert "differs: sandbox.interpreter: 'stateless' before, 'stateful' after" in capsys.readouterr().out
+
+
+def test_behaviour_figures_are_compared_pooled_with_a_paired_clustered_stderr():
+    from retool.results import read_results
+    from retool.stats import BEHAVIOUR_FIGURES, TrajectoryStats, behaviour_figures, paired_ratio_difference
+
+    result = compare(EVAL / "base.jsonl", EVAL / "step-100.jsonl")
+    sides = [[trajectory_stats(p.samples) for p in read_results(EVAL / name).problems]
+             for name in ("base.jsonl", "step-100.jsonl")]
+    by_id = [{p.problem_id: s for p, s in zip(read_results(EVAL / name).problems, stats)}
+             for name, stats in zip(("base.jsonl", "step-100.jsonl"), sides)]
+    common = [pid for pid in by_id[0] if pid in by_id[1]]
+    before, after = [[d[pid] for pid in common] for d in by_id]
+    figures = [behaviour_figures(sum(side, TrajectoryStats())) for side in (before, after)]
+    for name in ("response_tokens", "code_lines_per_call", "call_success_rate", "first_call_position",
+                 "self_corrections"):
+        m = result.metric(name)
+        num, den = BEHAVIOUR_FIGURES[name]
+        _, stderr = paired_ratio_difference([(getattr(s, num), getattr(s, den)) for s in before],
+                                            [(getattr(s, num), getattr(s, den)) for s in after])
+        assert (m.before, m.after, m.stderr) == pytest.approx((figures[0][name], figures[1][name], stderr))
+    assert "| first_call_position |" in format_table(result)

@@ -138,3 +138,70 @@ def test_a_run_saved_with_the_old_service_settings_resumes(tmp_path):
     upgraded = EngineChoice.upgrade_saved(saved)
     assert upgraded["price_table"] == "p.toml" and upgraded["max_cost"] == 9.0
     assert upgraded["tinker"] == {"base_url": None} and upgraded["pytrio"] == {}
+
+
+# ---------------------------------------------------------------- each service in its own units
+
+REFERENCE_20_STEPS = {"tokens/prefill": 4.34e6, "tokens/trained": 1.66e6, "tokens/sampled": 1.77e6}
+"""The reference run's token counts over its first 20 steps (on PyTRIO)."""
+
+
+def test_pytrio_is_priced_in_policy_tokens_on_the_reference_runs_counts(tmp_path):
+    table = price_table(tmp_path, '[pytrio]\nprefill = 0.2\nsample = 0.6\ntrain = 0.5\n')
+    prices = load_prices(table, "pytrio", "Qwen/Qwen3.5-4B")
+    assert prices.units == "policy_tokens"
+    # by hand: 4.34 M x 0.2 + 1.77 M x 0.6 + 1.66 M x 0.5 = 0.868 + 1.062 + 0.83
+    assert prices.step_cost(REFERENCE_20_STEPS) == pytest.approx(2.76)
+    # Tinker's counts (cached prefill, every forward/backward token) play no part in these units
+    assert prices.step_cost({**REFERENCE_20_STEPS, "tokens/prefill_cached": 4e6, "tokens/forward_backward": 9e6,
+                             "engine/checkpoints": 4}) == pytest.approx(2.76)
+
+
+def test_a_price_table_names_its_units_and_only_their_prices(tmp_path):
+    with pytest.raises(ConfigError, match="units 'dollars'"):
+        load_prices(price_table(tmp_path, '[tinker]\nunits = "dollars"\n'), "tinker", "m")
+    with pytest.raises(ConfigError, match="need units = \"tinker_billing\""):
+        load_prices(price_table(tmp_path, '[pytrio]\nprefill_cached = 0.1\n'), "pytrio", "m")
+    with pytest.raises(ConfigError, match="numbers >= 0"):
+        load_prices(price_table(tmp_path, '[tinker]\nunits = "tinker_billing"\ncheckpoint = true\n'), "tinker", "m")
+    tinker = load_prices(price_table(tmp_path, '[tinker]\nunits = "tinker_billing"\nprefill_cached = 0.5\n'
+                                               '[tinker."m"]\ncheckpoint = 2.0\n'), "tinker", "m")
+    assert (tinker.units, tinker.prefill_cached, tinker.checkpoint) == ("tinker_billing", 0.5, 2.0)
+
+
+def test_tinker_is_priced_as_its_billing_events_bill_it(tmp_path, monkeypatch, capsys):
+    """Two steps on the fake Tinker service, which records what Tinker's billing would
+    (its documented event types: prefill cached and not, sampled and trained tokens,
+    checkpoints). The bill computed by hand from those events equals the meter's total,
+    but for the run's last checkpoint (two operations), which lands after the last step."""
+    import tinker
+
+    from tests.fake_tinker import FakeService, install
+    from tests.test_engine_tinker import train_args
+
+    service = FakeService(tmp_path / "service", "tinker")
+    install(service, monkeypatch)
+    usd = {"prefill": 2.0, "prefill_cached": 0.4, "sample": 5.0, "train": 3.0, "checkpoint": 0.01}
+    table = price_table(tmp_path, '[tinker]\nunits = "tinker_billing"\n'
+                                  + "".join(f"{k} = {v}\n" for k, v in usd.items()))
+    run = tmp_path / "run"
+    assert cli_main(train_args(tmp_path, run, "tinker") + ["--price-table", str(table)]) == 0, \
+        capsys.readouterr().err
+    rows = read_metrics(run / "metrics.jsonl")
+
+    t = tinker.types
+    per_event = {t.TrainingBillingEvent: lambda e: e.token_count * usd["train"] / 1e6,
+                 t.SamplingSampleBillingEvent: lambda e: e.token_count * usd["sample"] / 1e6,
+                 t.SamplingPrefillBillingEvent: lambda e: e.token_count * usd[
+                     "prefill_cached" if e.cached else "prefill"] / 1e6,
+                 t.CheckpointBillingEvent: lambda e: e.count * usd["checkpoint"]}
+    bill = sum(per_event[type(e)](e) for e in service.billing)
+    last_checkpoint = 2 * usd["checkpoint"]
+    assert rows[-1]["cost/total"] == pytest.approx(bill - last_checkpoint, rel=1e-9)
+    trained = sum(e.token_count for e in service.billing if isinstance(e, t.TrainingBillingEvent))
+    policy = sum(r["tokens/trained"] for r in rows)
+    cached = sum(e.token_count for e in service.billing if isinstance(e, t.SamplingPrefillBillingEvent) and e.cached)
+    print(f"\ntinker bill {bill:.6f} USD from {len(service.billing)} events; meter {rows[-1]['cost/total']:.6f} "
+          f"(+ last checkpoint {last_checkpoint}); forward/backward tokens {trained} vs policy tokens {policy:g} "
+          f"({trained / policy:.2f}x); cached prefill {cached}")
+    assert trained > policy  # every datum token is billed, not only the trained ones

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -128,6 +129,22 @@ def test_gain_sentence_gives_the_verdict():
     assert "within 2 standard errors: noise" in gain_sentence(_gain(0.4, 0.5, 0.1))
     assert "RL hurt" in gain_sentence(_gain(0.7, 0.4, 0.1))
     assert "no paired standard error" in gain_sentence(_gain(0.5, 0.5, 0.0))
+
+
+def test_summary_shows_the_behaviour_figures_of_every_stage_and_their_paired_differences():
+    from retool.demo import summary_markdown
+    from retool.results import read_results
+
+    eval_dir = Path(__file__).parent / "fixtures" / "report" / "eval"
+    summaries = {stage: read_results(eval_dir / name).summary
+                 for stage, name in zip(STAGES, ("base.jsonl", "step-20.jsonl", "step-100.jsonl"))}
+    summaries = {stage: dataclasses.replace(s, behaviour={"response_tokens": 40.0, "call_rate": 0.5,
+                                                          "self_corrections": 0.25})
+                 for stage, s in summaries.items()}
+    text = summary_markdown(summaries, compare(eval_dir / "step-20.jsonl", eval_dir / "step-100.jsonl"))
+    assert text.count("response 40 tokens, calls in 50%, 0.25 self-corrections per sample") == 3
+    for name in ("response_tokens", "code_lines_per_call", "call_success_rate", "first_call_position"):
+        assert f"| {name} |" in text
 
 
 def test_the_informative_share_counts_every_rolled_out_group(tmp_path):

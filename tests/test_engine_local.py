@@ -230,6 +230,90 @@ def test_shared_prefix_packing_gives_the_bucketed_logprobs_and_gradient(make_eng
     assert_same(grads(bucketed), grads(shared))
 
 
+def test_train_entropy_is_the_mean_policy_entropy_over_trained_tokens(make_engine):
+    engine = make_engine()
+    datums = rl_datums(3)
+    out = engine.forward_backward(datums, "ppo", {"temperature": 0.7})
+    total, count = 0.0, 0
+    for d in datums:
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([list(d.input_tokens_N)])).logits[0].float() / 0.7
+        p = logits.softmax(-1)
+        entropy_N = -(p * p.log()).sum(-1)
+        trained_N = torch.tensor(d.weights_N) != 0
+        total += entropy_N[trained_N].sum().item()
+        count += int(trained_N.sum())
+    assert out.metrics["train/entropy"] == pytest.approx(total / count, rel=1e-5)
+    assert 0 < out.metrics["train/entropy"] < math.log(VOCAB)
+
+
+@pytest.mark.parametrize("packing", ["bucketed", "packed", "shared-prefix"])
+@pytest.mark.parametrize("loss_fn", ["ppo", "cross_entropy"])
+def test_chunked_logprobs_give_the_full_logits_values_and_gradients(make_engine, packing, loss_fn):
+    full, chunked = make_engine(packing=packing), make_engine(packing=packing, logprob_chunk_tokens=7)
+    perturb_lora_b(full)
+    perturb_lora_b(chunked)
+    datums = prompt_sharing_datums()
+    a = full.forward_backward(datums, loss_fn)
+    b = chunked.forward_backward(datums, loss_fn)
+    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D, strict=True):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    for key in ("train/loss", "train/entropy"):
+        assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-5)
+    assert_same(grads(full), grads(chunked))
+
+
+def test_chunked_logprobs_in_bfloat16_match_within_bf16_rounding(make_engine):
+    full, chunked = make_engine(dtype="bfloat16"), make_engine(dtype="bfloat16", logprob_chunk_tokens=5)
+    perturb_lora_b(full)
+    perturb_lora_b(chunked)
+    a = full.forward_backward(rl_datums(3), "ppo")
+    b = chunked.forward_backward(rl_datums(3), "ppo")
+    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D, strict=True):
+        assert lp_a == pytest.approx(lp_b, abs=2e-2)
+    assert_same(grads(full), grads(chunked), rel=2e-2)
+
+
+def test_chunked_logprobs_refuse_a_model_whose_logits_are_not_the_head_output(make_engine):
+    engine = make_engine()
+    trainer.check_chunkable(engine.model)
+    engine.model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        trainer.check_chunkable(engine.model)
+    with pytest.raises(ValueError, match="logprob_chunk_tokens must be >= 0"):
+        make_engine(logprob_chunk_tokens=-1)
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "importance_sampling"])
+def test_token_tis_gradient_is_the_hand_computed_weighted_policy_gradient(make_engine, loss_fn):
+    """With --behaviour-is token-tis the gradient is -sum(A * min(pi_old/mu, C) * grad logprob) / tokens,
+    pi_old being the trainer's own logprobs (the datums' mu are far off, so many weights are capped)."""
+    engine, reference = make_engine(), make_engine()
+    perturb_lora_b(engine)
+    perturb_lora_b(reference)
+    datums = rl_datums(3)
+    out = engine.forward_backward(datums, loss_fn, {"behaviour_token_cap": 2.0})
+    total = sum(d.num_trained for d in datums)
+    loss, ratios = 0.0, []
+    for d in datums:
+        ids = torch.tensor([list(d.input_tokens_N)])
+        logprobs_N = reference.model(input_ids=ids).logits[0].log_softmax(-1).gather(
+            -1, torch.tensor(d.target_tokens_N)[:, None]).squeeze(-1)
+        weights_N, trained_N = torch.tensor(d.weights_N), torch.tensor(d.weights_N) != 0
+        ratio_N = (logprobs_N.detach() - torch.tensor(d.sampler_logprobs_N)).exp()
+        ratios += ratio_N[trained_N].tolist()
+        loss = loss - (torch.tensor(d.advantages_N) * ratio_N.clamp(max=2.0) * logprobs_N * weights_N).sum() / total
+    loss.backward()
+    assert_same(grads(reference), grads(engine))
+    m = out.metrics
+    assert m["train/behaviour_ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-4)
+    assert m["train/behaviour_ratio_max"] == pytest.approx(max(ratios), rel=1e-4)
+    assert m["train/behaviour_limited_frac"] == pytest.approx(sum(r > 2.0 for r in ratios) / len(ratios))
+    assert 0 < m["train/behaviour_limited_frac"] < 1
+    if loss_fn == "ppo":
+        assert m["train/clip_frac"] == 0.0  # the ratio is pi_theta / pi_old = 1: nothing to clip
+
+
 def test_gradient_checkpointing_gives_the_same_gradient(make_engine):
     plain, checkpointed = make_engine(), make_engine(gradient_checkpointing=True)
     assert any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.model.modules())

@@ -42,14 +42,19 @@ def eval_dir(tmp_path) -> Path:
 
 
 def test_checkpoint_figures_from_fixture_results(eval_dir, tmp_path, capsys):
-    assert run_cli(["plot", "checkpoints", str(eval_dir), "--out", str(tmp_path / "out")]) == 0
+    assert run_cli(["plot", "checkpoints", str(eval_dir), "--output-dir", str(tmp_path / "out")]) == 0
     printed = [Path(line) for line in capsys.readouterr().out.split()]
     names = sorted(p.name for p in printed)
-    assert names == ["checkpoints_aime25_retool.png", "checkpoints_aime25_retool.svg",
+    assert names == ["behaviour_aime25_retool.png", "behaviour_aime25_retool.svg",
+                     "behaviour_aime25_text.png", "behaviour_aime25_text.svg",
+                     "checkpoints_aime25_retool.png", "checkpoints_aime25_retool.svg",
                      "checkpoints_aime25_text.png", "checkpoints_aime25_text.svg"]
     _assert_images(printed)
     svg = (tmp_path / "out" / "checkpoints_aime25_retool.svg").read_text()
     for text in ("base", "step 20", "step 50", "step 100", "Average@4", "Pass@4", "Format"):
+        assert f">{text}<" in svg, text
+    svg = (tmp_path / "out" / "behaviour_aime25_retool.svg").read_text()
+    for text in ("code lines per call", "first call (% of response)", "self-corrections", "step 100"):
         assert f">{text}<" in svg, text
 
 
@@ -62,6 +67,7 @@ def test_checkpoints_are_ordered_base_first_then_by_step(eval_dir):
     assert (points[2].average, points[2].pass_at_k, points[2].format) == \
         (summary["average@k"], summary["pass@k"], summary["format"])
     assert skipped == []
+    assert set(points[2].behaviour) >= {"response_tokens", "call_rate", "self_corrections"}  # recomputed: old file
 
 
 def test_interrupted_eval_is_summarised_from_its_problems(eval_dir):
@@ -79,7 +85,8 @@ def test_other_files_are_skipped_and_named(eval_dir, tmp_path, capsys):
     header_only = {"type": "header", "step": 5, "dataset": "aime25", "mode": "retool"}
     (eval_dir / "empty.jsonl").write_text(json.dumps(header_only) + "\n")  # started, no problem done
     paths = plots.plot_checkpoints(eval_dir, tmp_path / "out", mode="retool")
-    assert [p.name for p in paths] == ["checkpoints_aime25_retool.png", "checkpoints_aime25_retool.svg"]
+    assert [p.name for p in paths] == ["checkpoints_aime25_retool.png", "checkpoints_aime25_retool.svg",
+                                       "behaviour_aime25_retool.png", "behaviour_aime25_retool.svg"]
     err = capsys.readouterr().err
     assert "metrics.jsonl" in err and "empty.jsonl" in err
 
@@ -95,9 +102,9 @@ def test_unwritable_output_folder_is_one_line(eval_dir, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("keep me")
     for kind, source in (("checkpoints", eval_dir), ("training", FIXTURES / "run")):
-        assert run_cli(["plot", kind, str(source), "--out", str(blocker / "plots")]) == 2
+        assert run_cli(["plot", kind, str(source), "--output-dir", str(blocker / "plots")]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: cannot write --out") and len(err.strip().splitlines()) == 1
+        assert err.startswith("error: cannot write --output-dir") and len(err.strip().splitlines()) == 1
     assert blocker.read_text() == "keep me"
     assert not (FIXTURES / "run" / "plots").exists()
 

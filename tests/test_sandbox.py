@@ -34,7 +34,7 @@ SECRET = "retool-test-secret-" + uuid.uuid4().hex
 TIMEOUT = 1.5
 CI = os.environ.get("CI", "").lower() == "true"
 ROOT_ISOLATION = ("netns", "pidns", "mountns", "minimal_root", "readonly_fs", "private_proc",
-                  "uid_drop", "no_new_privs", "rlimits")
+                  "uid_drop", "no_new_privs", "rlimits", "clean_template", "scratch_quota", "session_netns")
 
 
 @pytest.fixture(scope="module")

@@ -46,3 +46,20 @@ def test_counting_does_not_show_what_the_logger_hid(caplog):
         assert not [r for r in caplog.records if r.name == HTTP_LOGGER]
     finally:
         unwatch_tinker(counter)
+
+
+def test_a_pytrio_session_is_closed_with_the_runs_outcome_where_the_sdk_can():
+    from types import SimpleNamespace
+
+    from retool.engines.sdk_retries import close_pytrio
+
+    statuses = []
+    client = SimpleNamespace(_runtime=SimpleNamespace(shutdown=lambda status: statuses.append(status)))
+    assert close_pytrio(client, "success") and close_pytrio(client, "errored") and close_pytrio(client, "interrupted")
+    assert statuses == ["ENDED", "CANCELLED", "CANCELLED"]
+    assert close_pytrio(SimpleNamespace(), "success") is False  # another SDK: left to end at exit
+    import inspect
+
+    from pytrio.runtime.service import ServiceRuntime  # the real SDK's private runtime, as close_pytrio reads it
+
+    assert "status" in inspect.signature(ServiceRuntime.shutdown).parameters

@@ -291,6 +291,5 @@ def test_docs_list_every_flag():
     from retool.config import markdown_table
     from retool.sft import SFTConfig
 
-    docs = Path(__file__).resolve().parent.parent / "docs" / "sft.md"
+    docs = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
     assert markdown_table(SFTConfig) in docs.read_text()
-    assert markdown_table(SFTConfig) in (docs.parent.parent / "README.md").read_text()

@@ -132,3 +132,50 @@ def test_summarize_rejects_empty_input():
         summarize([])
     with pytest.raises(ValueError, match="0 samples"):
         summarize([[_traj(True)], []])
+
+
+# ---------------------------------------------------------------- behaviour figures
+
+
+def _by_turns(turns: list[Turn]) -> Trajectory:
+    sampled = sum(t.num_tokens for t in turns)
+    mask = (0, 0) + (1,) * sampled
+    return Trajectory(problem_id="p", prompt_len=2, tokens_T=tuple(range(len(mask))), mask_T=mask,
+                      logprobs_T=(0.0,) * len(mask), turns=tuple(turns), grade=Grade(1.0, True, True))
+
+
+def test_behaviour_figures_by_hand():
+    ok = ExecutionResult(status=ExecStatus.OK, stdout="2\n", observation="2\n")
+    error = ExecutionResult(status=ExecStatus.ERROR, stderr="NameError: y", observation="NameError: y")
+    caller = _by_turns([
+        Turn("a", 10, StopReason.STOP, ToolExchange(ToolCall("x = 1\n\nprint(y)\n"), error, "NameError")),
+        Turn("b", 6, StopReason.STOP, ToolExchange(InvalidToolCall("bad_json", "not JSON"), None, "not JSON")),
+        Turn("c", 4, StopReason.STOP, ToolExchange(ToolCall("print(2)"), ok, "2")),  # fixes the failed calls
+        Turn("d", 5, StopReason.STOP, ToolExchange(ToolCall("print(3)"), ok, "2")),  # after a good one: no
+        Turn("answer", 5, StopReason.STOP),
+    ])
+    silent = _by_turns([Turn("answer", 20, StopReason.STOP)])
+    assert stats.first_call_position(caller) == pytest.approx(10 / 30)  # the first call that ran ends at 10
+    assert stats.first_call_position(silent) is None
+    assert stats.self_corrections(caller) == 1
+    figures = stats.behaviour_figures(stats.trajectory_stats([caller, silent]))
+    assert figures == pytest.approx({
+        "response_tokens": (30 + 20) / 2,  # sampled tokens only
+        "call_rate": 1 / 2,
+        "code_lines_per_call": (2 + 1 + 1) / 3,  # blank lines and the invalid call do not count
+        "call_success_rate": 2 / 3,
+        "first_call_position": 1 / 3,
+        "self_corrections": 1 / 2,
+    })
+    # without calls, the figures per call are left out, not divided by zero
+    assert set(stats.behaviour_figures(stats.trajectory_stats([silent]))) == {
+        "response_tokens", "call_rate", "self_corrections"}
+    assert summarize([[caller, silent]]).behaviour == figures
+
+
+def test_summaries_written_before_the_behaviour_figures_still_load():
+    from retool.results import EvalSummary
+
+    row = summarize([[_traj(True, calls=1)]]).to_json()
+    del row["behaviour"]
+    assert EvalSummary.from_json(row).behaviour is None

@@ -384,8 +384,7 @@ def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
 def test_docs_list_every_flag():
     from retool.config import markdown_table
 
-    assert markdown_table(TrainConfig) in (REPO / "docs" / "train.md").read_text()
-    assert markdown_table(TrainConfig) in (REPO / "README.md").read_text()
+    assert markdown_table(TrainConfig) in (REPO / "docs" / "cli.md").read_text()
 
 
 def test_a_non_finite_update_stops_the_run_with_the_step(tmp_path):
@@ -429,3 +428,55 @@ def test_every_packing_the_flag_accepts_is_one_the_planner_runs(capsys):
     with pytest.raises(SystemExit):
         cli_main(["train", "--packing", "zip"])
     assert "argument --packing: invalid choice: 'zip'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- overlong, pass@k, sampler-trainer correction
+
+
+def saved_trajectories(run: Path, step: int = 1) -> list[dict]:
+    with gzip.open(run / "trajectories" / f"step_{step:06d}.jsonl.gz", "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_overlong_mask_trains_no_truncated_trajectory(tmp_path):
+    # 2 tokens per turn: every answer is cut off, so every trajectory is masked and nothing is trained
+    cfg = tiny_config(tmp_path, max_steps=1, max_turn_tokens=2, overlong="mask")
+    row = read_metrics(train(cfg) / "metrics.jsonl")[0]
+    assert row["rollout/truncated"] == row["train/overlong_masked"] == cfg.batch_size * cfg.group_size
+    assert row["train/datums"] == 0 and "train/loss" not in row
+
+
+def test_overlong_soft_penalises_before_centring_and_passk_reshapes_the_rewards(tmp_path):
+    from retool import algo
+
+    cfg = tiny_config(tmp_path, max_steps=1, max_turn_tokens=4, max_assistant_turns=1,
+                      overlong="soft", overlong_buffer=3, advantage="passk", passk=2, save_trajectories=True)
+    run = train(cfg)
+    row = read_metrics(run / "metrics.jsonl")[0]
+    lines = saved_trajectories(run)
+    groups: dict[int, list[dict]] = {}
+    for line in lines:
+        groups.setdefault(line["group"], []).append(line)
+    penalised = 0
+    for members in groups.values():
+        members.sort(key=lambda line: line["index"])
+        shaped = []
+        for line in members:
+            t = line["trajectory"]
+            length = sum(t["mask_T"])
+            budget = min(800 - t["prompt_len"], 4)  # one turn of 4 tokens
+            penalty = algo.overlong_penalty(length, budget, 3)
+            penalised += penalty < 0
+            shaped.append(t["grade"]["reward"] + penalty)
+        expected = algo.group_advantages(algo.passk_rewards(shaped, 2))
+        assert [line["advantage"] for line in members] == pytest.approx(expected)
+    assert row["train/overlong_penalised"] == penalised > 0
+    assert "train/sampler_nll" in row and "train/entropy" in row
+
+
+def test_services_refuse_the_sampler_trainer_correction_before_anything_loads():
+    for engine in ("tinker", "pytrio"):
+        with pytest.raises(ConfigError, match=f"engine {engine} does not support --behaviour-is"):
+            TrainConfig(engine=engine, behaviour_is="token-tis").validate()
+    with pytest.raises(ConfigError, match="--passk must be in"):
+        TrainConfig(advantage="passk", passk=8, group_size=8).validate()

@@ -119,7 +119,7 @@ def test_unwritable_output_folder_is_one_line(tmp_path, capsys):
     blocker.write_text("keep me")
     assert run_cli(["view", str(FIXTURES / "run"), "-o", str(blocker / "sub" / "view.html")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: cannot write --out") and "is a file, not a folder" in err
+    assert err.startswith("error: cannot write --output ") and "is a file, not a folder" in err
     assert len(err.strip().splitlines()) == 1 and blocker.read_text() == "keep me"
 
 

@@ -31,6 +31,7 @@ heading in ``--help``, a ``[local]`` table in a TOML preset, validated with the 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,8 @@ from retool.engines.base import (
     TransientEngineError,
     run_now,
 )
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- settings sections
 
@@ -85,8 +88,14 @@ class ServiceSettings:
     sample_concurrency: int = option(64, "most sample requests in flight at once")
     retry_timeout_s: float | None = option(None, "how long the SDK keeps retrying a request that makes no progress "
                                                  "before it fails (its own retries; none = the SDK's default)")
+    train_unembed: bool = option(False, "train a LoRA on the unembedding (output layer) too, as the SDKs' own "
+                                        "default and the reference run do; off = retool's choice, attention and "
+                                        "MLP only")
+    adam_eps: float | None = option(None, "Adam epsilon sent to the service; none = retool's 1e-8 (the SDKs' "
+                                          "default and the reference run's: 1e-12)")
 
     def validate(self) -> None:
+        require(self.adam_eps is None or self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         require(self.sample_concurrency >= 1, f"sample_concurrency must be >= 1, got {self.sample_concurrency}")
         require(self.retry_timeout_s is None or self.retry_timeout_s > 0,
                 f"retry_timeout_s must be > 0, got {self.retry_timeout_s}")
@@ -136,9 +145,13 @@ class EngineSpec:
     """Other engines whose checkpoint folders it loads as its own (same files)."""
 
 
-SERVICE_CAPABILITIES = Capabilities(full_finetune=False, dual_clip=False, train_top_p=False, train_temperature=False)
+SERVICE_CAPABILITIES = Capabilities(full_finetune=False, dual_clip=False, behaviour_is=False, train_top_p=False,
+                                    train_temperature=False)
 """A Tinker-style service: LoRA only, no dual-clip, no temperature input, and logprobs it
-does not document as taken before top-p, so no top-p < 1 in training."""
+does not document as taken before top-p, so no top-p < 1 in training. No sampler-trainer
+correction: its losses are ``-A * exp(logprob - sampler_logprob)`` (PPO: clipped) with
+per-token advantages fixed before the call, so a weight ``min(pi_old / mu, C)`` that
+needs the trainer's logprobs of the same call cannot be expressed."""
 
 ENGINES: dict[str, EngineSpec] = {
     "local": EngineSpec(
@@ -249,6 +262,10 @@ class ModelConfig(EngineChoice):
                           "a row's attention grows with its length squared, so keep micro_batch_tokens "
                           "~1-2k on a CPU)",
                           choices=PACKINGS)
+    logprob_chunk_tokens: int = option(0, "compute the output layer and log-softmax this many tokens at a time, "
+                                          "recomputed in the backward (logits memory N x vocabulary instead of "
+                                          "micro-batch x vocabulary; same values); 0 = full logits; local and "
+                                          "vllm engines (services compute logprobs on their side)")
     init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
 
     def validate_model(self) -> None:
@@ -256,6 +273,7 @@ class ModelConfig(EngineChoice):
         self.validate_engine()
         for name in ("lora_rank", "micro_batch_tokens"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.logprob_chunk_tokens >= 0, f"logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}")
         require(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
         require(self.dtype in ("auto", "float32", "bfloat16"),
                 f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
@@ -273,6 +291,7 @@ class Requirements:
     full_finetune: bool = False
     loss: str | None = None
     dual_clip: bool = False
+    behaviour_is: bool = False
     packing: str = "bucketed"
     train_top_p: float = 1.0
     train_temperature: float = 1.0
@@ -293,6 +312,8 @@ def check_supported(engine: str, needs: Requirements) -> None:
         (caps.lora or needs.full_finetune or not needs.training, "LoRA adapters (use --full-finetune)"),
         (needs.loss is None or needs.loss in caps.losses, f"the {needs.loss} loss"),
         (caps.dual_clip or not needs.dual_clip, "PPO dual-clip (leave --dual-clip unset)"),
+        (caps.behaviour_is or not needs.behaviour_is,
+         "--behaviour-is (its losses take no trainer-side pi_old to weight tokens by; use --behaviour-is off)"),
         (needs.packing in caps.packings, f"--packing {needs.packing} (use {' or '.join(caps.packings)})"),
         (caps.train_top_p or needs.train_top_p == 1.0, "top_p < 1 in training rollouts (use --top-p 1)"),
         (caps.train_temperature or needs.train_temperature == 1.0, "a training temperature other than 1"),
@@ -307,6 +328,7 @@ CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
     ("full fine-tuning", lambda c: _yes(c.full_finetune)),
     ("losses", lambda c: ", ".join(c.losses)),
     ("dual-clip", lambda c: _yes(c.dual_clip)),
+    ("behaviour IS", lambda c: _yes(c.behaviour_is)),
     ("packing", lambda c: ", ".join(c.packings)),
     ("top-p < 1 in training", lambda c: _yes(c.train_top_p)),
     ("temperature ≠ 1 in training", lambda c: _yes(c.train_temperature)),
@@ -372,11 +394,8 @@ def close_training_client(engine: Any, error: BaseException | None = None) -> No
     """Release what a training client holds when its run ends (``error``: what ended it,
     ``None`` for a normal end). A service engine ends its SDK session there (Tinker:
     the session is finished and the SDK's background heartbeat, config refresh and
-    telemetry stop); an engine without a ``close`` holds nothing to release. Never
-    raises: the run's own outcome stands."""
-    close = getattr(engine, "close", None)
-    if close is None:
-        return
+    telemetry stop); vLLM stops the server it started. Never raises: the run's own
+    outcome stands, and a failing close is logged once as a warning."""
     if error is None:
         status = "success"
     elif isinstance(error, Exception):
@@ -384,9 +403,10 @@ def close_training_client(engine: Any, error: BaseException | None = None) -> No
     else:  # KeyboardInterrupt, SystemExit
         status = "interrupted"
     try:
-        close(status)
-    except Exception:  # noqa: BLE001 - closing is best effort
-        pass
+        engine.close(status)
+    except Exception as err:  # noqa: BLE001 - the run has ended; its own outcome is what it reports
+        log.warning("closing the %s training client (run %s) failed: %s: %s",
+                    type(engine).__name__, status, type(err).__name__, err)
 
 
 def load_sampler(engine: str, request: SamplerRequest) -> EngineSampler:

@@ -67,8 +67,10 @@ resumes from its last checkpoint.
 
 This is the one module that reads the SDKs' internals — a log message, telemetry event
 fields, ``ServiceClient.holder`` (tinker :data:`TESTED_TINKER`); three private module
-attributes and ``ServiceClient._runtime.event_loop`` (pytrio :data:`TESTED_PYTRIO`). If
-they change, the watchers count what they still find and never fail the run; with
+attributes, ``ServiceClient._runtime.event_loop`` and, to end a run's session
+(:func:`close_pytrio`: 0.2.9 has no public close), ``ServiceClient._runtime.shutdown``
+(pytrio :data:`TESTED_PYTRIO`). If they change, the watchers count what they still find
+and never fail the run, and a session left open ends when the process exits; with
 ``TINKER_TELEMETRY=0`` only Tinker's HTTP retries are counted.
 ``tests/test_engine_tinker_http.py`` and ``tests/test_engine_pytrio_http.py`` check the
 counts against the real SDKs over HTTP.
@@ -257,3 +259,23 @@ def watch_pytrio(counter: RetryCounter, create_service: Callable[[], Any]) -> An
 def unwatch_tinker(counter: RetryCounter) -> None:
     """Stop counting HTTP retries into ``counter`` (its run has ended)."""
     _http_filter().counters.discard(counter)
+
+
+PYTRIO_CLOSE_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CANCELLED"}
+"""Our run outcome as PyTRIO's service-session close status (``ENDED`` / ``CANCELLED``)."""
+
+
+def close_pytrio(service_client: Any, status: str = "success") -> bool:
+    """End a PyTRIO ``ServiceClient``'s service session now, with the run's outcome.
+
+    PyTRIO 0.2.9 has no public ``close``: its ``ServiceRuntime`` (``_runtime``) closes
+    the session (``POST .../service-sessions/<id>/close``), stops the heartbeats and
+    releases the transport in ``shutdown(status)``; without this, that happens only
+    when the client is garbage-collected or the process exits (a ``weakref.finalize``),
+    always as ``ENDED``. Returns whether it was closed here: ``False`` on an SDK
+    without that method (the session then ends as before, at exit)."""
+    shutdown = getattr(getattr(service_client, "_runtime", None), "shutdown", None)
+    if shutdown is None:
+        return False
+    shutdown(status=PYTRIO_CLOSE_STATUS.get(status, "CANCELLED"))
+    return True

@@ -20,16 +20,25 @@ call (interpreter tokens weigh 0). The services differ:
   its server divides the summed loss by the active-token count of the call
   (*inferred* from the client code, not documented). The adapter therefore sends
   unscaled advantages and marks untrained targets ``-100``; weights must be 0 or 1.
-  ``tests/test_engine_tinker.py::test_live_denominator_probe`` checks the inference
-  against the live service when a key is present.
+  ``tests/test_denominator_probe.py`` tells the candidate denominators apart by the
+  update each would cause and checks the inference against the live service when a key
+  is present; until then the gradient equals the local engine's only if it holds.
+
+**Distinct samples.** Tinker has an open report that one seeded request for ``n > 1``
+samples returns identical sequences. :func:`plan_requests` never sends that: Tinker gets
+``n`` single-sample requests seeded from the sample index (replayable; each prefills the
+prompt, which Tinker's prefix cache may serve), PyTRIO one request with ``seed=None``
+(distinct, not replayable; one prefill). Requests, splits, prompt tokens prefilled and
+cached are counted (:data:`USAGE_METRICS`) for the cost meter.
 
 Both: no dual-clip, no temperature input (a training temperature must be 1), LoRA only
 (all linear layers; the service's own alpha), top-p < 1 only in evaluation (neither
 SDK documents its logprobs as taken before the nucleus filter). These are declared in
 the registry's ``Capabilities`` and refused before anything loads.
 
-**On-policy, overlapped.** ``save_weights_for_sampler`` saves the current weights and
-returns a fresh sampling client (the trainer asks for one every step);
+**On-policy, overlapped.** ``save_weights_for_sampler`` returns a sampling client on
+the current weights through the SDK's ephemeral ``save_weights_and_get_sampling_client``
+(the trainer asks for one every step; no named checkpoint per step);
 ``submit_forward_backward`` and ``submit_optim_step`` hand both calls to the SDK before
 either finishes (the SDK orders them); ``sample`` calls run in a thread pool, so many
 are in flight. The metrics the local engine reports (``train/loss``,
@@ -53,9 +62,11 @@ the service state of the last checkpoint, so no half-applied step survives a res
 
 **Checkpoints.** ``save_state`` asks the service to save its state (weights and Adam
 moments) and sampler weights, and writes only ``engine.json`` with both service paths;
-``load_state`` replaces the SDK training client by one created from that state with
-its optimizer (Tinker 0.38 deprecates ``TrainingClient.load_state``; both SDKs offer
-``create_training_client_from_state_with_optimizer``).
+``load_state`` creates the SDK training client from that state with its optimizer
+(Tinker 0.38 deprecates ``TrainingClient.load_state``; both SDKs offer
+``create_training_client_from_state_with_optimizer``). A fresh run on the service is
+created only on first use or :meth:`ServiceTrainingClient.start`, so a resume never
+makes one it would throw away. Ending a run closes the SDK session (:func:`close_service`).
 
 **Secrets.** The API key is read by the SDK from its environment variable; the adapter
 never reads it except to scrub it from error messages.
@@ -67,9 +78,12 @@ Not covered: full fine-tuning, custom losses, the services' other losses (cispo,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
+import logging
 import math
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -92,8 +106,11 @@ from retool.engines.base import (
     SamplingParams,
     TransientEngineError,
 )
-from retool.engines.sdk_retries import RetryCounter, unwatch_tinker, watch_pytrio, watch_tinker
+from retool.engines.sdk_retries import RetryCounter, close_pytrio, unwatch_tinker, watch_pytrio, watch_tinker
+from retool.seeding import derive_seed
 from retool.types import Datum, StopReason
+
+log = logging.getLogger(__name__)
 
 IGNORE_TARGET = -100
 """PyTRIO's target id for a position that is neither trained nor counted."""
@@ -104,8 +121,6 @@ CLOSE_WAIT_S = 10.0
 """How long ending a run waits for Tinker to finish its session (it retries that request
 for minutes when the service is gone); the SDK's own cleanup carries on after that."""
 
-SAMPLER_TTL_S = 24 * 3600
-"""Lifetime asked for the per-step sampler weights (checkpoints are kept: no TTL)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,10 @@ class Flavour:
     call's active targets (PyTRIO, inferred from its client)."""
     create_returns_future: bool
     """``ServiceClient.create_*`` return futures (Tinker) rather than clients (PyTRIO)."""
+    split_seeded: bool
+    """How a seeded request for ``n > 1`` samples is sent so that its samples differ
+    (:func:`plan_requests`): as ``n`` single-sample requests with seeds derived from the
+    sample index (Tinker), or as one request with ``seed=None`` (PyTRIO)."""
 
     def sdk(self) -> Any:
         try:
@@ -134,8 +153,10 @@ class Flavour:
         return importlib.import_module(f"{self.name}.types")
 
 
-TINKER = Flavour("tinker", "TINKER_API_KEY", "TINKER_BASE_URL", token_sum=True, create_returns_future=True)
-PYTRIO = Flavour("pytrio", "PYTRIO_API_KEY", "PYTRIO_BASE_URL", token_sum=False, create_returns_future=False)
+TINKER = Flavour("tinker", "TINKER_API_KEY", "TINKER_BASE_URL", token_sum=True, create_returns_future=True,
+                split_seeded=True)
+PYTRIO = Flavour("pytrio", "PYTRIO_API_KEY", "PYTRIO_BASE_URL", token_sum=False, create_returns_future=False,
+                split_seeded=False)
 FLAVOURS = {f.name: f for f in (TINKER, PYTRIO)}
 
 
@@ -172,6 +193,30 @@ def sdk_loss_config(loss_fn: str, config: Mapping[str, float]) -> dict[str, floa
     if loss_fn != "ppo":
         return None
     return {"clip_low_threshold": config["clip_low_threshold"], "clip_high_threshold": config["clip_high_threshold"]}
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One request as sent to the service: how many samples, with which parameters."""
+
+    num_samples: int
+    params: SamplingParams
+
+
+def plan_requests(flavour: Flavour, num_samples: int, params: SamplingParams) -> tuple[SampleRequest, ...]:
+    """The requests that give ``num_samples`` *distinct* samples, whatever the service
+    does with one seed and ``num_samples > 1`` (Tinker has an open report of identical
+    sequences then). One sample, or no seed: one request as asked. A seeded request for
+    several: Tinker gets ``n`` single-sample requests seeded ``derive_seed(seed, i)``
+    (as the vLLM engine does), PyTRIO one request with ``seed=None`` (module docstring)."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if num_samples == 1 or params.seed is None:
+        return (SampleRequest(num_samples, params),)
+    if not flavour.split_seeded:
+        return (SampleRequest(num_samples, dataclasses.replace(params, seed=None)),)
+    return tuple(SampleRequest(1, dataclasses.replace(params, seed=derive_seed(params.seed, i)))
+                 for i in range(num_samples))
 
 
 def sdk_sampling_params(flavour: Flavour, params: SamplingParams) -> Any:
@@ -260,6 +305,15 @@ def _kind(err: BaseException) -> str:
     return "other"
 
 
+USAGE_METRICS = ("engine/sample_requests", "engine/split_requests", "engine/unseeded_requests",
+                 "engine/checkpoints", "tokens/prefill_service", "tokens/prefill_cached")
+"""What the service was asked for since the last step, in its own units: requests sent,
+the extra ones splitting made, seeded requests sent unseeded, persistent checkpoints
+saved, prompt tokens it prefilled (every request's prompt, per sample) and of those the
+ones it reported as cached (Tinker: ``prompt_cache_hit_tokens``, plus the shared prompt
+of a multi-sample request, which Tinker documents as billed cached)."""
+
+
 @dataclass
 class _Counters:
     errors: int = 0
@@ -269,12 +323,20 @@ class _Counters:
         self.lock = threading.Lock()
         self.sdk = RetryCounter()
         """The SDK's own retries (:func:`retool.engines.sdk_retries.watch_tinker`)."""
+        self.usage = dict.fromkeys(USAGE_METRICS, 0.0)
+
+    def add(self, amounts: Mapping[str, float]) -> None:
+        with self.lock:
+            for key, amount in amounts.items():
+                self.usage[key] += amount
 
     def take(self) -> dict[str, float]:
         sdk_retries = self.sdk.take()
         with self.lock:
-            out = {"engine/errors": float(self.errors), "engine/retries": float(self.retries + sdk_retries)}
+            out = {"engine/errors": float(self.errors), "engine/retries": float(self.retries + sdk_retries),
+                   **self.usage}
             self.errors = self.retries = 0
+            self.usage = dict.fromkeys(USAGE_METRICS, 0.0)
         return out
 
 
@@ -315,17 +377,44 @@ class ServiceSamplingClient:
 
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int,
                      sampling_params: SamplingParams) -> SampleResult:
+        """``num_samples`` distinct samples, in the requests :func:`plan_requests` plans,
+        all in flight at once; what they cost is counted (:data:`USAGE_METRICS`)."""
         t = self.flavour.types()
         prompt = t.ModelInput.from_ints([int(x) for x in prompt_tokens])
-        params = sdk_sampling_params(self.flavour, sampling_params)
-        response = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._sample_blocking, prompt, num_samples, params)
-        return from_sdk_sample_response(response)
+        requests = plan_requests(self.flavour, num_samples, sampling_params)
+        loop = asyncio.get_running_loop()
+        responses = await asyncio.gather(*(
+            loop.run_in_executor(self._pool, self._sample_blocking, prompt, r.num_samples,
+                                 sdk_sampling_params(self.flavour, r.params))
+            for r in requests))
+        self._counters.add(request_usage(len(prompt_tokens), sampling_params.seed, requests, responses))
+        return SampleResult(tuple(s for r in responses for s in from_sdk_sample_response(r).sequences))
 
     def _sample_blocking(self, prompt: Any, num_samples: int, params: Any) -> Any:
+        kwargs = {"return_text": False} if self.flavour is PYTRIO else {}  # tokens are the source of truth
         return _call(self.flavour, self._counters, "sample",
                      lambda: self.sdk_client.sample(prompt=prompt, num_samples=num_samples,
-                                                    sampling_params=params).result())
+                                                    sampling_params=params, **kwargs).result())
+
+
+def request_usage(prompt_len: int, seed: int | None, requests: Sequence[SampleRequest],
+                  responses: Sequence[Any]) -> dict[str, float]:
+    """What one ``sample`` call asked of the service, in :data:`USAGE_METRICS` terms.
+    Tinker (its responses carry ``prompt_cache_hit_tokens``) prefills the prompt once per
+    sample and documents the other samples of one request as cached; PyTRIO reports the
+    ``input_tokens`` of each call and nothing cached."""
+    prefilled = cached = 0
+    for request, response in zip(requests, responses):
+        if hasattr(response, "prompt_cache_hit_tokens"):
+            prefilled += prompt_len * request.num_samples
+            cached += min(int(response.prompt_cache_hit_tokens or 0), prompt_len)
+            cached += (request.num_samples - 1) * prompt_len
+        else:
+            prefilled += int(getattr(response, "input_tokens", 0) or prompt_len)
+    unseeded = seed is not None and all(r.params.seed is None for r in requests)
+    return {"engine/sample_requests": float(len(requests)), "engine/split_requests": float(len(requests) - 1),
+            "engine/unseeded_requests": float(unseeded), "tokens/prefill_service": float(prefilled),
+            "tokens/prefill_cached": float(cached)}
 
 
 # ---------------------------------------------------------------- training
@@ -336,8 +425,11 @@ class ServiceTrainingClient:
 
     def __init__(self, flavour: Flavour, service: Any, sdk_client: Any, model: str, lora_rank: int,
                  tokenizer: Any, sample_concurrency: int = 64, retry_timeout_s: float | None = None,
-                 counters: _Counters | None = None) -> None:
-        self.flavour, self.service, self.sdk_client = flavour, service, sdk_client
+                 counters: _Counters | None = None, create: Callable[[], Any] | None = None) -> None:
+        """``sdk_client`` is the SDK's training client, or ``None`` with ``create``: then
+        the run on the service is created on first use, so a resume that starts with
+        :meth:`load_state` never creates a fresh run it would throw away."""
+        self.flavour, self.service, self._sdk_client, self._create = flavour, service, sdk_client, create
         self.retry_timeout_s = retry_timeout_s
         self.model, self.lora_rank, self.tokenizer = model, lora_rank, tokenizer
         self.optim_steps = 0
@@ -345,6 +437,24 @@ class ServiceTrainingClient:
         self._sample_pool = ThreadPoolExecutor(sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
         self._result_pool = ThreadPoolExecutor(2, thread_name_prefix=f"{flavour.name}-result")
         self._pending_gradient = False
+        self._closed = False
+        self.adam_eps: float | None = None
+        """Adam's epsilon for the service, replacing the trainer's (``--tinker-adam-eps``)."""
+
+    def start(self) -> None:
+        """Create the run on the service now rather than on first use, so that a refused
+        model or key stops a new run before it writes anything (``retool train`` calls
+        this unless it resumes from a checkpoint)."""
+        self.sdk_client  # noqa: B018 - the property creates it
+
+    @property
+    def sdk_client(self) -> Any:
+        """The SDK's training client (created now if it was deferred)."""
+        if self._sdk_client is None:
+            if self._create is None:
+                raise RuntimeError(f"engine {self.flavour.name}: no training client to create")
+            self._sdk_client = self._create()
+        return self._sdk_client
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -367,6 +477,8 @@ class ServiceTrainingClient:
             raise ValueError(f"engine {self.flavour.name} trains at temperature 1 only (it takes no temperature)")
         if config.get("dual_clip"):
             raise ValueError(f"engine {self.flavour.name} has no PPO dual-clip")
+        if algo.behaviour_correction_on(config):
+            raise ValueError(f"engine {self.flavour.name} has no sampler-trainer correction (--behaviour-is)")
         total_weight = _check_data(data, loss_fn)
         sdk_data = [sdk_datum(self.flavour, d, loss_fn, total_weight) for d in data]
         sdk_future = _call(self.flavour, self.counters, "forward_backward",
@@ -382,6 +494,8 @@ class ServiceTrainingClient:
         if [len(lp) for lp in logprobs_D] != [d.num_tokens for d in data]:
             raise RuntimeError(f"engine {self.flavour.name}: forward_backward returned logprobs of the wrong shape")
         metrics = loss_metrics(data, logprobs_D, loss_fn, config)
+        # every token of every datum goes through forward and backward (Tinker bills these)
+        metrics["tokens/forward_backward"] = float(sum(d.num_tokens for d in data))
         if not math.isfinite(metrics["train/loss"]):
             raise FloatingPointError(f"non-finite loss {metrics['train/loss']} from the service")
         return ForwardBackwardOutput(logprobs_D, metrics)
@@ -391,6 +505,8 @@ class ServiceTrainingClient:
         if not self._pending_gradient:
             raise RuntimeError("optim_step called without a preceding forward_backward")
         self._pending_gradient = False
+        if self.adam_eps is not None:
+            adam_params = dataclasses.replace(adam_params, eps=self.adam_eps)
         sdk_future = _call(self.flavour, self.counters, "optim_step",
                            lambda: self.sdk_client.optim_step(sdk_adam_params(self.flavour, adam_params)),
                            retryable=False)
@@ -410,11 +526,21 @@ class ServiceTrainingClient:
     # ------------------------------------------------------------ sampling and checkpoints
 
     def save_weights_for_sampler(self, name: str | None = None) -> ServiceSamplingClient:
-        """Save the current weights for sampling and return a fresh client on them."""
-        name = name or f"retool-sampler-{self.optim_steps:06d}-{uuid.uuid4().hex[:8]}"
-        path = _call(self.flavour, self.counters, "save_weights_for_sampler",
-                     lambda: self.sdk_client.save_weights_for_sampler(name, ttl_seconds=SAMPLER_TTL_S).result().path)
-        sdk_sampler = _sampling_client(self.flavour, self.service, self.model, path, self.retry_timeout_s)
+        """A sampling client on the current weights, through the SDK's ephemeral
+        ``save_weights_and_get_sampling_client`` (as tinker-cookbook's RL loop does): no
+        named, persistent sampler checkpoint per step. ``name`` is not used. Tinker's
+        snapshot lives in the session only; PyTRIO 0.2.9 saves a temporary checkpoint
+        (its own 6-hour TTL) under a generated name."""
+        if self.flavour is TINKER:
+            kwargs: dict[str, Any] = {}
+            if self.retry_timeout_s is not None:
+                from tinker.lib.retry_handler import RetryConfig
+
+                kwargs["retry_config"] = RetryConfig(progress_timeout=self.retry_timeout_s)
+            fn = lambda: self.sdk_client.save_weights_and_get_sampling_client(**kwargs).result()  # noqa: E731
+        else:
+            fn = lambda: self.sdk_client.save_weights_and_get_sampling_client()  # noqa: E731
+        sdk_sampler = _call(self.flavour, self.counters, "save_weights_and_get_sampling_client", fn)
         return ServiceSamplingClient(self.flavour, sdk_sampler, self._sample_pool, self.counters)
 
     def save_state(self, path: str | Path) -> Path:
@@ -426,6 +552,7 @@ class ServiceTrainingClient:
         state = _call(self.flavour, self.counters, "save_state", lambda: self.sdk_client.save_state(name).result().path)
         sampler = _call(self.flavour, self.counters, "save_weights_for_sampler",
                         lambda: self.sdk_client.save_weights_for_sampler(name + "-sampler").result().path)
+        self.counters.add({"engine/checkpoints": 2.0})  # counted into the next step's metrics
         atomic_write_json(folder / ENGINE_STATE_FILE, {
             "format": STATE_FORMAT, "engine": self.flavour.name, "model": self.model, "weights": state,
             "optimizer": state, "sampler_weights": sampler, "full_finetune": False,
@@ -436,15 +563,19 @@ class ServiceTrainingClient:
         """Continue from a ``save_state`` folder: a new SDK training client created from
         the service state with its optimizer (the SDKs' replacement of ``load_state``)."""
         checkpoint = _read_checkpoint(self.flavour, path)
-        self.sdk_client = _create(self.flavour, self.counters, "create_training_client_from_state_with_optimizer",
-                                  lambda: self.service.create_training_client_from_state_with_optimizer(
-                                      checkpoint.optimizer))
+        self._sdk_client = _create(self.flavour, self.counters, "create_training_client_from_state_with_optimizer",
+                                   lambda: self.service.create_training_client_from_state_with_optimizer(
+                                       checkpoint.optimizer))
         self.optim_steps = int(_engine_json(path).get("optim_steps", 0))
         self._pending_gradient = False
 
     def close(self, status: str = "success") -> None:
         """End the run's use of the service: stop counting SDK retries for it, release
-        the thread pools and close the SDK's session (:func:`close_service`)."""
+        the thread pools and close the SDK's session (:func:`close_service`). A second
+        call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         unwatch_tinker(self.counters.sdk)
         self._sample_pool.shutdown(wait=False, cancel_futures=True)
         self._result_pool.shutdown(wait=False, cancel_futures=True)
@@ -525,19 +656,25 @@ def service_client(flavour: Flavour, base_url: str | None = None, retry_timeout_
 
 
 def close_service(flavour: Flavour, service: Any, status: str = "success") -> None:
-    """Close a ``ServiceClient`` when a run ends. Tinker's ``close`` marks the session
-    finished on the service (``status``: success, errored or interrupted) and stops the
-    SDK's background loops for it — session heartbeat, dynamic-config refresh, telemetry
-    flushes — which would otherwise run (and retry against a service that is gone) until
-    the process exits. It waits at most :data:`CLOSE_WAIT_S`; a failure is ignored (the
-    run's outcome stands). PyTRIO 0.2's ``ServiceClient`` has no ``close``: nothing to do."""
-    close = getattr(service, "close", None)
-    if flavour is not TINKER or close is None:
-        return
+    """Close a ``ServiceClient`` when a run ends (``status``: success, errored or
+    interrupted). Tinker's ``close`` marks the session finished on the service and stops
+    the SDK's background loops for it — session heartbeat, dynamic-config refresh,
+    telemetry flushes — which would otherwise run (and retry against a service that is
+    gone) until the process exits; it waits at most :data:`CLOSE_WAIT_S`. PyTRIO 0.2.9
+    has no public ``close``: :func:`retool.engines.sdk_retries.close_pytrio` ends its
+    service session (``ENDED``/``CANCELLED``) and stops the heartbeats of the training and
+    sampling runs made from it. A failure to close is logged once as a warning (secrets
+    scrubbed); the run's outcome stands."""
     try:
-        close(status).result(timeout=CLOSE_WAIT_S)
-    except Exception:  # noqa: BLE001 - a session that cannot be finished expires on the service
-        pass
+        if flavour is PYTRIO:
+            close_pytrio(service, status)
+            return
+        close = getattr(service, "close", None)
+        if close is not None:
+            close(status).result(timeout=CLOSE_WAIT_S)
+    except Exception as err:  # noqa: BLE001 - a session that cannot be finished expires on the service
+        log.warning("closing the %s session (%s) failed: %s: %s; it expires on the service",
+                    flavour.name, status, type(err).__name__, _scrub(flavour, str(err)))
 
 
 def _engine_json(path: str | Path) -> dict[str, Any]:
@@ -567,28 +704,31 @@ def load_tokenizer(model: str) -> Any:
 
 def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_rank: int = 32, seed: int | None = None,
                            base_url: str | None = None, init_from: str | None = None,
-                           sample_concurrency: int = 64, retry_timeout_s: float | None = None) -> ServiceTrainingClient:
-    """A training client on the service: a fresh LoRA adapter on ``model``, or the weights
-    (not the optimizer) of the checkpoint folder ``init_from``."""
+                           sample_concurrency: int = 64, retry_timeout_s: float | None = None,
+                           train_unembed: bool = False) -> ServiceTrainingClient:
+    """A training client on the service: a fresh LoRA adapter on ``model`` (with the
+    unembedding trained too when ``train_unembed``), or the weights (not the optimizer)
+    of the checkpoint folder ``init_from``. The run on the service is created on first
+    use (:class:`ServiceTrainingClient`); connecting and the API key are checked now."""
     flavour = FLAVOURS[flavour] if isinstance(flavour, str) else flavour
     counters = _Counters()
     service = service_client(flavour, base_url, retry_timeout_s, counters.sdk)
     try:
         if init_from:
             checkpoint = _read_checkpoint(flavour, init_from)
-            sdk_client = _create(flavour, counters, "create_training_client_from_state",
-                                 lambda: service.create_training_client_from_state(checkpoint.weights))
+            what, fn = "create_training_client_from_state", lambda: service.create_training_client_from_state(
+                checkpoint.weights)
         else:
-            sdk_client = _create(flavour, counters, f"create_lora_training_client({model})",
-                                 lambda: service.create_lora_training_client(base_model=model, rank=lora_rank,
-                                                                             seed=seed, train_unembed=False))
+            what = f"create_lora_training_client({model})"
+            fn = lambda: service.create_lora_training_client(  # noqa: E731
+                base_model=model, rank=lora_rank, seed=seed, train_unembed=train_unembed)
         tokenizer = load_tokenizer(model)
     except BaseException:
         unwatch_tinker(counters.sdk)
         close_service(flavour, service, "errored")
         raise
-    return ServiceTrainingClient(flavour, service, sdk_client, model, lora_rank, tokenizer,
-                                 sample_concurrency, retry_timeout_s, counters)
+    return ServiceTrainingClient(flavour, service, None, model, lora_rank, tokenizer, sample_concurrency,
+                                 retry_timeout_s, counters, create=lambda: _create(flavour, counters, what, fn))
 
 
 def training_client(cfg: Any, seed: int, init_from: str | None, flavour: Flavour = TINKER) -> ServiceTrainingClient:
@@ -596,10 +736,12 @@ def training_client(cfg: Any, seed: int, init_from: str | None, flavour: Flavour
     if cfg.lora_targets != "all-linear":
         raise ConfigError(f"engine {flavour.name} trains every linear layer: leave --lora-targets all-linear")
     settings = getattr(cfg, flavour.name)
-    return create_training_client(flavour, model=cfg.model, lora_rank=cfg.lora_rank, seed=seed,
-                                  base_url=settings.base_url, init_from=init_from,
-                                  sample_concurrency=settings.sample_concurrency,
-                                  retry_timeout_s=settings.retry_timeout_s)
+    client = create_training_client(flavour, model=cfg.model, lora_rank=cfg.lora_rank, seed=seed,
+                                    base_url=settings.base_url, init_from=init_from,
+                                    sample_concurrency=settings.sample_concurrency,
+                                    retry_timeout_s=settings.retry_timeout_s, train_unembed=settings.train_unembed)
+    client.adam_eps = settings.adam_eps
+    return client
 
 
 def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
@@ -626,30 +768,43 @@ def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
 # ---------------------------------------------------------------- export
 
 
-def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path, base_url: str | None = None) -> Path:
-    """Download the adapter of a ``save_state`` folder's checkpoint as a PEFT folder.
+EXPORT_TTL_S = 3600
+"""Lifetime of Tinker's temporary external-weights export (deleted after the download)."""
 
-    Tinker: a training client from the saved weights writes them in the external
-    (Hugging Face) format (``save_weights_external``) and ``RestClient`` hands out one
-    signed URL per file. PyTRIO: the sampler checkpoint is looked up among the user's
-    checkpoints and downloaded as one archive (tar or zip), which is unpacked. Either way
-    the folder must end up holding ``adapter_config.json`` and ``adapter_model.safetensors``.
+
+def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path, base_url: str | None = None) -> Path:
+    """Download the adapter of a ``save_state`` folder's checkpoint and write it to
+    ``output`` as a PEFT adapter for the Hugging Face model (:func:`retool.export.build_peft_adapter`).
+
+    Tinker 0.38 downloads a training checkpoint the way its own ``tinker checkpoint
+    download`` and tinker-cookbook's ``weights.download`` do (sampler checkpoints cannot
+    be downloaded there): a training client from the saved state writes a temporary
+    external-weights export (``save_weights_external``, one hour's TTL), ``RestClient``
+    signs one URL per file, and the export is deleted afterwards. PyTRIO: the sampler
+    checkpoint is looked up among the user's checkpoints and downloaded as one archive
+    (tar or zip), which is unpacked.
     """
+    import tempfile
+
+    from retool.export import build_peft_adapter
+
     _read_checkpoint(flavour, engine_dir)
     meta = _engine_json(engine_dir)
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
     counters = _Counters()
     service = service_client(flavour, base_url)
+    status = "errored"
     try:
-        _export(flavour, service, counters, meta, output, base_url)
+        with tempfile.TemporaryDirectory() as tmp:
+            _export(flavour, service, counters, meta, Path(tmp), base_url)
+            try:
+                folder = build_peft_adapter(tmp, meta["model"], output)
+            except (RuntimeError, ValueError, OSError) as err:
+                raise RuntimeError(f"engine {flavour.name}: the downloaded adapter of {meta['weights']} is not a "
+                                   f"PEFT adapter for {meta['model']}: {err}") from None
+        status = "success"
     finally:
-        close_service(flavour, service)
-    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (output / f).is_file()]
-    if missing:
-        raise RuntimeError(f"engine {flavour.name}: the downloaded checkpoint in {output} has no {', '.join(missing)}; "
-                           f"it holds {sorted(p.name for p in output.iterdir())}")
-    return output
+        close_service(flavour, service, status)
+    return folder
 
 
 def _export(flavour: Flavour, service: Any, counters: _Counters, meta: dict[str, Any], output: Path,
@@ -661,12 +816,15 @@ def _export(flavour: Flavour, service: Any, counters: _Counters, meta: dict[str,
                           lambda: service.create_training_client_from_state(meta["weights"]))
         name = f"retool-export-{uuid.uuid4().hex[:8]}"
         path = _call(flavour, counters, "save_weights_external",
-                     lambda: trainer.save_weights_external(name).result().path)
+                     lambda: trainer.save_weights_external(name, ttl_seconds=EXPORT_TTL_S).result().path)
         rest = flavour.sdk().RestClient(base_url=base_url)
-        urls = _call(flavour, counters, "get_external_weights_urls",
-                     lambda: rest.get_external_weights_urls(path).result().urls)
-        for relative, url in urls.items():
-            _download(url, output / relative)
+        try:
+            urls = _call(flavour, counters, "get_external_weights_urls",
+                         lambda: rest.get_external_weights_urls(path).result().urls)
+            for relative, url in urls.items():
+                _download(url, output, relative)
+        finally:
+            _delete_export(flavour, rest, path)
     else:
         rest = service.create_rest_client()
         checkpoint_id = _pytrio_checkpoint_id(flavour, rest, meta["sampler_weights"])
@@ -677,10 +835,22 @@ def _export(flavour: Flavour, service: Any, counters: _Counters, meta: dict[str,
             _unpack(archive, output)
 
 
-def _download(url: str, target: Path) -> None:
+def _delete_export(flavour: Flavour, rest: Any, path: str) -> None:
+    try:
+        rest.delete_checkpoint_from_tinker_path(path).result()
+    except Exception as err:  # noqa: BLE001 - the export expires by itself
+        print(_scrub(flavour, f"engine {flavour.name}: could not delete the temporary export {path} ({err}); "
+                              f"it expires in {EXPORT_TTL_S} s"), file=sys.stderr)
+
+
+def _download(url: str, folder: Path, relative: str) -> None:
+    """One signed URL's file into ``folder`` (a name that leaves it is refused)."""
     import shutil
     import urllib.request
 
+    target = (folder / relative).resolve()
+    if not target.is_relative_to(folder.resolve()):
+        raise RuntimeError(f"the service named a file outside the download folder: {relative!r}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with urllib.request.urlopen(url) as response, open(target, "wb") as f:  # noqa: S310 - the service's signed URL
         shutil.copyfileobj(response, f)

@@ -16,7 +16,11 @@ attempts), as the training metric ``rollout/valid_tool_call_rate`` defines it (b
 failed with ``NameError`` — e.g. code relying on an earlier call's variables under the
 stateless interpreter — over executed calls, ``rollout/name_error_rate``), each with a
 paired, problem-clustered s.e. (:func:`retool.stats.paired_ratio_difference`; none when
-a side has no denominator).
+a side has no denominator); so are the ReTool paper's behaviour figures
+(:data:`retool.stats.BEHAVIOUR_FIGURES`: response tokens — sampled tokens only —, code
+lines per call, share of calls that ran without error, position of the first call as a
+fraction of the response, self-corrections per sample), as ``behaviour/*`` in training;
+a figure one side has no denominator for (a text-mode eval makes no calls) is left out.
 
 Two evals of different problem sets (another dataset fingerprint, a problem whose question
 or answer differs, or, between two finished evals, a problem only one has) or with different
@@ -37,7 +41,14 @@ from pathlib import Path
 
 from retool.report import ReportInputError, read_eval_results
 from retool.results import COMPARED_SETTINGS, EvalResults, ProblemResult
-from retool.stats import TrajectoryStats, paired_difference, paired_ratio_difference, trajectory_stats
+from retool.stats import (
+    BEHAVIOUR_FIGURES,
+    COUNT_FIGURES,
+    TrajectoryStats,
+    paired_difference,
+    paired_ratio_difference,
+    trajectory_stats,
+)
 
 PAIRED_METRICS = {"accuracy": "correct_rate", "format": "format_rate", "used_tool": "used_tool_rate",
                   "code_calls": "code_calls_mean", "tokens": "tokens_mean"}
@@ -101,6 +112,9 @@ def compare(before_path: str | Path, after_path: str | Path) -> Comparison:
     metrics = [_paired(name, figure, stats_before, stats_after) for name, figure in PAIRED_METRICS.items()]
     metrics.append(_valid_tool_call_rate(stats_before, stats_after))
     metrics.append(_name_error_rate(stats_before, stats_after))
+    pooled = [_pooled(name, num, den, stats_before, stats_after)
+              for name, (num, den) in BEHAVIOUR_FIGURES.items() if name not in BEHAVIOUR_SHOWN_ELSEWHERE]
+    metrics += [m for m in pooled if m is not None]
     return Comparison(Path(before_path), Path(after_path), len(common), len(problems_before) - len(common),
                       len(problems_after) - len(common), tuple(metrics),
                       tuple(before.header.changed(after.header, COMPARED_SETTINGS)))
@@ -172,7 +186,22 @@ def _name_error_rate(before: list[TrajectoryStats], after: list[TrajectoryStats]
     return MetricComparison("name_error_rate", rates[0], rates[1], stderr)
 
 
-COUNT_METRICS = ("code_calls", "tokens")
+def _pooled(name: str, num: str, den: str, before: list[TrajectoryStats],
+            after: list[TrajectoryStats]) -> MetricComparison | None:
+    """A behaviour figure pooled over every sample, as the training metric ``behaviour/<name>``;
+    ``None`` (left out of the table) when a side has no denominator (no calls, say)."""
+    totals = [sum(side, TrajectoryStats()) for side in (before, after)]
+    if not all(getattr(t, den) for t in totals):
+        return None
+    _, stderr = paired_ratio_difference([(getattr(s, num), getattr(s, den)) for s in before],
+                                        [(getattr(s, num), getattr(s, den)) for s in after])
+    return MetricComparison(name, *(getattr(t, num) / getattr(t, den) for t in totals), stderr)
+
+
+BEHAVIOUR_SHOWN_ELSEWHERE = ("call_rate",)
+"""Behaviour figures the table has under another name (``used_tool``)."""
+
+COUNT_METRICS = ("code_calls", "tokens", *COUNT_FIGURES)
 """Metrics shown as numbers (the others are shares, shown in %)."""
 
 
@@ -193,7 +222,7 @@ def format_table(result: Comparison) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "compare", help="compare two evals of the same problems: difference and paired standard error",
+        "compare",
         description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("before", type=Path, help="eval results file of the earlier model (e.g. after SFT)")
     p.add_argument("after", type=Path, help="eval results file of the later model (e.g. after RL)")

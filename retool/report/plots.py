@@ -8,6 +8,11 @@ Two figures, each written as PNG and SVG:
   An eval that was interrupted (no summary line) is summarised from the problems it
   finished, and its label says so. Other ``*.jsonl`` files in the folder are skipped
   and listed.
+- **behaviour** — beside each checkpoint figure, the ReTool paper's behaviour figures
+  per checkpoint (:data:`retool.stats.BEHAVIOUR_FIGURES`: response tokens, call rate,
+  code lines per call, share of calls that ran without error, first-call position,
+  self-corrections), one small bar panel each; recomputed from the problems for files
+  written before summaries recorded them.
 - **training** — from a run's ``metrics.jsonl``: a grid of small panels (reward,
   tool-call validity, code calls and turns, trajectory tokens, sandbox outcomes and
   latency, training and token counters). Panels whose metrics are absent are left out;
@@ -22,13 +27,15 @@ import argparse
 import fnmatch
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from pathlib import Path
 
-from retool.atomic import UnwritableOutputError, atomic_open, writable_folder
+from retool.atomic import atomic_open
+from retool.flag_checks import output_folder, refuse_renamed
 from retool.report import ReportInputError, read_eval_results, read_jsonl
 from retool.results import EvalResults, is_results_file, summarize
+from retool.stats import BEHAVIOUR_FIGURES, COUNT_FIGURES
 
 FORMATS = ("png", "svg")
 
@@ -38,10 +45,14 @@ TRAINING_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("code calls and turns", ("rollout/code_calls", "rollout/turns")),
     ("trajectory tokens", ("rollout/trajectory_tokens",)),
     ("degenerate groups", ("rollout/degenerate_group_rate",)),
+    ("tool-use behaviour (shares)", ("behaviour/call_rate", "behaviour/call_success_rate",
+                                     "behaviour/first_call_position")),
+    ("tool-use behaviour (counts)", ("behaviour/code_lines_per_call", "behaviour/self_corrections")),
     ("sandbox outcomes", ("sandbox/*rate",)),
     ("sandbox latency (s)", ("sandbox/latency*",)),
     ("loss", ("train/loss",)),
     ("policy drift", ("train/*kl*", "train/clip*", "train/*logprob_diff*")),
+    ("entropy", ("train/entropy", "train/sampler_nll")),
     ("grad norm", ("train/grad_norm",)),
     ("tokens per step", ("tokens/prefill", "tokens/sampled", "tokens/trained")),
     ("step time (s)", ("time/step", "time/total_step")),
@@ -63,6 +74,8 @@ class CheckpointPoint:
     format: float
     k: int
     complete: bool
+    behaviour: dict[str, float] = field(default_factory=dict)
+    """:func:`retool.stats.behaviour_figures` of the checkpoint's samples."""
 
 
 def discover_eval_results(folder: str | Path) -> tuple[list[EvalResults], list[Path]]:
@@ -91,6 +104,9 @@ def checkpoint_point(results: EvalResults) -> CheckpointPoint:
     """The numbers one checkpoint contributes, from its summary or its problems."""
     try:
         summary = results.summary or summarize(p.samples for p in results.problems)
+        behaviour = summary.behaviour
+        if behaviour is None:  # a file from before summaries recorded the behaviour figures
+            behaviour = summarize(p.samples for p in results.problems).behaviour
     except ValueError as err:
         raise ReportInputError(f"{results.path}: cannot summarise its problem rows: {err!r}") from err
     label = results.label
@@ -98,7 +114,7 @@ def checkpoint_point(results: EvalResults) -> CheckpointPoint:
         label += f" (partial: {len(results.problems)} problems)"
     return CheckpointPoint(label=label, step=results.header.step, average=summary.average_at_k,
                            pass_at_k=summary.pass_at_k, format=summary.format, k=summary.k,
-                           complete=results.summary is not None)
+                           complete=results.summary is not None, behaviour=dict(behaviour or {}))
 
 
 def order_checkpoints(points: list[CheckpointPoint], order: Sequence[str] | None = None) -> list[CheckpointPoint]:
@@ -137,11 +153,13 @@ def plot_checkpoints(results_dir: str | Path, out_dir: str | Path, *, dataset: s
         points = order_checkpoints([checkpoint_point(r) for r in members], order)
         fig = _checkpoint_figure(points, title=f"{ds} · {md} mode")
         written += _save(fig, Path(out_dir) / f"checkpoints_{_slug(ds)}_{_slug(md)}")
+        fig = _behaviour_figure(points, title=f"tool-use behaviour · {ds} · {md} mode")
+        written += _save(fig, Path(out_dir) / f"behaviour_{_slug(ds)}_{_slug(md)}")
     return written
 
 
 def _checkpoint_figure(points: list[CheckpointPoint], title: str):
-    import numpy as np
+    import numpy as np  # numpy and matplotlib (heavy): only drawing needs them
     from matplotlib.figure import Figure
 
     ks = sorted({p.k for p in points})
@@ -167,6 +185,32 @@ def _checkpoint_figure(points: list[CheckpointPoint], title: str):
     ax.set_title(title)
     ax.legend(loc="upper left", ncols=3, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+BEHAVIOUR_TITLES = {"response_tokens": "response tokens", "call_rate": "samples with a call (%)",
+                    "code_lines_per_call": "code lines per call", "call_success_rate": "calls without error (%)",
+                    "first_call_position": "first call (% of response)", "self_corrections": "self-corrections"}
+
+
+def _behaviour_figure(points: list[CheckpointPoint], title: str):
+    """One bar panel per behaviour figure, a bar per checkpoint (missing: no calls there)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(9.0, 0.9 * len(points) * 3 + 1), 5.2))
+    axes = fig.subplots(2, 3, squeeze=False)
+    for ax, name in zip(axes.flat, BEHAVIOUR_FIGURES):
+        scale = 1.0 if name in COUNT_FIGURES else 100.0
+        values = [scale * p.behaviour[name] if name in p.behaviour else 0.0 for p in points]
+        bars = ax.bar(range(len(points)), values, color="#4C72B0")
+        ax.bar_label(bars, labels=[f"{v:.2f}" if name in p.behaviour else "—" for v, p in zip(values, points)],
+                     fontsize=7, padding=2)
+        ax.set_xticks(range(len(points)), [p.label for p in points], rotation=20, fontsize=7)
+        ax.set_title(BEHAVIOUR_TITLES[name], fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 
@@ -219,7 +263,7 @@ def plot_training(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
 
 
 def _training_figure(panels, title: str):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: only drawing needs it
 
     cols = 3
     nrows = math.ceil(len(panels) / cols)
@@ -245,7 +289,7 @@ def _training_figure(panels, title: str):
 
 def _save(fig, stem: Path) -> list[Path]:
     """Write ``stem.png`` and ``stem.svg`` (SVG text stays text: searchable, smaller)."""
-    import matplotlib
+    import matplotlib  # heavy: only saving a figure needs it
 
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -276,7 +320,7 @@ def _slug(text: str) -> str:
 def register(subparsers) -> None:
     """Add ``retool plot`` with its ``checkpoints`` and ``training`` subcommands."""
     parser = subparsers.add_parser(
-        "plot", help="draw the checkpoint comparison or a run's training curves (PNG + SVG)",
+        "plot",
         description="Draw figures from what retool wrote. `retool plot checkpoints DIR`: "
                     "Average@k / Pass@k bars and a Format line per checkpoint from a folder of "
                     "eval results. `retool plot training RUN_DIR`: training curves from metrics.jsonl.")
@@ -286,7 +330,8 @@ def register(subparsers) -> None:
                                         "then checkpoints by step.")
     ckpt.add_argument("results_dir", type=Path, metavar="RESULTS_DIR",
                       help="folder holding eval results files (*.jsonl or *.jsonl.gz)")
-    ckpt.add_argument("--out", type=Path, help="output folder (default: RESULTS_DIR/plots)")
+    ckpt.add_argument("--output-dir", type=Path, help="output folder (default: RESULTS_DIR/plots)")
+    refuse_renamed(ckpt, "--out", "--output-dir")
     ckpt.add_argument("--dataset", help="only eval results of this dataset (e.g. aime25)")
     ckpt.add_argument("--mode", choices=("retool", "text"), help="only eval results of this mode")
     ckpt.set_defaults(func=_run_checkpoints)
@@ -294,27 +339,24 @@ def register(subparsers) -> None:
                              description="A grid of panels from RUN_DIR/metrics.jsonl; absent metrics "
                                          "are skipped.")
     train.add_argument("run", type=Path, metavar="RUN_DIR", help="run folder, or its metrics.jsonl")
-    train.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/plots)")
+    train.add_argument("--output-dir", type=Path, help="output folder (default: RUN_DIR/plots)")
+    refuse_renamed(train, "--out", "--output-dir")
     train.set_defaults(func=_run_training)
 
 
 def _run_checkpoints(args: argparse.Namespace) -> int:
-    out = args.out or args.results_dir / "plots"
+    out = args.output_dir or args.results_dir / "plots"
     return _report(out, lambda: plot_checkpoints(args.results_dir, out, dataset=args.dataset, mode=args.mode))
 
 
 def _run_training(args: argparse.Namespace) -> int:
     run_dir = args.run if args.run.is_dir() else args.run.parent
-    out = args.out or run_dir / "plots"
+    out = args.output_dir or run_dir / "plots"
     return _report(out, lambda: plot_training(args.run, out))
 
 
 def _report(out: Path, draw) -> int:
-    try:
-        writable_folder(out, "--out")
-    except UnwritableOutputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    output_folder(out, "--output-dir")
     try:
         paths = draw()
     except ReportInputError as err:

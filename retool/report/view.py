@@ -40,7 +40,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.atomic import UnwritableOutputError, atomic_write_text, writable_folder
+from retool.atomic import atomic_write_text
+from retool.bundled import resolve_model_name
+from retool.flag_checks import output_file, refuse_renamed
 from retool.report import ReportInputError, read_eval_results, read_jsonl
 from retool.results import EvalResults, is_results_file
 from retool.serialize import trajectory_from_jsonable
@@ -181,9 +183,8 @@ def mask_warnings(trajectory: Trajectory) -> list[str]:
 
 def load_tokenizer(name: str):
     """A Hugging Face tokenizer from a name, a folder, or ``bundled:smollm2``."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only --tokenizer needs it
 
-    from retool.bundled import resolve_model_name
 
     try:
         return AutoTokenizer.from_pretrained(resolve_model_name(name))
@@ -290,7 +291,7 @@ def _finite(value) -> float | None:
 
 def _rounded(values: tuple[float, ...]) -> list[float | None]:
     """Values to 3 decimals (they only feed tooltips), non-finite ones as ``None``."""
-    import numpy as np
+    import numpy as np  # numpy: only writing a page needs it
 
     array = np.round(np.asarray(values, dtype=np.float64), 3)
     finite = np.isfinite(array)
@@ -309,15 +310,16 @@ def _str_or_none(value) -> str | None:
 def register(subparsers) -> None:
     """Add ``retool view``."""
     parser = subparsers.add_parser(
-        "view", help="write a self-contained HTML page of trajectories (runs or eval results)",
+        "view",
         description="Write one HTML file (opens offline) showing each trajectory's problem, reasoning, "
                     "code calls with interpreter output, final answer, reward, and a token view that "
                     "colours policy tokens by advantage and masked tokens grey.")
     parser.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",
                         help="trajectory logs (RUN_DIR/trajectories/step_*.jsonl.gz), eval results "
                              "files, or folders holding them (a run folder works)")
-    parser.add_argument("--out", "-o", type=Path,
+    parser.add_argument("--output", "-o", type=Path,
                         help="HTML file to write (default: next to the first input, ending .html)")
+    refuse_renamed(parser, "--out", "--output")
     parser.add_argument("--tokenizer", metavar="NAME_OR_PATH",
                         help="decode token ids with this Hugging Face tokenizer (or bundled:smollm2); "
                              "without it the token view shows ids")
@@ -338,12 +340,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         print("error: --limit must be at least 1", file=sys.stderr)
         return 2
-    out = args.out or default_out(args.inputs[0])
-    try:
-        writable_folder(out.parent, "--out")
-    except UnwritableOutputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    out = output_file(args.output or default_out(args.inputs[0]), "--output")
     try:
         out = write_view(args.inputs, out, tokenizer_name=args.tokenizer, limit=args.limit, title=args.title)
     except ReportInputError as err:

@@ -28,16 +28,20 @@ Stateful interpreter (opt-in; ``--interpreter stateful``)::
         await s.run("x = sympy.factorint(360)")
         (await s.run("len(x)")).stdout          # '3\n': the globals carry over
 
-A session is one interpreter forked from the warm parent exactly as a call's runner is
-(same namespaces, its own unprivileged uid, rlimits, scrubbed environment, output caps),
-started at its first call; its calls run one after the other in the same globals, each
-as the file ``call<n>.py``. Limits are per call, never summed: before each call the
-interpreter's soft CPU limit is its CPU time so far + the call's allowance and its
-address-space limit its size now + ``memory_mb`` (under a hard cap for the whole
-session, ``session_memory_mb``); the wall-clock timeout and output caps are the warm
-parent's, per call. The interpreter is pid 1 of its own PID namespace: after each call it
-kills every other process there (whatever the call started and left running, setsid and
-double forks included), and when it dies the kernel kills them all. A call that times out,
+A session is one interpreter forked exactly as a call's runner is (same namespaces, its
+own unprivileged uid, rlimits, scrubbed environment, output caps, fresh session keyring
+and syscall filter, plus a network namespace of its own), started at its first call; its
+calls run one after the other in the same globals, each as the file ``call<n>.py``.
+Limits are per call, never summed: before each call the interpreter's soft address-space
+limit is its size now + ``memory_mb`` (under a hard cap for the whole session,
+``session_memory_mb``); the wall-clock timeout, the CPU-time bound and the output caps
+are the warm parent's, per call. The interpreter is pid 1 of its own PID namespace, so
+when it dies the kernel kills every process of the session. After each call the
+interpreter kills every other process there (whatever the call started and left running,
+setsid and double forks included); with control groups, the session's group is then
+frozen — nothing of it runs between calls, daemon threads included — and before the next
+call the warm parent, which the snippet cannot reach, kills every process in it but the
+interpreter, then thaws it. A call that times out,
 exceeds memory (``MemoryError``), floods output or ends the process ends the interpreter;
 the session's next call gets a fresh one and its observation begins with a note that the
 state was lost (``ExecutionResult.state_lost``). Closing the session (also on errors and
@@ -48,15 +52,24 @@ Threat model (Linux; what ``ExecutionResult.isolation`` lists is what was in for
 
 The snippet is untrusted code written by a model being trained: it may be buggy or
 hostile (fork bombs, memory bombs, endless output, ``setsid``/double-fork escapes,
-reading secrets, writing into the repository, signalling the trainer). Isolated:
+reading secrets, writing into the repository, signalling the trainer, reading other
+calls' work, switching off the mechanisms that contain it). Isolated:
 
+- *Other work* (``clean_template``). No call or session process is a fork of the warm
+  parent that holds requests: the warm parent forks a template right after importing
+  ``preload``, before it has read any request, and the template (one per call slot, and
+  one for sessions) forks every runner and interpreter. Each child then reads its own
+  request from a memory file of its own. So no other call's or session's code, input or
+  output is in a child's memory at all — not as objects, not as freed bytes.
 - *Secrets.* The warm parent is started by ``exec`` with a fixed, minimal environment
   (``CLEAN_ENV``), never forked from the trainer, so neither the trainer's environment
   nor its memory is in any call. Each call has a private ``/proc`` showing only its own
   processes, so ``/proc/<trainer>/environ`` and ``cmdline`` do not exist for it.
 - *Filesystem.* Every mount is read-only in the sandbox's mount namespace; the only
-  writable places are the call's own empty directory (cwd, ``HOME`` and ``TMPDIR``; on
-  a size-capped tmpfs, removed after the call) and a private ``/dev/shm``.
+  writable places are the call's own empty directory (cwd, ``HOME`` and ``TMPDIR``) and a
+  private ``/dev/shm``. Each call's and each session's directory is a tmpfs of its own,
+  ``call_scratch_mb`` in size (``scratch_quota``), detached when the call or session
+  ends: one that fills its space (ENOSPC) takes none from the others.
 - *Privilege.* As root, each call slot runs as its own unused uid/gid (``uid_base + i``,
   no supplementary groups); otherwise the process runs in a user namespace with all
   capabilities dropped. ``no_new_privs`` stops setuid binaries from regaining root.
@@ -64,21 +77,56 @@ reading secrets, writing into the repository, signalling the trainer). Isolated:
   snippet's main process ends or times out, every process left (``setsid``, double
   fork) is killed by the kernel. The snippet cannot see or signal the trainer, the warm
   parent or other calls. RLIMIT_NPROC (binding because of the private uid) caps
-  processes; RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE bound memory, CPU and file size;
-  output is read with a cap while the process runs; a wall-clock timeout kills the tree.
-  The OOM killer prefers snippets (``oom_score_adj`` 1000) over the trainer.
-- *Network.* A network namespace with no interfaces up (unless ``network=True``).
+  processes; RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE bound each process's memory, CPU and
+  file size; output is read with a cap while the process runs; a wall-clock timeout
+  kills the tree. The OOM killer prefers snippets (``oom_score_adj`` 1000) over the trainer.
+- *Limits from outside* (``cgroup_v2`` or ``cgroup_v1``; as root). Each call slot and each
+  session has a control group (v2 where its memory and pids controllers can be enabled,
+  else v1's memory, pids, cpuacct and freezer), which every process of the call or
+  session is in from its first instruction (the cgroup file system is not mounted in the
+  sandbox, so none can move itself out). The kernel bounds their memory together
+  (``memory_mb``, for a session ``session_memory_mb``, + 128 MiB for copied pages of the
+  interpreter; no swap) and their number (``max_processes``); the warm parent reads
+  their CPU time together every 50 ms and kills the call past its allowance (``cpu_s``:
+  a session's interpreter is pid 1 of its namespace, which SIGXCPU never reaches, and
+  raising the soft rlimits up to the hard ones gains nothing). Ending them all is
+  ``cgroup.kill`` (v2) or freeze-and-kill (v1).
+- *Network.* A network namespace with no interfaces up (unless ``network=True``), and
+  one more per session (``session_netns``): abstract Unix sockets and loopback do not
+  connect a session to any other session or call.
+- *System calls* (``seccomp``). Just before the snippet runs, after the privilege drop, a
+  seccomp-BPF filter goes on every call's and session's process, for good (its children
+  inherit it; it cannot be removed, ``no_new_privs`` cannot be unset, a filter the snippet
+  adds only narrows it): ``keyctl``/``add_key``/``request_key``, ``ptrace``,
+  ``process_vm_readv/writev``, ``unshare``/``setns``, mounting and ``chroot``, ``bpf``,
+  ``perf_event_open``, ``userfaultfd``, ``io_uring_*``, module and ``kexec`` loading, ``clone``
+  with a namespace flag and every i386/x32 call fail with ``EPERM`` (a ``PermissionError``);
+  ``clone3`` fails with ``ENOSYS`` (glibc falls back to ``clone``). The full list is
+  ``retool.sandbox.seccomp.DENIED_SYSCALLS``; numpy, sympy, threads, ``multiprocessing`` and
+  ``subprocess`` are unaffected.
+- *Keyrings* (``fresh_keyring``). Each call and session leaves the session keyring the
+  server was started in for a new, empty one before the filter goes on, and cannot use
+  ``keyctl`` after it: the host's keys and its uid's user keyring (``@u``, which outlives a
+  call, and uids are reused) are out of reach.
 
 Not isolated / known limits:
 
-- Concurrent calls share the network namespace (abstract Unix sockets could pass data
-  between two calls running at the same time) and the scratch tmpfs's capacity.
-- Each call's process (and each session's interpreter) is a fork of the warm parent, so the
-  parent's memory at that moment is in it: references to other calls' and sessions' code,
-  requests and output read so far are dropped in the child, but their bytes may remain in
-  freed memory, readable by code that scans its own memory (ctypes).
-- CPU time and disk bandwidth are not shared fairly; a call can slow its neighbours.
-- The kernel is shared: a kernel exploit escapes everything here (no seccomp, no VM).
+- Concurrent stateless calls share one network namespace (abstract Unix sockets could
+  pass data between two calls running at the same time; a namespace per call would cost
+  several ms per call). The tmpfs directories are capped each, not together: many full
+  ones at once use that much memory (charged to each call's memory limit where control
+  groups are in force).
+- A child is a fork of the template, so it holds what the warm parent held before its
+  first request: the preloaded modules and the configuration, nothing of any call.
+- CPU time and disk bandwidth are not shared fairly; a call can slow its neighbours
+  (control groups bound each call's CPU time, not its share of the machine).
+- The kernel is shared: a kernel exploit through a system call the filter allows escapes
+  everything here (the filter is a deny list, not an allow list; there is no VM).
+- Control groups need root (as another user, or where the cgroup file system cannot be
+  written): then memory, processes and CPU are bounded per process only (rlimits), a
+  session's CPU time only by its calls' wall-clock timeouts, and a session's interpreter
+  kills its own strays after each call (its code can switch that off); ``isolation``
+  lacks ``cgroup_*``, and ``strict=True`` refuses to start.
 - Without root or unprivileged user namespaces (some containers), and on non-Linux
   systems, only rlimits, the scrubbed environment and the process-group kill apply:
   children that ``setsid()`` can outlive a call, the network and the filesystem are
@@ -90,14 +138,16 @@ Not isolated / known limits:
 - The process ends with ``os._exit`` after the interpreter-like shutdown above: objects'
   finalizers (``__del__``) that only module teardown would call do not run.
 - Sessions: the snippet shares its process with the session's call loop, so hostile code
-  can subvert that loop — raise its own soft limits up to the hard ones (the wall-clock
-  timeout and output caps, enforced by the warm parent, still hold), keep a daemon thread
-  running between calls, or make the parent think a call ended early. It can only spoil
-  its own session: another session or call, the trainer and the warm parent stay out of
-  reach, and everything of the session dies when it is closed. Files a session's calls
-  write stay in its directory until the session ends. Session calls take no ``stdin``,
-  ``files`` or ``fetch_files``. Without a PID namespace (degraded isolation) processes a
-  call leaves running live until the session ends, not the call.
+  can subvert that loop — raise its own soft limits up to the hard ones (the control
+  group's memory, pids and CPU bounds, the wall-clock timeout and output caps, all
+  enforced from outside, still hold), or make the parent think a call ended early (the
+  session is then frozen and cleared of strays early). It can only spoil its own
+  session: another session or call, the trainer and the warm parent stay out of reach,
+  and everything of the session dies when it is closed. With control groups, daemon
+  threads do not run between calls (the session is frozen). Files a session's calls write stay in its
+  directory until the session ends. Session calls take no ``stdin``, ``files`` or
+  ``fetch_files``. Without a PID namespace (degraded isolation) processes a call leaves
+  running live until the session ends, not the call.
 """
 
 from retool.sandbox.executor import (

@@ -3,7 +3,8 @@
 This file runs as its own script (``python -s -B -P _zygote.py CONFIG_JSON``), started by
 :mod:`retool.sandbox.executor` through a clean ``exec`` with a scrubbed environment, so
 nothing of the trainer's memory or environment is ever in it. It imports only the
-standard library itself; the modules named in ``preload`` (numpy, sympy, ...) are
+standard library itself (and its sibling file ``seccomp.py``, whose compiler uses pyseccomp
+when installed); the modules named in ``preload`` (numpy, sympy, ...) are
 imported once and every call's child inherits them already loaded.
 
 Process tree (Linux, with namespaces available)::
@@ -19,9 +20,10 @@ Process tree (Linux, with namespaces available)::
      |          that namespace: how a call's tree dies, setsid/double-fork included.
      +- runner  per call: forked into that namespace as pid 2; takes a private /proc,
                 /dev/shm and IPC namespace, applies rlimits, drops to the call slot's
-                unprivileged uid (or all capabilities), resets interpreter state and
-                runs the snippet as ``python main.py`` would (written to its working
-                directory, seen at WORK_DIR), plus ast-based auto-print when asked
+                unprivileged uid (or all capabilities), resets interpreter state, joins
+                a fresh session keyring, installs the syscall filter (``seccomp.py``)
+                and runs the snippet as ``python main.py`` would (written to its
+                working directory, seen at WORK_DIR), plus ast-based auto-print when asked
 
 Control protocol: JSON lines on stdin (requests) and stdout (replies); bytes travel as
 base64. Children never hold the control pipes. The zygote is single-threaded, so
@@ -41,6 +43,7 @@ import errno
 import fcntl
 import gc
 import importlib
+import importlib.util
 import io
 import json
 import linecache
@@ -50,6 +53,7 @@ import resource
 import selectors
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -67,6 +71,8 @@ MS_REC, MS_PRIVATE = 1 << 14, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SYS_MOUNT_SETATTR = 442  # same number on every architecture (added in Linux 5.12)
 SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine, -1)
+CLONE_PARENT = 0x00008000
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, -1)
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_RECURSIVE, AT_FDCWD = 0x1, 0x2, 0x8000, -100
 MS_BIND, MNT_DETACH = 4096, 2
@@ -81,6 +87,27 @@ WORK_DIR = "/sandbox/work"
 """Where every call's working directory appears inside the sandbox (a bind mount in the
 call's private mount namespace): the same neutral path for every call, never a host path.
 Without a private mount namespace the call runs in its real directory."""
+
+
+def _load_sibling(name: str) -> types.ModuleType:
+    """Import ``retool/sandbox/<name>.py`` as a plain file: this script runs with ``-P`` and
+    without the ``retool`` package (nor its imports) in the warm parent."""
+    spec = importlib.util.spec_from_file_location(f"_retool_sandbox_{name}", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_cgroups = _load_sibling("_cgroups")
+CPU_POLL_S = 0.05
+"""How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
+seccomp = _load_sibling("seccomp")
+SYSCALL_FILTER: seccomp.Filter | None = None
+"""The calls' syscall filter, compiled by the launcher before it leaves the host's
+filesystem (libseccomp is found there); None where it could not be (``FILTER_PROBLEM``)."""
+FILTER_PROBLEM = "not compiled"
 
 _libc = None
 
@@ -229,13 +256,19 @@ def launcher_main() -> None:
     base = tempfile.mkdtemp(prefix="retool-sandbox-", dir=cfg.get("base_dir"))
     os.chmod(base, 0o755)
     parent_fd = os.open(os.path.dirname(base), os.O_RDONLY | os.O_DIRECTORY)  # the host's view
+    cgroups, cgroup_warning = _open_cgroups(cfg)  # before the root is pivoted: cgroupfs is not in it
+    _compile_syscall_filter(cfg)
     isolation, warnings, calls_dir = setup_namespaces(cfg, base)
+    if cgroups is not None:
+        isolation.append(f"cgroup_{cgroups.version}")
+    else:
+        warnings.append(cgroup_warning)
     pid = os.fork()
     if pid == 0:
         try:
             if "mountns" in isolation:
                 prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            Zygote(cfg, calls_dir, base, isolation, warnings).serve()
+            Zygote(cfg, calls_dir, base, isolation, warnings, cgroups).serve()
         except BaseException:
             traceback.print_exc()  # to the trainer's stderr: the zygote is broken
             os._exit(1)
@@ -250,7 +283,35 @@ def launcher_main() -> None:
         _remove_mount_point(os.path.basename(base), parent_fd)
     else:
         shutil.rmtree(base, ignore_errors=True)
+    if cgroups is not None:
+        try:
+            cgroups.close()
+        except OSError as exc:
+            sys.stderr.write(f"retool sandbox: could not remove its control groups: {exc}\n")
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _open_cgroups(cfg: dict) -> tuple[object | None, str]:
+    """The sandbox's control groups (see :mod:`_cgroups`), or None and why not."""
+    if "cgroups" in cfg.get("benchmark_skip", ()):
+        return None, "no control groups (left out)"
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return None, "no control groups (they need root on Linux): memory, processes and CPU are bounded per process only"
+    try:
+        return _cgroups.Hierarchy.open(f"retool-sandbox-{os.getpid()}"), ""
+    except OSError as exc:
+        return None, f"no control groups ({exc}): memory, processes and CPU are bounded per process only"
+
+
+def _compile_syscall_filter(cfg: dict) -> None:
+    global SYSCALL_FILTER, FILTER_PROBLEM
+    if "seccomp" in cfg.get("benchmark_skip", ()):
+        FILTER_PROBLEM = "left out (benchmark_skip)"
+        return
+    try:
+        SYSCALL_FILTER = seccomp.compile_filter()
+    except (seccomp.FilterUnavailable, OSError) as exc:
+        FILTER_PROBLEM = str(exc)
 
 
 def _remove_mount_point(name: str, parent_fd: int) -> None:
@@ -287,6 +348,8 @@ class Call:
         self.state_lost: str | None = None  # why the session's previous interpreter ended
         self.baseline: int | None = None  # address space the call started from (sessions)
         self.cpu_before = 0.0  # interpreter CPU seconds before the call (sessions)
+        self.group = None  # its control group (the slot's or the session's), if any
+        self.group_cpu_base = 0.0  # the group's CPU seconds when the call started
 
 
 class Session:
@@ -309,13 +372,17 @@ class Session:
         self.lost: str | None = None  # why the previous interpreter ended, until a call reports it
         self.generation = 0  # which interpreter of the session an event belongs to
         self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
+        self.group = None  # its control group, if any (frozen between calls)
 
 
 class Zygote:
     """Serves run requests: at most ``workers`` calls at once, one fresh process tree each."""
 
-    def __init__(self, cfg: dict, base: str, host_dir: str, isolation: list[str], warnings: list[str]):
+    def __init__(self, cfg: dict, base: str, host_dir: str, isolation: list[str], warnings: list[str],
+                 cgroups=None):
         self.cfg = cfg
+        self.cgroups = cgroups  # a _cgroups.Hierarchy, or None
+        self.next_cpu_check = 0.0
         self.base = base
         self.host_dir = host_dir
         self.isolation = isolation
@@ -334,6 +401,11 @@ class Zygote:
         self.private_mounts = False
         self.work_dir: str | None = None  # the fixed path calls run at, when they can
         self.sleep_binary = shutil.which("sleep", path="/usr/bin:/bin")
+        self.scratch_quota = False  # each call and session directory is a tmpfs of its own
+        self.session_netns = False  # each session's interpreter gets a network namespace of its own
+        self.template: Template | None = None  # forks every call's and session's process
+        self.slot_templates: dict[int, Template] = {}  # one per call slot, inside the slot's group
+        self.confine = False  # a fresh session keyring and the syscall filter, once probed
 
     # ---- start-up
 
@@ -343,9 +415,11 @@ class Zygote:
         gc.collect()
         gc.freeze()  # children never scan (and so never copy) the parent's objects
         self._probe_call_isolation()
+        self._start_template()
         self._reply({"op": "ready", "isolation": self.isolation, "warnings": self.warnings,
                      "preloaded": loaded, "preload_failed": failed, "calls_dir": self.base,
                      "host_dir": self.host_dir,
+                     "cgroup_dirs": self.cgroups.paths if self.cgroups is not None else [],
                      "root": self.root, "pid": os.getpid()})
         os.set_blocking(0, False)
         self.sel.register(0, selectors.EVENT_READ, ("control", None))
@@ -365,15 +439,6 @@ class Zygote:
                     self._guarded(call, lambda c=call, k=kind: self._on_output(c, k))
             self._poll_without_pidfd()
             self._enforce_deadlines()
-
-    def forget_other_work(self) -> None:
-        """In a freshly forked call or session process: drop this copy's references to the
-        warm parent's other calls and sessions (their code, queued requests, output read so
-        far), so that code cannot reach them through Python objects. The bytes may stay in
-        freed memory (readable with ctypes): see "Not isolated" in :mod:`retool.sandbox`."""
-        self.calls, self.sessions, self.queue = {}, {}, collections.deque()
-        self.inbuf = bytearray()
-        self.sel = None
 
     def _guarded(self, call: Call, handle) -> None:
         """Run one event handler; a bug in it fails that call (sandbox_error), not the zygote."""
@@ -421,10 +486,33 @@ class Zygote:
             self.work_dir = WORK_DIR
         if self.private_mounts:
             self.isolation += ["private_proc", "private_shm"] if self.pidns_fd is not None else ["private_shm"]
+        self.scratch_quota = "minimal_root" in self.isolation and "scratch_quota" not in self.skip
+        if self.scratch_quota:
+            self.isolation.append("scratch_quota")
+        self.session_netns = "netns" in self.isolation and "session_netns" not in self.skip
+        if self.session_netns:
+            self.isolation.append("session_netns")
         if "privilege_drop" not in self.skip:
             self.isolation += ["uid_drop" if self.root else "caps_drop", "no_new_privs"]
         if "rlimits" not in self.skip:
             self.isolation.append("rlimits")
+        self._probe_syscall_filter()
+
+    def _probe_syscall_filter(self) -> None:
+        """Try the keyring switch and the filter once in a throw-away child: the calls
+        get them only if they work on this kernel (a call must not fail for want of them)."""
+        if SYSCALL_FILTER is None:
+            self.warnings.append(f"no syscall filter ({FILTER_PROBLEM})")
+            return
+        pid = _fork_running(_probe_confinement)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code in (0, PROBE_NO_KEYCTL):
+            self.isolation += ["seccomp"] + (["fresh_keyring"] if code == 0 else [])
+            self.confine = True
+        else:
+            self.warnings.append(f"no syscall filter (installing it failed in a test child, exit code {code})")
+        if code == PROBE_NO_KEYCTL:
+            self.warnings.append("keyctl is refused here already: no fresh session keyring needed")
 
     # ---- control channel
 
@@ -510,6 +598,7 @@ class Zygote:
         call = Call(req, slot, directory)
         child_fds: dict[str, int] = {}
         try:
+            self._mount_scratch(directory)
             _prepare_directory(directory, {**(req.get("files") or {}), SCRIPT_NAME: None}, uid, req["code"])
             child_fds, call.fds = _make_pipes(req.get("stdin"))
             self._fork(call, child_fds, uid)
@@ -517,7 +606,7 @@ class Zygote:
             self._kill(call, "cancelled")
             for pid in (call.pid, call.init_pid):
                 _reap(pid)
-            shutil.rmtree(directory, ignore_errors=True)
+            self._remove_directory(directory)
             for fd in call.fds.values():
                 os.close(fd)
             raise
@@ -535,11 +624,23 @@ class Zygote:
 
     def _fork(self, call: Call, child_fds: dict[str, int], uid: int) -> None:
         """Start the call: with PID namespaces, a tiny init as pid 1 of a fresh namespace
-        (killing it makes the kernel kill everything in it), then the runner as pid 2."""
+        (killing it makes the kernel kill everything in it), then the runner as pid 2,
+        forked by the template (or, without one, by the zygote itself). The runner reads
+        its request from a memory file of its own."""
+        request = {"dir": call.dir, "uid": uid, "code": call.req["code"], "cpu_s": call.req["cpu_s"],
+                   "memory_mb": call.req["memory_mb"], "auto_print": call.req.get("auto_print", True)}
+        child_fds["request"] = _memory_file("request", json.dumps(request).encode())
+        template = self.slot_templates.get(call.slot, self.template)
+        call.group = self._join_group(child_fds, f"call-{call.slot}", call.req["memory_mb"],
+                                      born_inside=template is not self.template)
+        call.group_cpu_base = call.group.cpu_seconds() if call.group is not None else 0.0
         with self._children_in_new_pid_namespace():
             if self.pidns_fd is not None:
                 call.init_pid = self._spawn_init()
-            call.pid = _fork_running(run_snippet, self, call, child_fds, uid)
+            if template is None:
+                call.pid = _fork_running(run_snippet, self, child_fds)
+        if template is not None:
+            call.pid = template.fork("call", child_fds, call.init_pid or None)
 
     @contextlib.contextmanager
     def _children_in_new_pid_namespace(self):
@@ -552,6 +653,48 @@ class Zygote:
         finally:
             if self.pidns_fd is not None:
                 setns(self.pidns_fd, CLONE_NEWPID)
+
+    def _join_group(self, child_fds: dict[str, int], name: str, memory_mb: int, born_inside: bool = False):
+        """The control group ``name`` with its limits set, and fds for the child to join it
+        (added to ``child_fds``) unless it is ``born_inside`` it (forked by the slot's
+        template, which lives there: one process more); None without control groups."""
+        if self.cgroups is None:
+            return None
+        group = self.cgroups.group(name)
+        group.set_limits(memory_mb << 20, self.cfg["max_processes"] + born_inside)
+        if not born_inside:
+            for i, fd in enumerate(group.join_fds()):
+                child_fds[f"cgroup{i}"] = fd
+        return group
+
+    def _mount_scratch(self, directory: str) -> None:
+        """Give a call or session directory its own size-capped tmpfs, so that filling it
+        (ENOSPC) cannot take space from any other call or session."""
+        if self.scratch_quota:
+            mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV,
+                  f"size={self.cfg['call_scratch_mb']}m,mode=0700")
+
+    def _remove_directory(self, directory: str) -> None:
+        """Remove a call or session directory (and detach its tmpfs: every file goes with it)."""
+        if self.scratch_quota:  # fails (EINVAL) only where the tmpfs was never mounted
+            libc().umount2(directory.encode(), MNT_DETACH)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def _start_template(self) -> None:
+        """Fork the template that forks every call's and session's process (see
+        :class:`Template`), now, before this process has held any request."""
+        if "template" in self.skip:
+            return
+        if SYS_CLONE < 0 or not sys.platform.startswith("linux"):
+            self.warnings.append("no clean template: calls are forked from the warm parent itself")
+            return
+        self.template = Template.start(self)
+        self.isolation.append("clean_template")
+        if self.cgroups is not None:  # a child born in its group needs no migration (that waits
+            for slot in range(self.cfg["workers"]):  # for an RCU grace period, ~10 ms here)
+                group = self.cgroups.group(f"call-{slot}")
+                group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"] + 1)
+                self.slot_templates[slot] = Template.start(self, group.join_fds())
 
     def _spawn_init(self) -> int:
         """Pid 1 of the call's namespace: ``sleep`` via vfork+exec (cheap at any parent
@@ -590,6 +733,9 @@ class Zygote:
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         if (self.calls or self.sessions) and not hasattr(os, "pidfd_open"):
             timeout = 0.005 if timeout is None else min(timeout, 0.005)  # poll for exits
+        if any(c.group is not None and not c.killed for c in self.calls.values()):
+            wait = max(0.0, self.next_cpu_check - time.monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
         return timeout
 
     def _enforce_deadlines(self) -> None:
@@ -597,6 +743,17 @@ class Zygote:
         for call in list(self.calls.values()):
             if not call.killed and now >= call.deadline:
                 self._kill(call, "timeout")
+        if now >= self.next_cpu_check:
+            self.next_cpu_check = now + CPU_POLL_S
+            self._enforce_cpu_time()
+
+    def _enforce_cpu_time(self) -> None:
+        """Kill each call whose processes together (its control group: every thread, every
+        child, the session interpreter's daemon threads) used more than its CPU time."""
+        for call in list(self.calls.values()):
+            if call.group is not None and not call.killed:
+                if call.group.cpu_seconds() - call.group_cpu_base > call.req["cpu_s"]:
+                    self._kill(call, "cpu_time")
 
     def _kill(self, call: Call, reason: str) -> None:
         """Kill the call's whole process tree: its namespace's init, else its process group."""
@@ -623,6 +780,9 @@ class Zygote:
         wall = time.monotonic() - call.started
         _kill_tree(call)  # whatever the snippet left behind dies with it
         _reap(call.init_pid)  # returns once every process of the namespace is gone
+        if call.group is not None and not call.init_pid:  # no namespace died with it
+            template = self.slot_templates.get(call.slot)
+            call.group.kill_all(keep=template.pid if template is not None else None)
         self._drain(call)
         reply = self._result(call, status, usage, wall)
         self._cleanup(call)
@@ -668,7 +828,7 @@ class Zygote:
 
     def _cleanup(self, call: Call) -> None:
         self._close_fds(call.fds, call.pidfd)
-        shutil.rmtree(call.dir, ignore_errors=True)
+        self._remove_directory(call.dir)
         call.done = True
         self.calls.pop(call.id, None)
         self.free_slots.append(call.slot)
@@ -682,6 +842,8 @@ class Zygote:
             slot = self.free_session_slots.pop(0)
             uid = self.cfg["uid_base"] + self.cfg["workers"] + slot if self.root else os.geteuid()
             session = self.sessions[req["session"]] = Session(req["session"], slot, uid)
+        if session.pid and session.group is not None and not self._resume(session):
+            self._end_interpreter(session, "processes")
         fresh = not session.pid
         if fresh:
             self._start_interpreter(session, req)
@@ -690,6 +852,9 @@ class Zygote:
         call.init_pid = session.pid if self.pidns_fd is not None else 0  # killing it kills its namespace
         call.state_lost, session.lost = session.lost or req.get("state_lost"), None
         call.cpu_before = float(session.reported.get("cpu_total", 0.0))
+        call.group = session.group
+        if session.group is not None:
+            call.group_cpu_base = session.group.cpu_seconds()
         session.calls += 1
         session.call = self.calls[call.id] = call
         request = {"id": call.id, "code": req["code"], "auto_print": req.get("auto_print", True),
@@ -704,11 +869,18 @@ class Zygote:
         session.dir = tempfile.mkdtemp(prefix=f"session-{session.slot}-", dir=self.base)
         child_fds: dict[str, int] = {}
         try:
+            self._mount_scratch(session.dir)
             _prepare_directory(session.dir, {}, session.uid, "")
             child_fds, session.fds = _make_pipes(None)
             child_fds["control"], session.fds["control"] = os.pipe()
-            with self._children_in_new_pid_namespace():
-                session.pid = _fork_running(run_session, self, session, child_fds, req)
+            request = {"dir": session.dir, "uid": session.uid, "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}
+            child_fds["request"] = _memory_file("request", json.dumps(request).encode())
+            session.group = self._join_group(child_fds, f"session-{session.slot}", self.cfg["session_memory_mb"])
+            if self.template is not None:
+                session.pid = self.template.fork("session", child_fds, None)
+            else:
+                with self._children_in_new_pid_namespace():
+                    session.pid = _fork_running(run_session, self, child_fds)
         except BaseException:
             self._end_interpreter(session, "sandbox_error")
             raise
@@ -823,6 +995,8 @@ class Zygote:
         if ended:  # killed as it ended, or out of memory (its state may be half-built): start afresh
             self._end_interpreter(session, ended)
             reply["ended_interpreter"] = ended
+        if not ended and session.group is not None:
+            session.group.freeze(wait=False)  # nothing of the session runs until its next call
         self._reply(reply)
         self._start_queued()
 
@@ -872,9 +1046,23 @@ class Zygote:
         self._reply(reply)
         self._start_queued()
 
+    def _resume(self, session: Session) -> bool:
+        """Before a session's next call: its group has been frozen since the last call
+        ended; kill every process in it but the interpreter (from here, where the snippet
+        cannot reach: whatever a call left, whatever its threads started after it), then
+        thaw it. False when processes keep appearing: the interpreter must end."""
+        try:
+            session.group.leave_only(session.pid)
+        except OSError:  # processes keep appearing as fast as they are killed, or it would not freeze
+            return False
+        session.group.thaw()
+        return True
+
     def _end_interpreter(self, session: Session, reason: str) -> None:
         """Kill the session's interpreter and everything it started, wait until they are
         gone, remove its directory; the session's next call starts a fresh one."""
+        if session.group is not None:
+            session.group.kill_all()  # frozen or not, every process of the session dies
         if session.pid:
             _kill_tree_of(session.pid, namespace=self.pidns_fd is not None)
             _reap(session.pid)
@@ -883,7 +1071,7 @@ class Zygote:
         session.fds, session.pidfd = {}, None
         session.outbuf.clear()
         if session.dir:
-            shutil.rmtree(session.dir, ignore_errors=True)
+            self._remove_directory(session.dir)
             session.dir = ""
         session.lost = reason
 
@@ -904,6 +1092,153 @@ class Zygote:
             self.free_session_slots.append(session.slot)
         self._reply({"op": "result", "id": req["id"], "closed": True})
         self._start_queued()
+
+
+CHILD_FD_NAMES = ("stdin", "stdout", "stderr", "info", "control", "request", "pidns",
+                  *(f"cgroup{i}" for i in range(len(_cgroups.V1_CONTROLLERS))))
+"""The names the fds a child gets from the template may have (``control``: a session's
+requests; ``pidns``: the PID namespace a call's runner is forked into; ``cgroup<i>``: its
+control group's ``cgroup.procs``, one per hierarchy)."""
+TEMPLATE_REPLY_TIMEOUT_S = 30.0
+
+
+class Template:
+    """The zygote's handle on its template: a copy of the warm parent forked right after
+    ``preload``, before the zygote has read any request, that forks every call's runner
+    and every session's interpreter.
+
+    Why: a child forked from the zygote itself would inherit the zygote's memory at that
+    moment — other calls' code, queued requests and output read so far, as live objects
+    (``gc.get_objects()``) and as freed bytes. The template never holds any of that. Each
+    command it gets is one word (``call``/``session``) and the names of the fds sent with
+    it (``SCM_RIGHTS`` on a socket pair): the child's pipes, a memory file with its own
+    request (read only by the child), for a call its PID namespace, and the
+    ``cgroup.procs`` of the control group the child joins. There is one template for
+    sessions and, with control groups, one per call slot living in that slot's group (a
+    child born there needs no migration). It forks with ``CLONE_PARENT``, so the
+    child is the zygote's child (the zygote waits for it, reads its resource usage and
+    gets its pidfd as before) and the template has no children at all. It is
+    single-threaded, so the raw ``clone`` (without glibc's fork handlers; CPython's own
+    before/after-fork hooks do run) leaves no lock held in the child.
+    """
+
+    def __init__(self, pid: int, sock: socket.socket):
+        self.pid = pid
+        self.sock = sock
+
+    @classmethod
+    def start(cls, zygote: Zygote, group_fds: list[int] = ()) -> Template:
+        """Fork a template; with ``group_fds``, it lives in that control group (as does
+        every child it forks). The OOM killer there picks the snippet's processes first
+        (their ``oom_score_adj`` is 1000, the template's 0)."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                mine.close()
+                _cgroups.join(list(group_fds))
+                serve_template(zygote, theirs)
+            except BaseException:
+                traceback.print_exc()  # to the trainer's stderr: the template is broken
+            finally:
+                os._exit(EXIT_SETUP_FAILED)
+        for fd in group_fds:
+            os.close(fd)
+        theirs.close()
+        mine.settimeout(TEMPLATE_REPLY_TIMEOUT_S)
+        return cls(pid, mine)
+
+    def fork(self, kind: str, child_fds: dict[str, int], pid_namespace_of: int | None) -> int:
+        """Have the template fork a ``kind`` child with ``child_fds`` (the zygote keeps and
+        closes its copies); for a call, in the PID namespace of the process ``pid_namespace_of``.
+        Returns the child's pid (the zygote's child). Ends the zygote if the template is gone."""
+        fds = dict(child_fds)
+        namespace_fd = os.pidfd_open(pid_namespace_of) if pid_namespace_of else None
+        if namespace_fd is not None:
+            fds["pidns"] = namespace_fd
+        try:
+            socket.send_fds(self.sock, [" ".join([kind, *fds]).encode()], list(fds.values()))
+            reply = self.sock.recv(512).decode()
+        except OSError as exc:
+            reply = f"gone ({exc})"
+        finally:
+            if namespace_fd is not None:
+                os.close(namespace_fd)
+        if not reply or reply.startswith("gone"):
+            sys.stderr.write(f"retool sandbox: the template process is gone {reply}; the warm parent exits\n")
+            os._exit(1)  # the trainer's side replaces the whole warm parent
+        if not reply.isdigit():
+            raise OSError(errno.EAGAIN, f"the template could not fork: {reply}")
+        return int(reply)
+
+
+def serve_template(zygote: Zygote, sock: socket.socket) -> None:
+    """The template's loop: fork the child each command asks for, answer its pid."""
+    if sys.platform.startswith("linux"):
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):  # never hold the zygote's control pipes
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    sock.setblocking(True)
+    while True:
+        message, fds, _, _ = socket.recv_fds(sock, 512, len(CHILD_FD_NAMES))
+        if not message:
+            os._exit(0)
+        try:
+            kind, *names = message.decode().split()
+            reply = str(_fork_child(zygote, kind, dict(zip(names, fds, strict=True))))
+        except Exception as exc:  # answered to the zygote, which fails that call
+            reply = f"{type(exc).__name__}: {exc}"
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.send(reply.encode())
+
+
+def _fork_child(zygote: Zygote, kind: str, child_fds: dict[str, int]) -> int:
+    """Fork a ``kind`` child as the zygote's child: a call's runner into the PID namespace
+    ``pidns``, a session's interpreter as pid 1 of a fresh one."""
+    if kind not in ("call", "session") or not set(child_fds) <= set(CHILD_FD_NAMES):
+        raise ValueError(f"not a template command: {kind} {sorted(child_fds)}")
+    namespace_fd = child_fds.pop("pidns", None)
+    runner = run_snippet if kind == "call" else run_session
+    new_namespace = kind == "session" and zygote.pidns_fd is not None
+    if namespace_fd is not None:
+        setns(namespace_fd, CLONE_NEWPID)
+    elif new_namespace:
+        unshare(CLONE_NEWPID)
+    try:
+        return _fork_sibling(runner, zygote, child_fds)
+    finally:
+        if namespace_fd is not None or new_namespace:
+            setns(zygote.pidns_fd, CLONE_NEWPID)
+
+
+_pylibc = None
+
+
+def _fork_sibling(runner, *args) -> int:
+    """Like :func:`_fork_running`, but the child's parent is our parent (``CLONE_PARENT``).
+    CPython's fork hooks run as ``os.fork`` runs them (the GIL stays held: ``PyDLL``)."""
+    global _pylibc
+    if _pylibc is None:
+        _pylibc = ctypes.PyDLL(None, use_errno=True)
+    zero = ctypes.c_long(0)
+    ctypes.pythonapi.PyOS_BeforeFork()
+    pid = _pylibc.syscall(ctypes.c_long(SYS_CLONE), ctypes.c_long(CLONE_PARENT | signal.SIGCHLD),
+                          zero, zero, zero, zero)
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        try:
+            runner(*args)
+        finally:
+            os._exit(EXIT_SETUP_FAILED)
+    err = ctypes.get_errno()
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone: {os.strerror(err)}")
+    return pid
 
 
 def _kill_tree(call: Call) -> None:
@@ -973,11 +1308,25 @@ def _make_pipes(stdin: str | None) -> tuple[dict[str, int], dict[str, int]]:
     if stdin is None:
         child["stdin"] = os.open(os.devnull, os.O_RDONLY)
     else:
-        fd = os.memfd_create("stdin") if hasattr(os, "memfd_create") else tempfile.TemporaryFile().detach()
-        os.write(fd, stdin.encode()) if len(stdin) < (1 << 16) else _write_all(fd, stdin.encode())
-        os.lseek(fd, 0, os.SEEK_SET)
-        child["stdin"] = fd
+        child["stdin"] = _memory_file("stdin", stdin.encode())
     return child, mine
+
+
+def _memory_file(name: str, data: bytes) -> int:
+    """An fd of an anonymous file holding ``data``, positioned at its start."""
+    fd = os.memfd_create(name) if hasattr(os, "memfd_create") else tempfile.TemporaryFile().detach()
+    _write_all(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _read_request(fd: int) -> dict:
+    """The request the zygote wrote for this child (read once, then closed)."""
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    os.close(fd)
+    return json.loads(b"".join(chunks))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -1036,58 +1385,64 @@ def _fork_running(runner, *args) -> int:
     return pid
 
 
-def run_snippet(zygote: Zygote, call: Call, child_fds: dict[str, int], uid: int) -> None:
-    """The runner: private mounts, limits, privilege drop, fresh state, then the code."""
+def run_snippet(zygote: Zygote, child_fds: dict[str, int]) -> None:
+    """The runner: its request, private mounts, limits, privilege drop, fresh state, then the code."""
     try:
-        zygote.forget_other_work()
+        req = _read_request(child_fds.pop("request"))
+        _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
         _layout_fds(child_fds)
         os.setsid()
         if sys.platform.startswith("linux"):
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies: so does the call
-        workdir = call.dir
+        workdir = req["dir"]
         if zygote.private_mounts:
-            _private_mounts(call.dir, zygote.work_dir)
-            workdir = zygote.work_dir or call.dir
+            _private_mounts(req["dir"], zygote.work_dir)
+            workdir = zygote.work_dir or req["dir"]
         os.chdir(workdir)
         baseline = _address_space_bytes()
         if "rlimits" not in zygote.skip:
-            _apply_limits(call.req, zygote.cfg, baseline)
+            _apply_limits(req, zygote.cfg, baseline)
         if "privilege_drop" not in zygote.skip:
-            _drop_privileges(uid, zygote.root)
+            _drop_privileges(req["uid"], zygote.root)
         namespace = _fresh_interpreter_state(workdir, zygote.env)
+        if zygote.confine:
+            _confine()
     except BaseException:  # never run the snippet half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
     _report(3, {"ready": True, "memory_baseline_bytes": baseline})
     script = os.path.join(workdir, SCRIPT_NAME)
-    code = execute(call.req["code"], namespace, zygote.cfg["traceback_frames"], script,
-                   call.req.get("auto_print", True))
+    code = execute(req["code"], namespace, zygote.cfg["traceback_frames"], script, req["auto_print"])
     os._exit(code)
 
 
-def run_session(zygote: Zygote, session: Session, child_fds: dict[str, int], req: dict) -> None:
+def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
     """A session's interpreter: isolated and limited exactly as a call's runner (the
     first call's limits; the zygote re-sets them before every later call), then a loop
     that runs each call sent on fd 4 in the same globals."""
     try:
-        zygote.forget_other_work()
-        session.outbuf, session.call = bytearray(), None
+        req = _read_request(child_fds.pop("request"))
+        _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
         _layout_fds(child_fds, SESSION_FDS)
         os.setsid()
         if sys.platform.startswith("linux"):
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        workdir = session.dir
+        workdir = req["dir"]
         if zygote.private_mounts:
-            _private_mounts(session.dir, zygote.work_dir)
-            workdir = zygote.work_dir or session.dir
+            _private_mounts(req["dir"], zygote.work_dir)
+            workdir = zygote.work_dir or req["dir"]
+        if zygote.session_netns:  # abstract Unix sockets and loopback stay inside the session
+            unshare(CLONE_NEWNET)
         os.chdir(workdir)
         baseline = _address_space_bytes()
         limited = "rlimits" not in zygote.skip
         if limited:
             _apply_limits(req, zygote.cfg, baseline, session_cap=baseline + zygote.cfg["session_memory_mb"] * (1 << 20))
         if "privilege_drop" not in zygote.skip:
-            _drop_privileges(session.uid, zygote.root)
+            _drop_privileges(req["uid"], zygote.root)
         namespace = _fresh_interpreter_state(workdir, zygote.env)
+        if zygote.confine:
+            _confine()
     except BaseException:  # never run code half-isolated
         _report(3, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
@@ -1249,6 +1604,27 @@ def _drop_privileges(uid: int, root: bool) -> None:
         prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
+PROBE_NO_KEYCTL = 3
+"""Exit code of the start-up probe child when the filter went on but keyctl was refused."""
+
+
+def _confine() -> bool:
+    """The last step before a snippet runs: a fresh anonymous session keyring, then the
+    syscall filter (for good: this process and all it starts). False if keyctl is refused."""
+    joined = seccomp.join_fresh_session_keyring(SYSCALL_FILTER)
+    seccomp.install(SYSCALL_FILTER)
+    return joined
+
+
+def _probe_confinement() -> None:
+    os._exit(0 if _confine() else PROBE_NO_KEYCTL)
+
+
+_ORIGINAL_STREAMS: list[io.TextIOWrapper] = []
+"""The call's own stdout and stderr, flushed at its end even if the snippet rebinds
+``sys.stdout`` and ``sys.__stdout__`` (as the interpreter's teardown flushes them)."""
+
+
 def _fresh_interpreter_state(directory: str, env: dict) -> dict:
     """Make the forked interpreter look like ``python main.py`` started in ``directory``:
     environment, ``sys.argv``/``sys.path``, standard streams, ``__main__``, atexit."""
@@ -1260,6 +1636,7 @@ def _fresh_interpreter_state(directory: str, env: dict) -> dict:
     sys.stdin = sys.__stdin__ = _std_stream(0, sys.__stdin__, "r", "<stdin>")
     sys.stdout = sys.__stdout__ = _std_stream(1, sys.__stdout__, "w", "<stdout>")
     sys.stderr = sys.__stderr__ = _std_stream(2, sys.__stderr__, "w", "<stderr>")
+    _ORIGINAL_STREAMS[:] = [sys.stdout, sys.stderr]
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
@@ -1323,7 +1700,7 @@ def execute(source: str, namespace: dict, frames: int, filename: str, auto_print
     try:
         blocks = compile_script(source, filename, auto_print)
     except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes in the source
-        _report_exception(exc, frames, show_frames=False)
+        _report_exception(exc, frames, show_frames=False, session=session)
         blocks, code = [], 1
     try:
         for block in blocks:
@@ -1332,7 +1709,7 @@ def execute(source: str, namespace: dict, frames: int, filename: str, auto_print
         code = _exit_code(exc)
     except BaseException as exc:  # user code: report like the interpreter, never propagate
         code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
-        _report_exception(exc, frames)
+        _report_exception(exc, frames, session=session)
     if session:
         _join_threads()
         flushed = _flush_std_streams()
@@ -1360,13 +1737,18 @@ def _finalize() -> bool:
 
 
 def _flush_std_streams() -> bool:
-    """Flush stdout and stderr; False when flushing stdout failed (reported as Python does)."""
-    flushed = True
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name, None)
+    """Flush stdout and stderr, then the original streams if the snippet replaced them (text
+    written to ``sys.__stdout__`` is not lost: the interpreter's teardown flushes them too);
+    False when flushing ``sys.stdout`` failed (reported as Python reports it)."""
+    flushed, seen = True, []
+    streams = [("stdout", getattr(sys, "stdout", None)), ("stderr", getattr(sys, "stderr", None)),
+               *zip(("__stdout__", "__stderr__"), _ORIGINAL_STREAMS)]
+    for name, stream in streams:
+        if stream is None or any(stream is other for other in seen):
+            continue
+        seen.append(stream)
         try:
-            if stream is not None:
-                stream.flush()
+            stream.flush()
         except BaseException as exc:  # the snippet replaced or broke the stream
             flushed = flushed and name != "stdout"
             _write_fd(2, f"Exception ignored on flushing sys.{name}:\n{type(exc).__name__}: {exc}\n")
@@ -1402,14 +1784,19 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _report_exception(exc: BaseException, frames: int, show_frames: bool = True) -> None:
+def _report_exception(exc: BaseException, frames: int, show_frames: bool = True, session: bool = False) -> None:
     """Print ``exc`` through ``sys.excepthook`` as the interpreter does (minus the
     sandbox's own frames) and report a short traceback, for the model, on fd 3.
-    ``show_frames=False`` (a SyntaxError of the file): no traceback, as Python prints it."""
+    ``show_frames=False`` (a SyntaxError of the file): no traceback, as Python prints it.
+    ``session``: the call's file exists only in :mod:`linecache`, which the built-in hook
+    does not read (it opens the file), so the same report is printed by :mod:`traceback`."""
     tb = _user_frames(exc.__traceback__) if show_frames else None
     exc.__traceback__ = tb
     try:
-        sys.excepthook(type(exc), exc, tb)
+        if session and sys.excepthook is sys.__excepthook__:
+            traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+        else:
+            sys.excepthook(type(exc), exc, tb)
     except BaseException:  # a broken hook, or no memory left: what the interpreter falls back to
         try:
             sys.__excepthook__(type(exc), exc, tb)

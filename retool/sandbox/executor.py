@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retool.sandbox._cgroups import remove_leftovers as remove_leftover_cgroups
 from retool.sandbox._zygote import SCRIPT_NAME
 from retool.sandbox.metrics import SandboxMetrics
 from retool.types import ExecStatus, ExecutionResult
@@ -74,11 +75,14 @@ CLEAN_ENV = {
 }
 """The whole environment of the warm parent and its calls: nothing is inherited."""
 
-NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_new_privs", "rlimits")
+NAMESPACE_ISOLATION = ("mountns", "readonly_fs", "pidns", "private_proc", "no_new_privs", "rlimits", "seccomp",
+                       "clean_template")
 """Mechanisms full isolation has (``strict=True`` requires them): these, plus ``netns``
-unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise)."""
+unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise), plus
+control groups (``cgroup_v2`` or ``cgroup_v1``; they need root)."""
 
-SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits")
+SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "seccomp", "template", "scratch_quota",
+             "session_netns", "cgroups")
 
 WATCHDOG_GRACE_S = 10.0
 """How long past its timeout a started call may stay unanswered before the zygote is
@@ -116,9 +120,14 @@ class SandboxConfig:
     network: bool = False
     """Allow network access (no network namespace). Off by default."""
     cpu_time_s: float | None = None
-    """CPU-time limit (RLIMIT_CPU) per process; ``None`` = the call's timeout + 1 s."""
+    """CPU-time limit (RLIMIT_CPU) per process and, with control groups, of all the call's
+    processes and threads together (the warm parent kills the call past it: status
+    ``timeout``); ``None`` = the call's timeout + 1 s."""
     scratch_mb: int = 1024
     """Size of the tmpfs that holds all calls' working directories together, in MiB."""
+    call_scratch_mb: int = 256
+    """Size of each call's and each session's own tmpfs (its working directory), in MiB:
+    one call or session that fills its directory cannot fill anyone else's."""
     uid_base: int = 1_950_000_000
     """When running as root, call slot ``i`` runs as uid/gid ``uid_base + i`` (no real user)."""
     traceback_frames: int = 3
@@ -131,11 +140,13 @@ class SandboxConfig:
     """Interpreter of the warm parent (must be able to import ``preload``)."""
     benchmark_skip: tuple[str, ...] = ()
     """For ``bench/sandbox.py`` only, never in training: per-call mechanisms to leave out
-    to measure their cost (``pidns``, ``private_mounts``, ``privilege_drop``, ``rlimits``)."""
+    to measure their cost (``pidns``, ``private_mounts``, ``privilege_drop``, ``rlimits``,
+    ``seccomp``, ``template``: fork each call from the warm parent itself, ``scratch_quota``,
+    ``session_netns``, ``cgroups``)."""
 
     def __post_init__(self) -> None:
         positive = ("timeout_s", "memory_mb", "max_file_mb", "max_processes", "max_output_bytes",
-                    "workers", "max_sessions", "scratch_mb", "start_timeout_s")
+                    "workers", "max_sessions", "scratch_mb", "call_scratch_mb", "start_timeout_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -158,6 +169,8 @@ def missing_isolation(isolation: tuple[str, ...], network: bool = False) -> list
     missing = [m for m in required if m not in isolation]
     if "uid_drop" not in isolation and "caps_drop" not in isolation:
         missing.append("uid_drop")
+    if "cgroup_v1" not in isolation and "cgroup_v2" not in isolation:
+        missing.append("cgroups")
     return missing
 
 
@@ -198,7 +211,7 @@ class _Zygote:
         return {"workers": c.workers, "max_sessions": c.max_sessions,
                 "session_memory_mb": c.session_memory_mb or 4 * c.memory_mb, "preload": list(c.preload),
                 "network": c.network,
-                "scratch_mb": c.scratch_mb, "uid_base": c.uid_base, "max_processes": c.max_processes,
+                "scratch_mb": c.scratch_mb, "call_scratch_mb": c.call_scratch_mb, "uid_base": c.uid_base, "max_processes": c.max_processes,
                 "max_output_bytes": c.max_output_bytes, "max_file_bytes": c.max_file_mb << 20,
                 "traceback_frames": c.traceback_frames, "base_dir": tempfile.gettempdir(),
                 "benchmark_skip": list(c.benchmark_skip)}
@@ -278,6 +291,9 @@ class _Zygote:
             orphans, self.pending = list(self.pending.values()), {}
         self.outbox.put(None)
         code = self.proc.wait()
+        left = remove_leftover_cgroups(self.ready.get("cgroup_dirs") or [])
+        if left:
+            log.warning("sandbox: could not remove its control groups %s", left)
         for pending in orphans:
             _resolve(pending, lambda: sandbox_error(f"the sandbox worker died (exit status {code}); "
                                                    "it is replaced for the next call", self.isolation))
@@ -642,7 +658,7 @@ def classify(reply: dict, stderr: str) -> ExecStatus:
     sig = reply.get("signal")
     if reply.get("setup_failed"):
         return ExecStatus.SANDBOX_ERROR
-    if reply.get("killed") == "timeout" or sig == signal.SIGXCPU:
+    if reply.get("killed") in ("timeout", "cpu_time") or sig == signal.SIGXCPU:
         return ExecStatus.TIMEOUT
     if reply.get("killed") == "output_limit":
         return ExecStatus.OUTPUT_LIMIT
@@ -694,6 +710,7 @@ _LOST_BECAUSE = {
     "timeout": "it timed out", "memory": "it ran out of memory", "output_limit": "it printed too much",
     "cpu_time": "it used too much CPU time", "exited": "the code ended the process",
     "cancelled": "it was cancelled", "sandbox_restarted": "the sandbox restarted",
+    "processes": "it kept starting processes after the call ended",
 }
 
 

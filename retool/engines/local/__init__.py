@@ -97,7 +97,8 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> Local
         model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
         lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
         gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
-        packing=cfg.packing, seed=seed, init_from=init_from, **_settings_options(cfg.local)))
+        packing=cfg.packing, logprob_chunk_tokens=cfg.logprob_chunk_tokens, seed=seed, init_from=init_from,
+        **_settings_options(cfg.local)))
 
 
 def sampler(request: SamplerRequest) -> EngineSampler:

@@ -40,6 +40,12 @@ class LocalEngineConfig:
     of a micro-batch share — system prompt, tool declaration, a group's question — is
     computed once; 2-3x less compute for short RL/SFT turns under a long prompt). The
     last two need a pure-attention model (checked at start-up)."""
+    logprob_chunk_tokens: int = 0
+    """0: build the full logits of a micro-batch at once (``tokens x vocabulary`` floats,
+    and as much again for their gradient). N > 0: compute the output layer and
+    log-softmax N tokens at a time, recomputed in the backward, so the logits' memory is
+    ``N x vocabulary`` whatever the micro-batch (same values and gradients; one extra
+    output-layer matmul). E.g. 1024 for a 150-250k vocabulary on a GPU."""
     sample_window_s: float = 0.01
     """How long the sampler waits for concurrent requests before a ``generate`` call."""
     max_sample_rows: int = 64

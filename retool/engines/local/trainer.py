@@ -5,7 +5,11 @@ the Adam optimiser and the RNG streams. ``forward_backward`` splits the datums i
 micro-batches under a token budget (length-bucketed, padding-free packed or packed with
 a shared prompt prefix computed once; ``retool.algo.plan_micro_batches``) and scales
 every micro-batch by the whole batch's token count, so accumulated gradients equal the
-full-batch gradient of the token-mean loss. ``optim_step`` applies Adam(W);
+full-batch gradient of the token-mean loss. The same forward gives the policy's entropy
+(``train/entropy``) and, with ``logprob_chunk_tokens``, computes the output layer and
+log-softmax chunk by chunk (:func:`chunked_logprobs`) so the logits never exist whole; a
+sampler-trainer correction in the loss config (``algo.behaviour_weights``) weighs each
+token by ``pi_old / mu``, ``pi_old`` being that forward's logprobs. ``optim_step`` applies Adam(W);
 ``save_state``/``load_state`` write and read a resumable checkpoint folder (weights,
 optimiser moments, RNG states, sampler seed and call counter). Its ``sampler`` shares
 the model; a lock keeps sampling and training from overlapping, and every change of
@@ -18,6 +22,7 @@ checkpoint folder, never inside).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -63,6 +68,8 @@ class LocalTrainingClient:
 
         if config.packing not in algo.PACKINGS:
             raise ValueError(f"unknown packing {config.packing!r}; choose one of {algo.PACKINGS}")
+        if config.logprob_chunk_tokens < 0:
+            raise ValueError(f"logprob_chunk_tokens must be >= 0, got {config.logprob_chunk_tokens}")
         self.config = config
         base, self.tokenizer = load_model(config.model, device=config.device, dtype=config.dtype,
                                           trust_remote_code=config.trust_remote_code)
@@ -89,6 +96,8 @@ class LocalTrainingClient:
                                            prefix_cache=config.sample_prefix_cache,
                                            kv_cache_mb=config.sample_kv_cache_mb,
                                            fast=config.fast_sampling)
+        if config.logprob_chunk_tokens:
+            check_chunkable(self.model)
         if config.packing != "bucketed":
             self._check_packing_is_exact()
 
@@ -139,12 +148,14 @@ class LocalTrainingClient:
         import torch
 
         batch = [data[i] for i in indices]
-        logprobs_B = self._target_logprobs(batch, config["temperature"])
+        logprobs_B, entropy_B = self._target_logprobs(batch, config["temperature"])
         logprobs_N = torch.cat(logprobs_B)
         weights_N = self._cat(batch, "weights_N")
         inputs = algo.LossInputs()
         if loss_fn in algo.RL_LOSSES:
             inputs = algo.LossInputs(self._cat(batch, "sampler_logprobs_N"), self._cat(batch, "advantages_N"))
+        if loss_fn in algo.RL_LOSSES and algo.behaviour_correction_on(config):
+            inputs = self._with_behaviour_weights(batch, logprobs_B, inputs, config, stats)
         terms = algo.LOSSES[loss_fn](logprobs_N, inputs, config)
         loss = algo.weighted_sum(terms.loss_N, weights_N, total_weight)
         if not torch.isfinite(loss):
@@ -152,8 +163,23 @@ class LocalTrainingClient:
                 f"non-finite loss {loss.item()} in the micro-batch of datums {list(indices)} "
                 f"(loss_fn={loss_fn!r}); the pending gradient was discarded, the weights are unchanged")
         loss.backward()
-        stats.add(loss, logprobs_N.detach(), weights_N, inputs, terms)
+        stats.add(loss, logprobs_N.detach(), weights_N, inputs, terms, torch.cat(entropy_B))
         return [tuple(lp.detach().float().cpu().tolist()) for lp in logprobs_B]
+
+    def _with_behaviour_weights(self, batch: list[Datum], logprobs_B: list[Any], inputs: algo.LossInputs,
+                                config: dict[str, float], stats: _LossStats) -> algo.LossInputs:
+        """``inputs`` with each datum's sampler-trainer weights (``algo.behaviour_weights``),
+        ``pi_old`` being this forward's logprobs, detached."""
+        import torch
+
+        weights_B = []
+        for d, logprobs_N in zip(batch, logprobs_B):
+            sampler_N = torch.tensor(d.sampler_logprobs_N, dtype=torch.float32, device=self.device)
+            trained_N = torch.tensor(d.weights_N, device=self.device) != 0
+            weights = algo.behaviour_weights(logprobs_N.detach().float(), sampler_N, trained_N, config)
+            stats.add_behaviour(weights, trained_N)
+            weights_B.append(weights.weight_N)
+        return dataclasses.replace(inputs, behaviour_weights_N=torch.cat(weights_B))
 
     def _cat(self, batch: list[Datum], name: str) -> Any:
         import torch
@@ -161,8 +187,9 @@ class LocalTrainingClient:
         values = [v for d in batch for v in getattr(d, name)]
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
-    def _target_logprobs(self, batch: list[Datum], temperature: float) -> list[Any]:
-        """Per datum, ``log_softmax(logits / temperature)`` of each target token."""
+    def _target_logprobs(self, batch: list[Datum], temperature: float) -> tuple[list[Any], list[Any]]:
+        """Per datum, ``log_softmax(logits / temperature)`` of each target token, and the
+        policy's entropy at each position (detached), from the same forward."""
         import torch
 
         if self.config.packing == "shared-prefix" and len(batch) > 1:
@@ -177,21 +204,23 @@ class LocalTrainingClient:
         targets = torch.tensor([list(d.target_tokens_N) + [0] * (width - n) for d, n in zip(batch, lengths)],
                                device=self.device)
         mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths], device=self.device)
-        logits = self.model(input_ids=inputs, attention_mask=mask, use_cache=False).logits
-        logprobs = _gather_logprobs(logits, targets, temperature)
-        return [logprobs[row, :n] for row, n in enumerate(lengths)]
+        logprobs, entropy = self._policy_logprobs({"input_ids": inputs, "attention_mask": mask}, targets,
+                                                  temperature)
+        return ([logprobs[row, :n] for row, n in enumerate(lengths)],
+                [entropy[row, :n] for row, n in enumerate(lengths)])
 
-    def _packed_logprobs(self, batch: list[Datum], temperature: float) -> list[Any]:
+    def _packed_logprobs(self, batch: list[Datum], temperature: float) -> tuple[list[Any], list[Any]]:
         import torch
 
         lengths = [d.num_tokens for d in batch]
         inputs = torch.tensor([[t for d in batch for t in d.input_tokens_N]], device=self.device)
         targets = torch.tensor([[t for d in batch for t in d.target_tokens_N]], device=self.device)
         positions = torch.tensor([[p for n in lengths for p in range(n)]], device=self.device)
-        logits = self.model(input_ids=inputs, position_ids=positions, use_cache=False).logits
-        return list(_gather_logprobs(logits, targets, temperature)[0].split(lengths))
+        logprobs, entropy = self._policy_logprobs({"input_ids": inputs, "position_ids": positions}, targets,
+                                                  temperature)
+        return list(logprobs[0].split(lengths)), list(entropy[0].split(lengths))
 
-    def _shared_prefix_logprobs(self, batch: list[Datum], temperature: float) -> list[Any]:
+    def _shared_prefix_logprobs(self, batch: list[Datum], temperature: float) -> tuple[list[Any], list[Any]]:
         """Packed logprobs with the common input prefix of ``batch`` computed once.
 
         One row ``[prefix, suffix_1, ..., suffix_B]``: the prefix attends causally to
@@ -199,6 +228,8 @@ class LocalTrainingClient:
         with the positions it has in its own sequence. Logits at a prefix position
         depend only on the prefix, so they are the same for every datum; each datum's
         logprobs gather its own targets from them (gradients add up through the gather).
+        With chunked logprobs the prefix's hidden states are gathered instead, so its
+        output projection runs once per datum (the layers below still run once).
         """
         import torch
 
@@ -217,15 +248,35 @@ class LocalTrainingClient:
         seg = torch.tensor(segment, device=device)
         causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril()
         mask = causal & ((seg[None, :] == -1) | (seg[None, :] == seg[:, None]))
-        logits = self.model(input_ids=torch.tensor([tokens], device=device),
-                            position_ids=torch.tensor([positions], device=device),
-                            attention_mask=mask[None, None], use_cache=False).logits[0]
         rows = torch.tensor([r for start, n in zip(starts, lengths) for r in [*range(shared), *range(start, start + n - shared)]],
                             device=device)
         targets = torch.tensor([t for d in batch for t in d.target_tokens_N], device=device)
-        scaled = logits.float() / temperature
-        logprobs = scaled[rows, targets] - scaled.logsumexp(-1)[rows]
-        return list(logprobs.split(lengths))
+        inputs = {"input_ids": torch.tensor([tokens], device=device),
+                  "position_ids": torch.tensor([positions], device=device), "attention_mask": mask[None, None]}
+        logprobs, entropy = self._policy_logprobs(inputs, targets, temperature, rows=rows)
+        return list(logprobs.split(lengths)), list(entropy.split(lengths))
+
+    def _policy_logprobs(self, inputs: dict[str, Any], targets: Any, temperature: float,
+                         rows: Any = None) -> tuple[Any, Any]:
+        """Target logprobs and (detached) entropies of one forward, shaped like ``targets``.
+
+        ``rows`` (shared-prefix layout) picks, for each target, the position of the single
+        row of ``inputs`` that predicts it. With ``logprob_chunk_tokens`` the output layer
+        and log-softmax run chunk by chunk (:func:`chunked_logprobs`); otherwise the full
+        logits are built at once.
+        """
+        chunk = self.config.logprob_chunk_tokens
+        if not chunk:
+            logits = self.model(**inputs, use_cache=False).logits
+            scaled = logits.float() / temperature
+            if rows is not None:
+                return _rows_logprobs(scaled[0], rows, targets)
+            return _gather_logprobs(scaled, targets), _entropy(scaled)
+        decoder, head = _decoder_and_head(self.model)
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        hidden = hidden[0][rows] if rows is not None else hidden.reshape(-1, hidden.shape[-1])
+        logprobs, entropy = chunked_logprobs(head, hidden, targets.reshape(-1), temperature, chunk)
+        return logprobs.reshape(targets.shape), entropy.reshape(targets.shape)
 
     def _check_packing_is_exact(self) -> None:
         """Refuse packed layouts when they change logprobs (e.g. recurrent layers)."""
@@ -236,11 +287,11 @@ class LocalTrainingClient:
         tokens.append(tokens[1][:5] + tokens[0][:4])  # shares a 5-token prefix with the second
         batch = [Datum(tuple(t[:-1]), tuple(t[1:]), (1.0,) * (len(t) - 1)) for t in tokens]
         with torch.no_grad(), model_mode(self.model, train=False):
-            alone = torch.cat([self._packed_logprobs([d], 1.0)[0] for d in batch])
-            packed = torch.cat(self._packed_logprobs(batch, 1.0))
+            alone = torch.cat([self._packed_logprobs([d], 1.0)[0][0] for d in batch])
+            packed = torch.cat(self._packed_logprobs(batch, 1.0)[0])
             diffs = [(packed - alone).abs().max().item()]
             if self.config.packing == "shared-prefix":
-                shared = torch.cat(self._shared_prefix_logprobs(batch[1:], 1.0))
+                shared = torch.cat(self._shared_prefix_logprobs(batch[1:], 1.0)[0])
                 diffs.append((shared - alone[6:]).abs().max().item())
         diff = max(diffs)
         tolerance = 1e-3 if self.model.dtype == torch.float32 else 5e-2
@@ -386,6 +437,13 @@ class LocalTrainingClient:
         """
         return self.sampler
 
+    def close(self, status: str = "success") -> None:
+        """End the run's use of the client: the local engine holds no process or session,
+        so this frees the sampler's stored KV caches (up to ``sample_kv_cache_mb``); the
+        model and optimiser go with the client. ``status`` is not recorded anywhere.
+        Harmless to call twice; the client still works afterwards (caches refill)."""
+        self.sampler.clear_kv_cache()
+
 
 def create_training_client(**options: Any) -> LocalTrainingClient:
     """The ``local`` entry of ``retool.engines.ENGINES``: options are ``LocalEngineConfig`` fields."""
@@ -416,10 +474,87 @@ def _shared_prefix_length(data: Sequence[Datum]) -> int:
     return common_prefix([d.input_tokens_N for d in data]) if len(data) > 1 else 0
 
 
-def _gather_logprobs(logits: Any, targets: Any, temperature: float) -> Any:
-    """``log_softmax(logits / T)[target]`` without materialising the full log-softmax."""
-    scaled = logits.float() / temperature
+def _gather_logprobs(scaled: Any, targets: Any) -> Any:
+    """``log_softmax(scaled)[target]`` without materialising the full log-softmax."""
     return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1)
+
+
+def _rows_logprobs(scaled_PV: Any, rows_N: Any, targets_N: Any) -> tuple[Any, Any]:
+    """Logprobs of ``targets_N`` at positions ``rows_N`` of ``scaled_PV``, and entropies there."""
+    logprobs_N = scaled_PV[rows_N, targets_N] - scaled_PV.logsumexp(-1)[rows_N]
+    return logprobs_N, _entropy(scaled_PV)[rows_N]
+
+
+ENTROPY_BLOCK_FLOATS = 2**24
+"""Floats (64 MiB) of the blocks in which entropies are computed from logits that exist
+already: the entropy's extra memory is a small block, not another copy of the logits."""
+
+
+def _entropy(scaled: Any) -> Any:
+    """``-sum(p * log p)`` of ``softmax(scaled)`` over the last axis, detached, block by block."""
+    import torch
+
+    with torch.no_grad():
+        flat = scaled.detach().reshape(-1, scaled.shape[-1])
+        rows = max(1, ENTROPY_BLOCK_FLOATS // flat.shape[-1])
+        blocks = [_block_entropy(block) for block in flat.split(rows)]
+        return torch.cat(blocks).reshape(scaled.shape[:-1])
+
+
+def _block_entropy(scaled_CV: Any) -> Any:
+    lse_C = scaled_CV.logsumexp(-1)
+    return lse_C - (scaled_CV.softmax(-1) * scaled_CV).sum(-1)
+
+
+def _decoder_and_head(model: Any) -> tuple[Any, Any]:
+    """The layers below the output projection and the projection itself (PEFT-wrapped or not)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+UNCHUNKABLE_CONFIG_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Model-config fields that change logits after the output projection; a model that sets
+one is refused ``logprob_chunk_tokens`` (its logits are not ``head(hidden)``)."""
+
+
+def check_chunkable(model: Any) -> None:
+    """Raise ``ValueError`` unless the model's logits are exactly ``head(decoder(...))``."""
+    config = getattr(model, "config", None)
+    found = [k for k in UNCHUNKABLE_CONFIG_KEYS if getattr(config, k, None) not in (None, 1, 1.0)]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if found or not hasattr(base, "get_decoder") or base.get_output_embeddings() is None:
+        why = f"its config sets {found[0]}" if found else "it has no separate decoder and output layer"
+        raise ValueError(f"logprob_chunk_tokens needs logits = output_layer(hidden), but {why}; "
+                         "set logprob_chunk_tokens=0")
+
+
+def chunked_logprobs(head: Any, hidden_NH: Any, targets_N: Any, temperature: float,
+                     chunk_tokens: int) -> tuple[Any, Any]:
+    """Target logprobs ``log_softmax(head(hidden) / T)[target]`` and entropies, chunk by chunk.
+
+    Each chunk of ``chunk_tokens`` positions is an activation checkpoint
+    (``torch.utils.checkpoint``, non-reentrant): its logits exist only while it is
+    computed, and again, one chunk at a time, in the backward. So the peak memory of the
+    logits is one ``chunk_tokens x vocabulary`` block (in the forward and the backward)
+    instead of ``N x vocabulary``, for one extra output-layer matmul per chunk in the
+    backward. Values and gradients are those of the full computation (up to the float
+    rounding of a matmul split by rows). Entropies are detached.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    logprobs, entropies = [], []
+    for hidden_CH, targets_C in zip(hidden_NH.split(chunk_tokens), targets_N.split(chunk_tokens)):
+        logprobs_C, entropy_C = checkpoint(_chunk_terms, head, hidden_CH, targets_C, temperature,
+                                           use_reentrant=False)
+        logprobs.append(logprobs_C)
+        entropies.append(entropy_C)
+    return torch.cat(logprobs), torch.cat(entropies).detach()
+
+
+def _chunk_terms(head: Any, hidden_CH: Any, targets_C: Any, temperature: float) -> tuple[Any, Any]:
+    scaled_CV = head(hidden_CH).float() / temperature
+    return _gather_logprobs(scaled_CV, targets_C), _entropy(scaled_CV)
 
 
 @dataclass
@@ -431,13 +566,26 @@ class _LossStats:
     clipped: int = 0
     abs_diff: float = 0.0
     kl: float = 0.0
+    entropy: float = 0.0
     clip_seen: bool = False
+    behaviour_tokens: int = 0
+    behaviour_ratio: float = 0.0
+    behaviour_max: float = 0.0
+    behaviour_limited: int = 0
+
+    def add_behaviour(self, weights: algo.BehaviourWeights, trained_N: Any) -> None:
+        ratio_N = weights.ratio_N[trained_N]
+        self.behaviour_tokens += int(trained_N.sum())
+        self.behaviour_ratio += ratio_N.sum().item()
+        self.behaviour_max = max(self.behaviour_max, ratio_N.max().item() if ratio_N.numel() else 0.0)
+        self.behaviour_limited += int(weights.limited_N.sum())
 
     def add(self, loss: Any, logprobs_N: Any, weights_N: Any, inputs: algo.LossInputs,
-            terms: algo.LossTerms) -> None:
+            terms: algo.LossTerms, entropy_N: Any) -> None:
         trained_N = weights_N != 0
         self.loss += loss.item()
         self.tokens += int(trained_N.sum())
+        self.entropy += entropy_N[trained_N].sum().item()
         if terms.clipped_N is not None:
             self.clip_seen = True
             self.clipped += int((terms.clipped_N & trained_N).sum())
@@ -448,12 +596,17 @@ class _LossStats:
 
     def metrics(self, loss_fn: str, sequences: int, micro_batches: int) -> dict[str, float]:
         out = {"train/loss": self.loss, "train/tokens": float(self.tokens),
-               "train/sequences": float(sequences), "train/micro_batches": float(micro_batches)}
+               "train/sequences": float(sequences), "train/micro_batches": float(micro_batches),
+               "train/entropy": self.entropy / self.tokens}
         if loss_fn in algo.RL_LOSSES:
             out["train/sampler_logprob_diff"] = self.abs_diff / self.tokens
             out["train/approx_kl"] = self.kl / self.tokens
         if self.clip_seen:
             out["train/clip_frac"] = self.clipped / self.tokens
+        if self.behaviour_tokens:
+            out["train/behaviour_ratio_mean"] = self.behaviour_ratio / self.behaviour_tokens
+            out["train/behaviour_ratio_max"] = self.behaviour_max
+            out["train/behaviour_limited_frac"] = self.behaviour_limited / self.behaviour_tokens
         return out
 
 
