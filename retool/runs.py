@@ -324,12 +324,14 @@ class TrainerState:
     """Problems (or dialogues) consumed so far: ``step * batch_size``."""
     totals: dict[str, float]
     """Running totals logged every step (``tokens/*_total``)."""
+    curriculum: dict[str, Any] | None = None
+    """The difficulty pool's state (:meth:`retool.curriculum.PoolState.to_json`); ``None`` without one."""
 
 
 def read_trainer_state(folder: Path) -> TrainerState:
     """The ``trainer_state.json`` of the checkpoint ``folder``."""
     state = json.loads((folder / "trainer_state.json").read_text())
-    return TrainerState(int(state["step"]), int(state["data_cursor"]), dict(state["totals"]))
+    return TrainerState(int(state["step"]), int(state["data_cursor"]), dict(state["totals"]), state.get("curriculum"))
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

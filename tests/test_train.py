@@ -216,6 +216,7 @@ def test_dynamic_sampling_refills_until_the_groups_are_informative(tmp_path):
         assert row["rollout/groups"] == len(groups) >= cfg.batch_size
         assert (row["rollout/groups"] > cfg.batch_size) == (row["rollout/refill_rounds"] > 0)
         assert row["train/groups"] == informative <= cfg.batch_size
+        assert row["rollout/informative_group_rate"] == informative / len(groups)  # refills included
         assert row["train/datums"] == informative * cfg.group_size
         if row["rollout/refill_rounds"] < cfg.refill_rounds:
             assert informative == cfg.batch_size  # it stopped refilling because the batch was full

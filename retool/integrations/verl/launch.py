@@ -19,7 +19,7 @@ config and checks each value.
 
 Refused, because the verl run would silently differ: text mode (the agent loop always
 declares the tool), the ``importance_sampling`` loss, dynamic sampling
-(``refill_rounds``), dropping degenerate groups, and retool's ``--advantage passk``,
+(``refill_rounds``), dropping degenerate groups, the difficulty curriculum, and retool's ``--advantage passk``,
 ``--overlong`` and ``--behaviour-is`` (not mapped to verl's own options).
 
 Not covered: Megatron (FSDP only), verl's reference-model and critic settings (GRPO
@@ -104,6 +104,8 @@ class VerlConfig(VerlSettings, TrainConfig):
         require(self.loss == "ppo", "verl-config writes the PPO-clip loss only (loss = ppo)")
         require(self.refill_rounds == 0 and not self.drop_degenerate_groups,
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
+        require(self.curriculum == "none", "the difficulty curriculum has no verl equivalent here (verl's "
+                "dataloader draws the batches); drop --curriculum")
         require(self.advantage == "grpo" and self.overlong == "none" and self.behaviour_is == "off",
                 "--advantage passk, --overlong and --behaviour-is are not mapped to verl's settings here; "
                 "leave them at grpo / none / off")
