@@ -51,6 +51,7 @@ from retool.config import ConfigError, config_to_dict, save_config
 from retool.engines import ModelConfig, TrainingClient, load_training_client
 from retool.log import MetricsLogger, StepProgress
 from retool.serialize import to_jsonable, trajectory_from_jsonable
+from retool.trajectory_log import TrajectoryLogRow, write_trajectory_log
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -179,16 +180,11 @@ def check_same_data(run_dir: Path, record: str, fingerprint: dict[str, str]) -> 
 
 def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) -> Path:
     """Write every trajectory of a step to ``trajectories/step_NNNNNN.jsonl.gz``."""
-    folder = run_dir / "trajectories"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{CHECKPOINT_PREFIX}{step:06d}.jsonl.gz"
-    with atomic_open(path, compress=True) as f:
-        for g, (group, advantages) in enumerate(groups_with_advantages):
-            for i, (trajectory, advantage) in enumerate(zip(group, advantages)):
-                row = {"step": step, "group": g, "index": i, "advantage": advantage,
-                       "trajectory": to_jsonable(trajectory)}
-                f.write(json.dumps(row) + "\n")
-    return path
+    path = run_dir / "trajectories" / f"{CHECKPOINT_PREFIX}{step:06d}.jsonl.gz"
+    rows = (TrajectoryLogRow(trajectory, step=step, group=g, index=i, advantage=advantage)
+            for g, (group, advantages) in enumerate(groups_with_advantages)
+            for i, (trajectory, advantage) in enumerate(zip(group, advantages)))
+    return write_trajectory_log(path, rows)
 
 
 # ---------------------------------------------------------------- finished groups of an unfinished step

@@ -51,6 +51,7 @@ from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
 from retool.engines.base import AdamParams
 from retool.flag_checks import output_folder
+from retool.jsonl import JsonlError, iter_jsonl
 from retool.log import check_sinks
 from retool.protocol import INTERPRETERS, TOOL_NAME, TemplateError, parse_assistant, system_prompt, truncate_tool_output
 from retool.render import Renderer
@@ -158,21 +159,14 @@ def load_dialogues(path: str | Path) -> list[Dialogue]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data {path}: no such file (write one with `retool task-data`)")
-    dialogues = []
-    with path.open(encoding="utf-8") as f:
-        for line, raw in enumerate(f, 1):
-            if raw.strip():
-                dialogues.append(parse_dialogue(_json_row(raw, f"{path}:{line}"), f"{path}:{line}"))
+    try:
+        lines = list(iter_jsonl(path))
+    except JsonlError as err:
+        raise ConversationError(str(err)) from None
+    dialogues = [parse_dialogue(line.row, f"{path}:{line.lineno}") for line in lines]
     if not dialogues:
         raise ConversationError(f"{path}: holds no dialogues")
     return dialogues
-
-
-def _json_row(raw: str, where: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise ConversationError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
 
 
 def parse_dialogue(row: Any, where: str = "<dialogue>") -> Dialogue:

@@ -56,7 +56,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     rows[2]["trajectory"]["mask_T"].pop()
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ReportInputError, match=r"bad.jsonl: row 3: not a valid trajectory.*lengths differ"):
+    with pytest.raises(ReportInputError, match=r"bad.jsonl:3: not a valid trajectory.*lengths differ"):
         view.load_items([bad])
 
 
