@@ -84,6 +84,7 @@ from retool.rollout import Rollout, RolloutBudgets, RolloutError
 from retool.runs import resolve_checkpoint
 from retool.sandbox import SandboxUnavailableError
 from retool.seeding import context_digest, derive_seed
+from retool.types import TokenUsage
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
 MODES = ("retool", "text")
@@ -237,14 +238,15 @@ class ProblemSampler:
     With ``seed`` set, a request gets ``hash(seed, context tokens, occurrence)`` as its
     ``SamplingParams.seed``, where occurrence counts earlier requests with the same
     context (two trajectories that reached the same state still draw independently).
-    With ``seed=None`` requests pass through unchanged. ``requests``, ``sequences``,
-    ``prefill`` (prompt tokens sent) and ``tokens`` (sampled) count what was asked and
-    returned.
+    With ``seed=None`` requests pass through unchanged. ``requests``, ``sequences`` and
+    ``usage`` (a :class:`~retool.types.TokenUsage`: prompt tokens sent, tokens sampled)
+    count what was asked and returned.
     """
 
     def __init__(self, inner: Any, seed: int | None) -> None:
         self.inner, self.seed = inner, seed
-        self.requests = self.sequences = self.tokens = self.prefill = 0
+        self.requests = self.sequences = 0
+        self.usage = TokenUsage()
         self._seen: Counter = Counter()
 
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int, sampling_params: Any) -> Any:
@@ -256,11 +258,24 @@ class ProblemSampler:
             request_seed = derive_seed(str(self.seed).encode(), context, str(occurrence).encode())
             params = dataclasses.replace(sampling_params, seed=request_seed)
         self.requests += 1
-        self.prefill += len(prompt_tokens)
         result = await self.inner.sample(prompt_tokens, num_samples, params)
         self.sequences += len(result.sequences)
-        self.tokens += sum(len(s.tokens) for s in result.sequences)
+        self.usage += TokenUsage(prefill=len(prompt_tokens), sampled=sum(len(s.tokens) for s in result.sequences))
         return result
+
+
+@dataclass
+class EvalCounts:
+    """What the problems sampled by one call asked of the sampler, added up."""
+
+    requests: int = 0
+    sequences: int = 0
+    usage: TokenUsage = TokenUsage()
+
+    def add(self, sampler: ProblemSampler) -> None:
+        self.requests += sampler.requests
+        self.sequences += sampler.sequences
+        self.usage += sampler.usage
 
 
 # ---------------------------------------------------------------- dataset and header
@@ -293,10 +308,8 @@ def load_dataset(cfg: EvalConfig) -> Dataset:
 def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> ResultsHeader:
     """The first line of a results file (docs/formats.md): what was evaluated, and how."""
     tools = cfg.mode == "retool"
-    sampling = SamplingSettings(
-        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_trajectory_tokens=cfg.max_trajectory_tokens,
-        max_turn_tokens=cfg.max_turn_tokens, max_assistant_turns=cfg.max_assistant_turns,
-        max_code_calls=cfg.max_code_calls if tools else 0, max_tool_response_tokens=cfg.max_tool_response_tokens)
+    sampling = SamplingSettings(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                **{**cfg.budgets(), "max_code_calls": cfg.max_code_calls if tools else 0})
     return ResultsHeader(
         model=choice.model, checkpoint=choice.checkpoint, step=choice.step, label=choice.label,
         dataset=dataset.name, dataset_path=dataset.path, dataset_fingerprint=dataset.fingerprint,
@@ -340,10 +353,9 @@ class EvalReport:
     """Problems found finished in the file and not sampled again."""
     sampler_requests: int
     sampled_sequences: int
-    sampled_tokens: int
+    usage: TokenUsage
+    """Tokens this call sent to the sampler (one prompt per request) and got back."""
     seconds: float
-    prefill_tokens: int = 0
-    """Prompt tokens this call sent to the sampler (one prompt per request)."""
     sandbox_cpu_s: float = 0.0
     """CPU seconds this call's code calls used in the sandbox."""
     cost: float | None = None
@@ -368,7 +380,7 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
     if resumed:
         print(f"resuming {results.path}: {resumed} of {len(dataset.problems)} problems already done",
               file=sys.stderr)
-    counts, cpu_s = Counter(), 0.0
+    counts, cpu_s = EvalCounts(), 0.0
     if pending:
         require_usable_golds(dataset.path, [p for _, p in pending])
         sandbox = cfg.start_sandbox() if cfg.mode == "retool" else None  # before the model: strict refuses early
@@ -383,10 +395,9 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
                 cpu_s = sandbox.metrics(reset=False)["sandbox/cpu_s"]
                 sandbox.close()
     summary = results.finish()
-    cost = None if meter is None else meter.prices.step_cost(
-        {"tokens/prefill": counts["prefill"], "tokens/sampled": counts["tokens"], "sandbox/cpu_s": cpu_s})
-    return EvalReport(results.path, results.header, summary, len(pending), resumed, counts["requests"],
-                      counts["sequences"], counts["tokens"], time.monotonic() - t0, counts["prefill"], cpu_s, cost)
+    cost = None if meter is None else meter.prices.step_cost({**counts.usage.metrics(), "sandbox/cpu_s": cpu_s})
+    return EvalReport(results.path, results.header, summary, len(pending), resumed, counts.requests,
+                      counts.sequences, counts.usage, time.monotonic() - t0, cpu_s, cost)
 
 
 def _open_results(cfg: EvalConfig, path: Path, header: ResultsHeader, dataset: Dataset) -> ResultsFile:
@@ -400,19 +411,18 @@ def _open_results(cfg: EvalConfig, path: Path, header: ResultsHeader, dataset: D
 
 
 async def _sample_pending(cfg: EvalConfig, model: EvalModel, sandbox: Any, pending: list,
-                          results: ResultsFile) -> Counter:
+                          results: ResultsFile) -> EvalCounts:
     """Roll out every pending problem, ``concurrency`` at a time; append each as it finishes."""
     renderer, rollout_config = _rollout_parts(cfg, model)
-    semaphore, counts = asyncio.Semaphore(cfg.concurrency), Counter()
+    semaphore, counts = asyncio.Semaphore(cfg.concurrency), EvalCounts()
 
     async def one(index: int, problem: Any) -> None:
         async with semaphore:
             result, sampler = await _sample_problem(cfg, model, renderer, rollout_config, sandbox, index, problem)
         results.append(result)
-        counts.update(requests=sampler.requests, sequences=sampler.sequences, tokens=sampler.tokens,
-                      prefill=sampler.prefill)
+        counts.add(sampler)
         progress.update(len(results.done), average=results.running_average(),
-                        tok_s=counts["tokens"] / max(time.monotonic() - t0, 1e-9))
+                        tok_s=counts.usage.sampled / max(time.monotonic() - t0, 1e-9))
 
     t0 = time.monotonic()
     results.prepare()  # only now that the model, the template and the sandbox work
@@ -515,8 +525,8 @@ def format_summary(report: EvalReport) -> str:
     k = s.k
     unbiased = "  ".join(f"pass@{j} {100 * v:.2f}%" for j, v in s.pass_at_k_unbiased.items())
     cost = [] if report.cost is None else [
-        f"  cost of this run: {report.cost:.4g} USD ({report.prefill_tokens} prompt tokens, "
-        f"{report.sampled_tokens} sampled tokens, {report.sandbox_cpu_s:.1f} sandbox CPU-s)"]
+        f"  cost of this run: {report.cost:.4g} USD ({report.usage.prefill} prompt tokens, "
+        f"{report.usage.sampled} sampled tokens, {report.sandbox_cpu_s:.1f} sandbox CPU-s)"]
     return "\n".join([
         f"{h.label} on {h.dataset} ({h.mode} mode), {s.num_problems} problems × {k} samples",
         f"  Average@{k} {100 * s.average_at_k:.2f}% ± {100 * s.average_at_k_stderr:.2f}  "
@@ -526,7 +536,7 @@ def format_summary(report: EvalReport) -> str:
         f"correct {s.num_correct}/{s.num_samples}  solved {s.num_solved}/{s.num_problems}",
         *([f"  behaviour: {format_behaviour(s.behaviour)}"] if s.behaviour else []),
         f"  this run: sampled {report.sampled_problems} problems ({report.sampler_requests} sampler requests, "
-        f"{report.sampled_tokens} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
+        f"{report.usage.sampled} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
         *cost,
         f"  results: {report.path}",
     ])

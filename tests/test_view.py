@@ -144,8 +144,14 @@ def chromium() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium):
+    """Headless Chromium through playwright's sync API, for this module's tests only.
+
+    The sync API runs an asyncio event loop in this thread for as long as
+    ``sync_playwright()`` is open; session scope kept it open after this module, and every
+    later ``asyncio.run`` in the same pytest call failed with "cannot be called from a
+    running event loop". Module scope closes it when this file's tests end."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
