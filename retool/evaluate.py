@@ -57,6 +57,7 @@ from retool.config import ConfigError, add_config_args, config_from_args, option
 from retool.cost import PriceTableOption, cost_meter
 from retool.data import BUNDLED, DataError, problems_fingerprint, read_problems, require_usable_golds
 from retool.engines import (
+    DEFAULT_MODEL,
     EngineCheckpoint,
     EngineChoice,
     EngineSampler,
@@ -86,7 +87,6 @@ from retool.sandbox import SandboxUnavailableError
 from retool.seeding import context_digest, derive_seed
 from retool.types import TokenUsage
 
-DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
 MODES = ("retool", "text")
 
 

@@ -11,7 +11,7 @@ from retool.jsonl import JsonlError, iter_jsonl, read_jsonl
 from retool.log import read_metrics
 from retool.report import ReportInputError
 from retool.report import read_jsonl as report_read_jsonl
-from retool.sft import ConversationError, load_dialogues
+from retool.dialogues import ConversationError, load_dialogues
 from retool.trajectory_log import NotATrajectoryLog, TrajectoryLogError, read_trajectory_log
 
 CUT = '{"step": 3, "x": 0.'
