@@ -23,10 +23,14 @@ the old summary, and samples only the problems that are missing — a finished p
 is never sampled twice.
 
 Reproducibility: with ``seeded`` (the default) every sampler request gets a seed
-derived from (seed, problem id, the request's context tokens, how often that context
-was asked before), so a problem's samples depend on nothing else — not on
-concurrency, timing, order or an interruption — and a killed-and-resumed eval ends
-with the summary an uninterrupted one writes. The local engine draws every row with
+derived from (seed, problem id, the request's place: the group fork, or trajectory *i*'s
+turn *t*) — :meth:`retool.rollout.Rollout.group`'s scheme, the one ``retool train``
+uses, recorded in the header as ``seeding: position`` — so a problem's samples depend
+on nothing else — not on concurrency, timing, order or an interruption — and a
+killed-and-resumed eval ends with the summary an uninterrupted one writes. A file
+written before (no ``seeding`` in its header) was seeded from each request's context
+tokens and how often that context was asked (:class:`ProblemSampler`); it resumes
+under that scheme, so its resume stays exact too. The local engine draws every row with
 its own seeded generator, so seeded requests of different problems still share one
 batched ``generate`` call. ``--no-seeded`` leaves seeding to the engine's stream; the
 samples then depend on how requests happened to meet.
@@ -88,6 +92,9 @@ from retool.seeding import context_digest, derive_seed
 from retool.types import TokenUsage
 
 MODES = ("retool", "text")
+SEEDING = "position"
+"""How a new seeded eval seeds its requests: :meth:`retool.rollout.Rollout.group`'s scheme,
+the one ``retool train`` uses (the header records it; older files resume under theirs)."""
 
 
 @dataclass
@@ -127,8 +134,9 @@ class EvalConfig(PriceTableOption, RolloutBudgets, EngineChoice):
     top_p: float = option(0.7, "nucleus sampling")
     top_k: int = option(0, "top-k sampling; 0 = off")
     seed: int = option(42, "seed of every problem's sampling")
-    seeded: bool = option(True, "seed every request from (seed, problem, context): results independent of "
-                                "batching and resume; --no-seeded uses the engine's stream (not reproducible)")
+    seeded: bool = option(True, "seed every request from (seed, problem, its place in the group): results "
+                                "independent of batching and resume; --no-seeded uses the engine's stream "
+                                "(not reproducible)")
 
     # ---- running and output
     concurrency: int = option(4, "problems rolled out at the same time")
@@ -314,6 +322,7 @@ def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> Resu
         model=choice.model, checkpoint=choice.checkpoint, step=choice.step, label=choice.label,
         dataset=dataset.name, dataset_path=dataset.path, dataset_fingerprint=dataset.fingerprint,
         dataset_problems=dataset.total, mode=cfg.mode, val_n=cfg.val_n, seed=cfg.seed, seeded=cfg.seeded,
+        seeding=SEEDING if cfg.seeded else None,
         chat_template=choice.chat_template, dtype=cfg.dtype, sampling=sampling,
         sandbox=SandboxSettings(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
                                 interpreter=None if cfg.interpreter == "stateless" else cfg.interpreter)
@@ -418,7 +427,8 @@ async def _sample_pending(cfg: EvalConfig, model: EvalModel, sandbox: Any, pendi
 
     async def one(index: int, problem: Any) -> None:
         async with semaphore:
-            result, sampler = await _sample_problem(cfg, model, renderer, rollout_config, sandbox, index, problem)
+            result, sampler = await _sample_problem(cfg, model, renderer, rollout_config, sandbox, index, problem,
+                                                    seeding=results.header.seeding)
         results.append(result)
         counts.add(sampler)
         progress.update(len(results.done), average=results.running_average(),
@@ -447,14 +457,16 @@ def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any]:
 
 
 async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, rollout_config: Any, sandbox: Any,
-                          index: int, problem: Any) -> tuple[ProblemResult, ProblemSampler]:
-    """``val_n`` trajectories of one problem and its results line."""
+                          index: int, problem: Any, *, seeding: str | None) -> tuple[ProblemResult, ProblemSampler]:
+    """``val_n`` trajectories of one problem and its results line, seeded by the file's
+    ``seeding`` (``position``; ``None`` with ``seeded``: the context scheme of older files)."""
     seed = problem_seed(cfg.seed, problem.id)
-    sampler = ProblemSampler(model.sampler, seed if cfg.seeded else None)
+    by_context = cfg.seeded and seeding is None
+    sampler = ProblemSampler(model.sampler, seed if by_context else None)
     rollout = Rollout(renderer, sampler, sandbox, agrade, rollout_config)
     start = time.monotonic()
     try:
-        trajectories = await rollout.group(problem, cfg.val_n)
+        trajectories = await rollout.group(problem, cfg.val_n, seed=seed if seeding == SEEDING else None)
     except RolloutError as err:
         raise EvalError(str(err)) from err
     result = ProblemResult(problem_id=problem.id, question=problem.question, answer=problem.answer,

@@ -56,7 +56,7 @@ from retool.types import Trajectory
 MATCHED_HEADER_KEYS = ("model", "checkpoint", "step", "dataset_fingerprint", "mode", "val_n", "seed", "seeded",
                        "chat_template", "dtype", "sampling", "sandbox", "engine")
 """Header fields that must be equal for a run to resume (append to) an existing file."""
-COMPARED_SETTINGS = ("model", "mode", "seed", "seeded", "chat_template", "dtype", "sampling", "sandbox")
+COMPARED_SETTINGS = ("model", "mode", "seed", "seeded", "seeding", "chat_template", "dtype", "sampling", "sandbox")
 """Header fields two evals that ``retool compare`` pairs may differ in (tool vs text on the same
 problems is the central comparison); each difference is printed above the table. The problem
 set and the samples per problem (``val_n``) must be equal instead."""
@@ -112,6 +112,11 @@ class ResultsHeader:
     val_n: int | None = None
     seed: int | None = None
     seeded: bool | None = None
+    seeding: str | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
+    """How a seeded eval derived its request seeds: ``position`` (from the problem's seed and
+    each request's place — the group fork, trajectory *i*'s turn *t* — as ``retool train``
+    does). Left out for unseeded evals and for files written before it was recorded, whose
+    requests were seeded from their context (``context``); a resumed file keeps its own."""
     chat_template: str | None = None
     dtype: str | None = None
     sampling: SamplingSettings | None = None
