@@ -35,7 +35,6 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from retool.config import ConfigError, add_config_args, config_from_args, option
 from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
 from retool.flag_checks import output_folder
-from retool.rollout import RolloutBudgets
+from retool.rollout import RolloutBudgets, UsageMeter
 from retool.seeding import derive_seed
 
 LOSSES = ("ppo", "importance_sampling")
@@ -124,11 +123,23 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     max_retries: int = option(2, "retries of a failed rollout before the run stops")
 
     def validate(self) -> None:
+        self.validate_settings()
+        self.validate_cost()
+        from retool.log import check_sinks
+
+        try:
+            check_sinks(self.sinks)
+        except (ValueError, RuntimeError) as err:
+            raise ConfigError(str(err)) from None
+        check_supported(self.engine, self.requirements())
+
+    def validate_settings(self) -> None:
+        """The rules between the settings themselves (``retool verl-config`` shares them);
+        :meth:`validate` adds what this machine must offer: sinks, engine, price table."""
         for name in ("batch_size", "group_size", "max_steps", "save_every"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         self.validate_model()
         self.validate_budgets()
-        self.validate_cost()
         require(self.group_size >= 2, f"group_size must be >= 2 for group-centred advantages, got {self.group_size}")
         require(self.max_turn_tokens < self.max_trajectory_tokens,
                 "max_turn_tokens must be smaller than max_trajectory_tokens")
@@ -147,13 +158,6 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(self.overlong_buffer >= 1, f"overlong_buffer must be >= 1, got {self.overlong_buffer}")
         require(self.behaviour_is_cap > 1 and self.behaviour_is_threshold > 1,
                 "behaviour_is_cap and behaviour_is_threshold must be > 1")
-        from retool.log import check_sinks
-
-        try:
-            check_sinks(self.sinks)
-        except (ValueError, RuntimeError) as err:
-            raise ConfigError(str(err)) from None
-        check_supported(self.engine, self.requirements())
 
     def requirements(self) -> Requirements:
         """What this run asks of its engine (checked against the engine's capabilities)."""
@@ -196,7 +200,7 @@ class Trainer:
 
     def reuse(self, stored: runs.StoredGroup) -> None:
         """Count a group an interrupted run finished as if it had been sampled now."""
-        self.rollout.usage.update(stored.usage)
+        self.rollout.usage.add(stored.usage)
         if self.sandbox is not None:
             self.sandbox.record_outcomes([(turn.exchange.result, turn.exchange.latency_s)
                                           for t in stored.trajectories for turn in t.turns
@@ -281,7 +285,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     metrics.update(rollout_metrics(flat))
     metrics.update({f"behaviour/{k}": v for k, v in behaviour_figures(trajectory_stats(flat)).items()})
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
-    _add_totals(trainer.totals, usage["prefill"], usage["sampled"], trained, metrics.get("sandbox/cpu_s", 0.0))
+    _add_totals(trainer.totals, usage.prefill, usage.sampled, trained, metrics.get("sandbox/cpu_s", 0.0))
     if trainer.pool is not None:
         metrics.update(curriculum.pool_metrics(trainer.pool, trainer.problems, cfg.curriculum_floor))
     metrics.update({
@@ -290,7 +294,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
         "train/datums": float(len(datums)),
         "train/groups": float(len(kept)),
         "rollout/groups": float(len(groups)), "rollout/refill_rounds": float(rounds),
-        "tokens/prefill": float(usage["prefill"]), "tokens/sampled": float(usage["sampled"]),
+        "tokens/prefill": float(usage.prefill), "tokens/sampled": float(usage.sampled),
         "tokens/trained": trained, **trainer.totals,
         "time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0,
     })
@@ -397,11 +401,11 @@ async def _rollout_groups(trainer: Trainer, problems: list, step: int, round_: i
         if stored is not None:
             trainer.reuse(stored)
             return list(stored.trajectories)
-        usage: Counter = Counter()
+        usage = UsageMeter()
         group = await trainer.rollout.group(problem, cfg.group_size, seed=derive_seed(cfg.seed, step, round_, index),
                                             usage=usage)
         if trainer.store is not None:
-            trainer.store.save(key, group, usage)
+            trainer.store.save(key, group, usage.total)
             runs.failpoint("group_saved", step)
         return group
 

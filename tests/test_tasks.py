@@ -12,7 +12,7 @@ from retool.data import load_problems
 from retool.protocol import STATEFUL_SYSTEM_PROMPT, SYSTEM_PROMPT, TOOL_NAME
 from retool.reward import boxed, grade
 from retool.sandbox import Sandbox, SandboxConfig
-from retool.sft import parse_dialogue
+from retool.dialogues import parse_dialogue
 
 
 @pytest.fixture(scope="module")
