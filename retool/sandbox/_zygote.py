@@ -50,6 +50,7 @@ import linecache
 import math
 import os
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -375,6 +376,25 @@ class Session:
         self.group = None  # its control group, if any (frozen between calls)
 
 
+class Child:
+    """A call's runner or a session's interpreter, forked (usually ahead of its work) and
+    waiting on its ``go`` socket for the request (:meth:`Zygote._hand_over`)."""
+
+    def __init__(self, kind: str, slot: int, uid: int, directory: str):
+        self.kind = kind  # "call" or "session"
+        self.slot = slot
+        self.uid = uid
+        self.dir = directory  # its own tmpfs (with scratch_quota)
+        self.pid = 0  # 0 until the template answers its fork
+        self.init_pid = 0  # a call's pid 1 of its PID namespace, when there is one
+        self.fds: dict[str, int] = {}  # the zygote's ends: stdout, stderr, info (+ a session's control)
+        self.go: socket.socket | None = None
+        self.group = None  # its control group, if any
+        self.born_inside = False  # forked by a template living in that group
+        self.template: Template | None = None  # the template asked to fork it
+        self.error: str | None = None  # why the template could not fork it
+
+
 class Zygote:
     """Serves run requests: at most ``workers`` calls at once, one fresh process tree each."""
 
@@ -406,6 +426,10 @@ class Zygote:
         self.template: Template | None = None  # forks every call's and session's process
         self.slot_templates: dict[int, Template] = {}  # one per call slot, inside the slot's group
         self.confine = False  # a fresh session keyring and the syscall filter, once probed
+        self.prefork = False  # children are forked ahead of their work (by a template only)
+        self.prefork_paused_until = 0.0
+        self.ready_calls: dict[int, Child] = {}  # call slot -> its runner, forked ahead
+        self.ready_sessions: dict[int, Child] = {}  # session slot -> its interpreter, forked ahead
 
     # ---- start-up
 
@@ -431,6 +455,8 @@ class Zygote:
                         return self._shutdown()
                 elif kind == "session":
                     self._on_session_event(*call)
+                elif kind == "template":
+                    call.receive(wait=False)
                 elif call.done:
                     continue  # stale: the call finished earlier in this batch (its fds may be reused)
                 elif kind == "exit":
@@ -439,6 +465,7 @@ class Zygote:
                     self._guarded(call, lambda c=call, k=kind: self._on_output(c, k))
             self._poll_without_pidfd()
             self._enforce_deadlines()
+            self._replenish()
 
     def _guarded(self, call: Call, handle) -> None:
         """Run one event handler; a bug in it fails that call (sandbox_error), not the zygote."""
@@ -589,30 +616,35 @@ class Zygote:
             self._kill(call, "cancelled")
         for session in list(self.sessions.values()):
             self._end_interpreter(session, "closed")
+        for child in [*self.ready_calls.values(), *self.ready_sessions.values()]:
+            self._discard(child)
 
     # ---- starting a call
 
     def _spawn(self, req: dict, slot: int) -> None:
-        uid = self.cfg["uid_base"] + slot if self.root else os.geteuid()
-        directory = tempfile.mkdtemp(prefix=f"call-{slot}-", dir=self.base)
-        call = Call(req, slot, directory)
-        child_fds: dict[str, int] = {}
+        """Start a stateless call in ``slot``: its runner (forked ahead, or now) gets the
+        call's files in its directory, its limits and then its request."""
+        child = self._take("call", slot)
+        call = Call(req, slot, child.dir)
+        call.pid, call.init_pid, call.fds, call.group = child.pid, child.init_pid, child.fds, child.group
+        stdin = None
         try:
-            self._mount_scratch(directory)
-            _prepare_directory(directory, {**(req.get("files") or {}), SCRIPT_NAME: None}, uid, req["code"])
-            child_fds, call.fds = _make_pipes(req.get("stdin"))
-            self._fork(call, child_fds, uid)
+            _prepare_directory(child.dir, {**(req.get("files") or {}), SCRIPT_NAME: None}, child.uid, req["code"])
+            if call.group is not None:
+                call.group.set_limits(req["memory_mb"] << 20, self.cfg["max_processes"] + child.born_inside)
+                call.group_cpu_base = call.group.cpu_seconds()
+            stdin = (os.open(os.devnull, os.O_RDONLY) if req.get("stdin") is None
+                     else _memory_file("stdin", req["stdin"].encode()))
+            call.started = time.monotonic()
+            call.deadline = call.started + req["timeout_s"]
+            self._hand_over(child, {"code": req["code"], "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"],
+                                    "auto_print": req.get("auto_print", True)}, stdin)
         except BaseException:
-            self._kill(call, "cancelled")
-            for pid in (call.pid, call.init_pid):
-                _reap(pid)
-            self._remove_directory(directory)
-            for fd in call.fds.values():
-                os.close(fd)
+            self._discard(child)
             raise
         finally:
-            for fd in child_fds.values():
-                os.close(fd)
+            if stdin is not None:
+                os.close(stdin)
         self.calls[call.id] = call
         for name, fd in call.fds.items():
             os.set_blocking(fd, False)
@@ -622,25 +654,128 @@ class Zygote:
             self.sel.register(call.pidfd, selectors.EVENT_READ, ("exit", call))
         self._reply({"op": "started", "id": call.id})
 
-    def _fork(self, call: Call, child_fds: dict[str, int], uid: int) -> None:
-        """Start the call: with PID namespaces, a tiny init as pid 1 of a fresh namespace
-        (killing it makes the kernel kill everything in it), then the runner as pid 2,
-        forked by the template (or, without one, by the zygote itself). The runner reads
-        its request from a memory file of its own."""
-        request = {"dir": call.dir, "uid": uid, "code": call.req["code"], "cpu_s": call.req["cpu_s"],
-                   "memory_mb": call.req["memory_mb"], "auto_print": call.req.get("auto_print", True)}
-        child_fds["request"] = _memory_file("request", json.dumps(request).encode())
-        template = self.slot_templates.get(call.slot, self.template)
-        call.group = self._join_group(child_fds, f"call-{call.slot}", call.req["memory_mb"],
-                                      born_inside=template is not self.template)
-        call.group_cpu_base = call.group.cpu_seconds() if call.group is not None else 0.0
+    # ---- children forked ahead of their work
+
+    def _uid(self, kind: str, slot: int) -> int:
+        """The unprivileged uid of a call slot or a session slot (as root; else our own)."""
+        if not self.root:
+            return os.geteuid()
+        return self.cfg["uid_base"] + slot + (self.cfg["workers"] if kind == "session" else 0)
+
+    def _take(self, kind: str, slot: int) -> Child:
+        """The child of ``kind`` for ``slot``: the one forked ahead, else one forked now."""
+        pool = self.ready_calls if kind == "call" else self.ready_sessions
+        child = pool.pop(slot, None) or self._prepare(kind, slot)
+        while child.template is not None and not child.pid and child.error is None:
+            child.template.receive()  # its fork was asked for and is not answered yet
+        if child.error is not None:
+            self._discard(child)
+            raise OSError(errno.EAGAIN, child.error)
+        return child
+
+    def _prepare(self, kind: str, slot: int) -> Child:
+        """Fork a call's runner or a session's interpreter that isolates itself as far as it
+        can without its request (see :func:`_enter_sandbox`) and then waits for it: its
+        directory (own tmpfs), pipes, PID namespace, control group and, for a session, its
+        network namespace. With a template the fork is asked for and answered later
+        (:meth:`Template.receive`): the zygote does not wait for it."""
+        child = Child(kind, slot, self._uid(kind, slot), tempfile.mkdtemp(prefix=f"{kind}-{slot}-", dir=self.base))
+        child_fds: dict[str, int] = {}
+        try:
+            self._mount_scratch(child.dir)
+            _prepare_directory(child.dir, {}, child.uid, "")
+            child_fds, child.fds = _make_pipes(session=kind == "session")
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            child.go, child_fds["go"] = mine, theirs.detach()
+            child_fds["request"] = _memory_file("request", json.dumps({"dir": child.dir, "uid": child.uid}).encode())
+            if kind == "call":
+                self._fork_runner(child, child_fds)
+            else:
+                self._fork_interpreter(child, child_fds)
+        except BaseException:
+            self._discard(child)
+            raise
+        finally:
+            for fd in child_fds.values():
+                os.close(fd)
+        return child
+
+    def _fork_runner(self, child: Child, child_fds: dict[str, int]) -> None:
+        """With PID namespaces, a tiny init as pid 1 of a fresh namespace (killing it makes
+        the kernel kill everything in it), then the runner as pid 2, forked by the slot's
+        template (or, without one, by the zygote itself)."""
+        template = self.slot_templates.get(child.slot, self.template)
+        child.born_inside = template is not self.template
+        child.group = self._group(f"call-{child.slot}", child_fds, child.born_inside)
         with self._children_in_new_pid_namespace():
             if self.pidns_fd is not None:
-                call.init_pid = self._spawn_init()
+                child.init_pid = self._spawn_init()
             if template is None:
-                call.pid = _fork_running(run_snippet, self, child_fds)
+                child.pid = _fork_running(run_snippet, self, child_fds)
         if template is not None:
-            call.pid = template.fork("call", child_fds, call.init_pid or None)
+            template.send(child, "call", child_fds, child.init_pid or None)
+
+    def _fork_interpreter(self, child: Child, child_fds: dict[str, int]) -> None:
+        """A session's interpreter: pid 1 of a fresh PID namespace (so that it can kill
+        every other process of its session, and its death kills them all)."""
+        child.group = self._group(f"session-{child.slot}", child_fds, born_inside=False)
+        if child.group is not None:
+            child.group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"])
+        if self.template is not None:
+            self.template.send(child, "session", child_fds, None)
+        else:
+            with self._children_in_new_pid_namespace():
+                child.pid = _fork_running(run_session, self, child_fds)
+
+    def _hand_over(self, child: Child, work: dict, stdin: int | None) -> None:
+        """Send the child its work: a memory file with ``work`` (read only by the child),
+        and a call's stdin. A child that died meanwhile cannot take it: its exit (and the
+        setup error it reported) then answers the call."""
+        fds = {"request": _memory_file("request", json.dumps(work).encode())}
+        if stdin is not None:
+            fds["stdin"] = stdin
+        try:
+            socket.send_fds(child.go, [" ".join(fds).encode()], list(fds.values()))
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ECONNREFUSED):
+                raise
+        finally:
+            os.close(fds["request"])
+            child.go.close()
+
+    def _discard(self, child: Child) -> None:
+        """Kill a child that will not get (or could not take) its work and free what it held."""
+        while child.template is not None and not child.pid and child.error is None:
+            child.template.receive()
+        for pid in (child.init_pid, child.pid):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                _reap(pid)
+        child.pid = child.init_pid = 0
+        for fd in child.fds.values():
+            os.close(fd)
+        child.fds = {}
+        child.go.close()
+        self._remove_directory(child.dir)
+
+    def _replenish(self) -> None:
+        """Keep a child forked ahead for every free call slot and for the first free
+        session slots (``prefork`` of each at most), so that a request only hands work to
+        a ready child. A failure is said once and pauses this for a second."""
+        if not self.prefork or time.monotonic() < self.prefork_paused_until:
+            return
+        wanted = [("call", s) for s in self.free_slots[:self.cfg["prefork"]] if s not in self.ready_calls]
+        wanted += [("session", s) for s in self.free_session_slots[:self.cfg["prefork"]]
+                   if s not in self.ready_sessions]
+        for kind, slot in wanted:
+            try:
+                child = self._prepare(kind, slot)
+            except OSError as exc:
+                sys.stderr.write(f"retool sandbox: could not fork a {kind} ahead ({exc}); retrying in 1 s\n")
+                self.prefork_paused_until = time.monotonic() + 1.0
+                return
+            (self.ready_calls if kind == "call" else self.ready_sessions)[slot] = child
 
     @contextlib.contextmanager
     def _children_in_new_pid_namespace(self):
@@ -654,14 +789,13 @@ class Zygote:
             if self.pidns_fd is not None:
                 setns(self.pidns_fd, CLONE_NEWPID)
 
-    def _join_group(self, child_fds: dict[str, int], name: str, memory_mb: int, born_inside: bool = False):
-        """The control group ``name`` with its limits set, and fds for the child to join it
-        (added to ``child_fds``) unless it is ``born_inside`` it (forked by the slot's
-        template, which lives there: one process more); None without control groups."""
+    def _group(self, name: str, child_fds: dict[str, int], born_inside: bool):
+        """The control group ``name``, and fds for the child to join it (added to
+        ``child_fds``) unless it is ``born_inside`` it (forked by the slot's template,
+        which lives there); None without control groups."""
         if self.cgroups is None:
             return None
         group = self.cgroups.group(name)
-        group.set_limits(memory_mb << 20, self.cfg["max_processes"] + born_inside)
         if not born_inside:
             for i, fd in enumerate(group.join_fds()):
                 child_fds[f"cgroup{i}"] = fd
@@ -695,6 +829,11 @@ class Zygote:
                 group = self.cgroups.group(f"call-{slot}")
                 group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"] + 1)
                 self.slot_templates[slot] = Template.start(self, group.join_fds())
+        for template in [self.template, *self.slot_templates.values()]:
+            self.sel.register(template.sock, selectors.EVENT_READ, ("template", template))
+        self.prefork = "prefork" not in self.skip and self.cfg.get("prefork", 0) > 0
+        if self.prefork:
+            self.isolation.append("prefork")
 
     def _spawn_init(self) -> int:
         """Pid 1 of the call's namespace: ``sleep`` via vfork+exec (cheap at any parent
@@ -839,9 +978,9 @@ class Zygote:
         """Send a call to its session's interpreter, starting one (and the session) if needed."""
         session = self.sessions.get(req["session"])
         if session is None:
-            slot = self.free_session_slots.pop(0)
-            uid = self.cfg["uid_base"] + self.cfg["workers"] + slot if self.root else os.geteuid()
-            session = self.sessions[req["session"]] = Session(req["session"], slot, uid)
+            slot = next((s for s in self.free_session_slots if s in self.ready_sessions), self.free_session_slots[0])
+            self.free_session_slots.remove(slot)
+            session = self.sessions[req["session"]] = Session(req["session"], slot, self._uid("session", slot))
         if session.pid and session.group is not None and not self._resume(session):
             self._end_interpreter(session, "processes")
         fresh = not session.pid
@@ -864,29 +1003,14 @@ class Zygote:
         self._reply({"op": "started", "id": call.id})
 
     def _start_interpreter(self, session: Session, req: dict) -> None:
-        """Fork the session's interpreter as pid 1 of a fresh PID namespace (so that it can
-        kill every other process of its session, and its death kills them all)."""
-        session.dir = tempfile.mkdtemp(prefix=f"session-{session.slot}-", dir=self.base)
-        child_fds: dict[str, int] = {}
+        """Give the session an interpreter (forked ahead, or now) and its first limits."""
+        child = self._take("session", session.slot)
+        session.dir, session.fds, session.pid, session.group = child.dir, child.fds, child.pid, child.group
         try:
-            self._mount_scratch(session.dir)
-            _prepare_directory(session.dir, {}, session.uid, "")
-            child_fds, session.fds = _make_pipes(None)
-            child_fds["control"], session.fds["control"] = os.pipe()
-            request = {"dir": session.dir, "uid": session.uid, "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}
-            child_fds["request"] = _memory_file("request", json.dumps(request).encode())
-            session.group = self._join_group(child_fds, f"session-{session.slot}", self.cfg["session_memory_mb"])
-            if self.template is not None:
-                session.pid = self.template.fork("session", child_fds, None)
-            else:
-                with self._children_in_new_pid_namespace():
-                    session.pid = _fork_running(run_session, self, child_fds)
+            self._hand_over(child, {"cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}, None)
         except BaseException:
             self._end_interpreter(session, "sandbox_error")
             raise
-        finally:
-            for fd in child_fds.values():
-                os.close(fd)
         session.calls, session.reported, session.info = 0, {}, bytearray()
         session.generation += 1
         for name in ("stdout", "stderr", "info"):
@@ -1094,11 +1218,12 @@ class Zygote:
         self._start_queued()
 
 
-CHILD_FD_NAMES = ("stdin", "stdout", "stderr", "info", "control", "request", "pidns",
+CHILD_FD_NAMES = ("stdin", "stdout", "stderr", "info", "control", "request", "go", "pidns",
                   *(f"cgroup{i}" for i in range(len(_cgroups.V1_CONTROLLERS))))
 """The names the fds a child gets from the template may have (``control``: a session's
 requests; ``pidns``: the PID namespace a call's runner is forked into; ``cgroup<i>``: its
-control group's ``cgroup.procs``, one per hierarchy)."""
+control group's ``cgroup.procs``, one per hierarchy; ``go``: the socket its work
+arrives on)."""
 TEMPLATE_REPLY_TIMEOUT_S = 30.0
 
 
@@ -1125,6 +1250,7 @@ class Template:
     def __init__(self, pid: int, sock: socket.socket):
         self.pid = pid
         self.sock = sock
+        self.pending: collections.deque[Child] = collections.deque()  # forks asked for, not answered
 
     @classmethod
     def start(cls, zygote: Zygote, group_fds: list[int] = ()) -> Template:
@@ -1148,28 +1274,47 @@ class Template:
         mine.settimeout(TEMPLATE_REPLY_TIMEOUT_S)
         return cls(pid, mine)
 
-    def fork(self, kind: str, child_fds: dict[str, int], pid_namespace_of: int | None) -> int:
-        """Have the template fork a ``kind`` child with ``child_fds`` (the zygote keeps and
-        closes its copies); for a call, in the PID namespace of the process ``pid_namespace_of``.
-        Returns the child's pid (the zygote's child). Ends the zygote if the template is gone."""
+    def send(self, child: Child, kind: str, child_fds: dict[str, int], pid_namespace_of: int | None) -> None:
+        """Ask the template to fork ``child`` (a ``kind`` child with ``child_fds``; the
+        zygote keeps and closes its copies); for a call, in the PID namespace of the process
+        ``pid_namespace_of``. The pid comes later (:meth:`receive`). Ends the zygote if the
+        template is gone."""
         fds = dict(child_fds)
         namespace_fd = os.pidfd_open(pid_namespace_of) if pid_namespace_of else None
         if namespace_fd is not None:
             fds["pidns"] = namespace_fd
         try:
             socket.send_fds(self.sock, [" ".join([kind, *fds]).encode()], list(fds.values()))
-            reply = self.sock.recv(512).decode()
         except OSError as exc:
-            reply = f"gone ({exc})"
+            self._gone(str(exc))
         finally:
             if namespace_fd is not None:
                 os.close(namespace_fd)
+        child.template = self
+        self.pending.append(child)
+
+    def receive(self, wait: bool = True) -> None:
+        """Read the template's next answer: the pid of its oldest pending child (the
+        zygote's child), or why it could not fork it. Without ``wait``, only an answer that
+        is there already (a readiness event may be stale: the answer was read meanwhile)."""
+        if not self.pending or not (wait or select.select([self.sock], [], [], 0)[0]):
+            return
+        try:
+            reply = self.sock.recv(512).decode()
+        except OSError as exc:
+            reply = f"gone ({exc})"
         if not reply or reply.startswith("gone"):
-            sys.stderr.write(f"retool sandbox: the template process is gone {reply}; the warm parent exits\n")
-            os._exit(1)  # the trainer's side replaces the whole warm parent
-        if not reply.isdigit():
-            raise OSError(errno.EAGAIN, f"the template could not fork: {reply}")
-        return int(reply)
+            self._gone(reply)
+        child = self.pending.popleft()
+        if reply.isdigit():
+            child.pid = int(reply)
+        else:
+            child.error = f"the template could not fork: {reply}"
+
+    @staticmethod
+    def _gone(why: str) -> None:
+        sys.stderr.write(f"retool sandbox: the template process is gone {why}; the warm parent exits\n")
+        os._exit(1)  # the trainer's side replaces the whole warm parent
 
 
 def serve_template(zygote: Zygote, sock: socket.socket) -> None:
@@ -1300,15 +1445,15 @@ def _split_status(status: int) -> tuple[int | None, int | None]:
     return os.WEXITSTATUS(status), None
 
 
-def _make_pipes(stdin: str | None) -> tuple[dict[str, int], dict[str, int]]:
-    """Return (the child's ends, the zygote's ends) of the call's pipes, plus its stdin."""
+def _make_pipes(session: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Return (the child's ends, the zygote's ends) of its output pipes; a session's
+    interpreter also gets its control pipe and an empty stdin (a call's comes with its work)."""
     child, mine = {}, {}
     for name in ("stdout", "stderr", "info"):
         mine[name], child[name] = os.pipe()
-    if stdin is None:
+    if session:
+        child["control"], mine["control"] = os.pipe()
         child["stdin"] = os.open(os.devnull, os.O_RDONLY)
-    else:
-        child["stdin"] = _memory_file("stdin", stdin.encode())
     return child, mine
 
 
@@ -1386,19 +1531,13 @@ def _fork_running(runner, *args) -> int:
 
 
 def run_snippet(zygote: Zygote, child_fds: dict[str, int]) -> None:
-    """The runner: its request, private mounts, limits, privilege drop, fresh state, then the code."""
+    """The runner: private mounts (forked ahead of its work), then, once its request has
+    come, limits, privilege drop, fresh state and the code."""
+    info = child_fds["info"]  # fd 3 once the fds are laid out
     try:
-        req = _read_request(child_fds.pop("request"))
-        _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
+        req, workdir = _enter_sandbox(zygote, child_fds, session=False)
         _layout_fds(child_fds)
-        os.setsid()
-        if sys.platform.startswith("linux"):
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies: so does the call
-        workdir = req["dir"]
-        if zygote.private_mounts:
-            _private_mounts(req["dir"], zygote.work_dir)
-            workdir = zygote.work_dir or req["dir"]
-        os.chdir(workdir)
+        info = 3
         baseline = _address_space_bytes()
         if "rlimits" not in zygote.skip:
             _apply_limits(req, zygote.cfg, baseline)
@@ -1408,7 +1547,7 @@ def run_snippet(zygote: Zygote, child_fds: dict[str, int]) -> None:
         if zygote.confine:
             _confine()
     except BaseException:  # never run the snippet half-isolated
-        _report(3, {"setup_error": traceback.format_exc()[-3000:]})
+        _report(info, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
     _report(3, {"ready": True, "memory_baseline_bytes": baseline})
     script = os.path.join(workdir, SCRIPT_NAME)
@@ -1420,20 +1559,11 @@ def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
     """A session's interpreter: isolated and limited exactly as a call's runner (the
     first call's limits; the zygote re-sets them before every later call), then a loop
     that runs each call sent on fd 4 in the same globals."""
+    info = child_fds["info"]
     try:
-        req = _read_request(child_fds.pop("request"))
-        _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
+        req, workdir = _enter_sandbox(zygote, child_fds, session=True)
         _layout_fds(child_fds, SESSION_FDS)
-        os.setsid()
-        if sys.platform.startswith("linux"):
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        workdir = req["dir"]
-        if zygote.private_mounts:
-            _private_mounts(req["dir"], zygote.work_dir)
-            workdir = zygote.work_dir or req["dir"]
-        if zygote.session_netns:  # abstract Unix sockets and loopback stay inside the session
-            unshare(CLONE_NEWNET)
-        os.chdir(workdir)
+        info = 3
         baseline = _address_space_bytes()
         limited = "rlimits" not in zygote.skip
         if limited:
@@ -1444,10 +1574,45 @@ def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
         if zygote.confine:
             _confine()
     except BaseException:  # never run code half-isolated
-        _report(3, {"setup_error": traceback.format_exc()[-3000:]})
+        _report(info, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
     _report(3, {"ready": True, "memory_baseline_bytes": baseline})
     serve_session(namespace, zygote.cfg["traceback_frames"], workdir, limited)
+
+
+def _enter_sandbox(zygote: Zygote, child_fds: dict[str, int], session: bool) -> tuple[dict, str]:
+    """What a child does before it has work (so, forked ahead, off the request's path):
+    join its control group, leave the zygote's session, take private mounts (and, for a
+    session, a network namespace of its own) and enter its directory. Then wait for the
+    work on the ``go`` socket. Returns the request (directory and uid, plus the work) and
+    the working directory; the work's fds (a call's stdin) are added to ``child_fds``."""
+    req = _read_request(child_fds.pop("request"))
+    _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies: so does the child
+    workdir = req["dir"]
+    if zygote.private_mounts:
+        _private_mounts(req["dir"], zygote.work_dir)
+        workdir = zygote.work_dir or req["dir"]
+    if session and zygote.session_netns:  # abstract Unix sockets and loopback stay inside the session
+        unshare(CLONE_NEWNET)
+    os.chdir(workdir)
+    work, fds = _await_work(child_fds.pop("go"))
+    child_fds.update(fds)
+    return {**req, **work}, workdir
+
+
+def _await_work(fd: int) -> tuple[dict, dict[str, int]]:
+    """Block until the zygote hands over the work on the socket ``fd``: a memory file with
+    the request and, for a call, its stdin. Exits at once when the zygote closes the
+    socket instead (it discards a child it no longer needs, or it has ended)."""
+    with socket.socket(fileno=fd) as sock:
+        message, fds, _, _ = socket.recv_fds(sock, 512, 2)
+    if not message:
+        os._exit(0)
+    received = dict(zip(message.decode().split(), fds, strict=True))
+    return _read_request(received.pop("request")), received
 
 
 def serve_session(namespace: dict, frames: int, workdir: str, limited: bool = True) -> None:
