@@ -104,6 +104,8 @@ def _load_sibling(name: str) -> types.ModuleType:
 _cgroups = _load_sibling("_cgroups")
 CPU_POLL_S = 0.05
 """How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
+SETTLE_POLL_S = 0.001
+"""How often the zygote looks whether a session's group, frozen after its call, is frozen yet."""
 seccomp = _load_sibling("seccomp")
 SYSCALL_FILTER: seccomp.Filter | None = None
 """The calls' syscall filter, compiled by the launcher before it leaves the host's
@@ -374,6 +376,7 @@ class Session:
         self.generation = 0  # which interpreter of the session an event belongs to
         self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
         self.group = None  # its control group, if any (frozen between calls)
+        self.settled = False  # frozen since its last call with the interpreter alone in it
 
 
 class Child:
@@ -430,6 +433,7 @@ class Zygote:
         self.prefork_paused_until = 0.0
         self.ready_calls: dict[int, Child] = {}  # call slot -> its runner, forked ahead
         self.ready_sessions: dict[int, Child] = {}  # session slot -> its interpreter, forked ahead
+        self.settling: list[Session] = []  # sessions between calls, freezing, not yet checked
 
     # ---- start-up
 
@@ -465,6 +469,7 @@ class Zygote:
                     self._guarded(call, lambda c=call, k=kind: self._on_output(c, k))
             self._poll_without_pidfd()
             self._enforce_deadlines()
+            self._settle_sessions()
             self._replenish()
 
     def _guarded(self, call: Call, handle) -> None:
@@ -875,6 +880,8 @@ class Zygote:
         if any(c.group is not None and not c.killed for c in self.calls.values()):
             wait = max(0.0, self.next_cpu_check - time.monotonic())
             timeout = wait if timeout is None else min(timeout, wait)
+        if self.settling:
+            timeout = SETTLE_POLL_S if timeout is None else min(timeout, SETTLE_POLL_S)
         return timeout
 
     def _enforce_deadlines(self) -> None:
@@ -1121,6 +1128,7 @@ class Zygote:
             reply["ended_interpreter"] = ended
         if not ended and session.group is not None:
             session.group.freeze(wait=False)  # nothing of the session runs until its next call
+            self.settling.append(session)
         self._reply(reply)
         self._start_queued()
 
@@ -1170,21 +1178,40 @@ class Zygote:
         self._reply(reply)
         self._start_queued()
 
+    def _settle_sessions(self) -> None:
+        """Between a session's calls, off the request's path: once its group is frozen, check
+        that the interpreter is alone in it. Then nothing can start there until it is thawed,
+        so its next call only thaws it (:meth:`_resume`). A group that holds other
+        processes is left to that next call, which kills them."""
+        for session in list(self.settling):
+            if session.call is not None or not session.pid or session.group is None:
+                self.settling.remove(session)
+            elif session.group.frozen():
+                self.settling.remove(session)
+                session.settled = session.group.pids() == [session.pid]
+
     def _resume(self, session: Session) -> bool:
         """Before a session's next call: its group has been frozen since the last call
         ended; kill every process in it but the interpreter (from here, where the snippet
         cannot reach: whatever a call left, whatever its threads started after it), then
         thaw it. False when processes keep appearing: the interpreter must end."""
-        try:
-            session.group.leave_only(session.pid)
-        except OSError:  # processes keep appearing as fast as they are killed, or it would not freeze
-            return False
+        if session in self.settling:
+            self.settling.remove(session)
+        if not session.settled:
+            try:
+                session.group.leave_only(session.pid)
+            except OSError:  # processes keep appearing as fast as they are killed, or it would not freeze
+                return False
+        session.settled = False
         session.group.thaw()
         return True
 
     def _end_interpreter(self, session: Session, reason: str) -> None:
         """Kill the session's interpreter and everything it started, wait until they are
         gone, remove its directory; the session's next call starts a fresh one."""
+        session.settled = False
+        if session in self.settling:
+            self.settling.remove(session)
         if session.group is not None:
             session.group.kill_all()  # frozen or not, every process of the session dies
         if session.pid:
