@@ -18,8 +18,10 @@ Process tree (Linux, with namespaces available)::
      +- init    per call: ``sleep infinity`` spawned (vfork+exec, cheap) as pid 1 of a
      |          fresh PID namespace. Killing it makes the kernel kill every process in
      |          that namespace: how a call's tree dies, setsid/double-fork included.
-     +- runner  per call: forked into that namespace as pid 2; takes a private /proc,
-                /dev/shm and IPC namespace, applies rlimits, drops to the call slot's
+     +- runner  per call: forked into that namespace as pid 2 (by the slot's template, in
+                the slot's control group, usually ahead of its call: ``prefork``);
+                takes a private /proc, /dev/shm and IPC namespace, waits for its
+                request on a socket of its own, applies rlimits, drops to the call slot's
                 unprivileged uid (or all capabilities), resets interpreter state, joins
                 a fresh session keyring, installs the syscall filter (``seccomp.py``)
                 and runs the snippet as ``python main.py`` would (written to its
