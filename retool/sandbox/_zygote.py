@@ -108,6 +108,10 @@ CPU_POLL_S = 0.05
 """How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
 SETTLE_POLL_S = 0.001
 """How often the zygote looks whether a session's group, frozen after its call, is frozen yet."""
+PREFORK_IDLE_S = 0.002
+"""How long the zygote must have had nothing to do before it forks a child ahead."""
+PREFORK_NICE = 10
+"""How much lower the templates run (as root): children forked ahead take spare CPU only."""
 seccomp = _load_sibling("seccomp")
 SYSCALL_FILTER: seccomp.Filter | None = None
 """The calls' syscall filter, compiled by the launcher before it leaves the host's
@@ -433,6 +437,8 @@ class Zygote:
         self.confine = False  # a fresh session keyring and the syscall filter, once probed
         self.prefork = False  # children are forked ahead of their work (by a template only)
         self.prefork_paused_until = 0.0
+        self.last_busy = 0.0  # when the serve loop last handled an event
+        self.priority = os.getpriority(os.PRIO_PROCESS, 0)  # the zygote's nice value
         self.ready_calls: dict[int, Child] = {}  # call slot -> its runner, forked ahead
         self.ready_sessions: dict[int, Child] = {}  # session slot -> its interpreter, forked ahead
         self.settling: list[Session] = []  # sessions between calls, freezing, not yet checked
@@ -454,7 +460,10 @@ class Zygote:
         os.set_blocking(0, False)
         self.sel.register(0, selectors.EVENT_READ, ("control", None))
         while True:
-            for key, _ in self.sel.select(self._next_timeout()):
+            events = self.sel.select(self._next_timeout())
+            if events:
+                self.last_busy = time.monotonic()
+            for key, _ in events:
                 kind, call = key.data
                 if kind == "control":
                     if not self._read_control():
@@ -673,11 +682,16 @@ class Zygote:
         """The child of ``kind`` for ``slot``: the one forked ahead, else one forked now."""
         pool = self.ready_calls if kind == "call" else self.ready_sessions
         child = pool.pop(slot, None) or self._prepare(kind, slot)
-        while child.template is not None and not child.pid and child.error is None:
-            child.template.receive()  # its fork was asked for and is not answered yet
+        if child.template is not None and not child.pid and child.error is None:
+            self._hurry(child.template.pid)  # its fork was asked for and is not answered yet
+            while not child.pid and child.error is None:
+                child.template.receive()
+            if self.prefork and self.root:
+                os.setpriority(os.PRIO_PROCESS, child.template.pid, self.priority + PREFORK_NICE)
         if child.error is not None:
             self._discard(child)
             raise OSError(errno.EAGAIN, child.error)
+        self._hurry(child.pid)
         return child
 
     def _prepare(self, kind: str, slot: int) -> Child:
@@ -766,23 +780,38 @@ class Zygote:
         child.go.close()
         self._remove_directory(child.dir)
 
-    def _replenish(self) -> None:
-        """Keep a child forked ahead for every free call slot and for the first free
-        session slots (``prefork`` of each at most), so that a request only hands work to
-        a ready child. A failure is said once and pauses this for a second."""
+    def _wanted(self) -> list[tuple[str, int]]:
+        """The children to fork ahead: one for each of the first free call slots and free
+        session slots (``prefork`` of each at most) that has none."""
         if not self.prefork or time.monotonic() < self.prefork_paused_until:
-            return
+            return []
         wanted = [("call", s) for s in self.free_slots[:self.cfg["prefork"]] if s not in self.ready_calls]
-        wanted += [("session", s) for s in self.free_session_slots[:self.cfg["prefork"]]
-                   if s not in self.ready_sessions]
-        for kind, slot in wanted:
-            try:
-                child = self._prepare(kind, slot)
-            except OSError as exc:
-                sys.stderr.write(f"retool sandbox: could not fork a {kind} ahead ({exc}); retrying in 1 s\n")
-                self.prefork_paused_until = time.monotonic() + 1.0
-                return
-            (self.ready_calls if kind == "call" else self.ready_sessions)[slot] = child
+        return wanted + [("session", s) for s in self.free_session_slots[:self.cfg["prefork"]]
+                         if s not in self.ready_sessions]
+
+    def _replenish(self) -> None:
+        """Fork one child ahead (see :meth:`_wanted`), once nothing has happened for
+        :data:`PREFORK_IDLE_S`: the request path never waits for this. The template forks
+        it at a lower priority (as root), so that running calls keep the CPU. A failure is
+        said once and pauses this for a second."""
+        wanted = self._wanted()
+        if not wanted or time.monotonic() - self.last_busy < PREFORK_IDLE_S:
+            return
+        kind, slot = wanted[0]
+        try:
+            child = self._prepare(kind, slot)
+        except OSError as exc:
+            sys.stderr.write(f"retool sandbox: could not fork a {kind} ahead ({exc}); retrying in 1 s\n")
+            self.prefork_paused_until = time.monotonic() + 1.0
+            return
+        (self.ready_calls if kind == "call" else self.ready_sessions)[slot] = child
+
+    def _hurry(self, pid: int) -> None:
+        """Give a forked-ahead child, or the template forking one that a request waits for,
+        the warm parent's own priority back."""
+        if self.prefork and self.root:
+            with contextlib.suppress(ProcessLookupError):  # it died: its exit answers the call
+                os.setpriority(os.PRIO_PROCESS, pid, self.priority)
 
     @contextlib.contextmanager
     def _children_in_new_pid_namespace(self):
@@ -831,6 +860,7 @@ class Zygote:
             return
         self.template = Template.start(self)
         self.isolation.append("clean_template")
+        self.prefork = "prefork" not in self.skip and self.cfg.get("prefork", 0) > 0
         if self.cgroups is not None:  # a child born in its group needs no migration (that waits
             for slot in range(self.cfg["workers"]):  # for an RCU grace period, ~10 ms here)
                 group = self.cgroups.group(f"call-{slot}")
@@ -838,7 +868,8 @@ class Zygote:
                 self.slot_templates[slot] = Template.start(self, group.join_fds())
         for template in [self.template, *self.slot_templates.values()]:
             self.sel.register(template.sock, selectors.EVENT_READ, ("template", template))
-        self.prefork = "prefork" not in self.skip and self.cfg.get("prefork", 0) > 0
+            if self.prefork and self.root:
+                os.setpriority(os.PRIO_PROCESS, template.pid, self.priority + PREFORK_NICE)
         if self.prefork:
             self.isolation.append("prefork")
 
@@ -884,6 +915,9 @@ class Zygote:
             timeout = wait if timeout is None else min(timeout, wait)
         if self.settling:
             timeout = SETTLE_POLL_S if timeout is None else min(timeout, SETTLE_POLL_S)
+        if self._wanted():
+            wait = max(0.0, self.last_busy + PREFORK_IDLE_S - time.monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
         return timeout
 
     def _enforce_deadlines(self) -> None:
