@@ -10,8 +10,9 @@ mechanism costs: p50 of (a) with everything on minus p50 with that one left out
 filesystem) are entered once at start-up and cost nothing per call.
 
 Then the hardening mechanisms (clean template, control groups, per-call and per-session
-tmpfs, per-session network namespace): before (none of them) and after (all of them) in
-one run, and what each costs, for stateless calls and for sessions (first and later calls).
+tmpfs, per-session network namespace) and the children forked ahead of their work that
+pay for them (prefork): before (none of them) and after (all of them) in one run, and
+what each costs, for stateless calls and for sessions (first and later calls).
 
 Last, the stateful interpreter against the stateless one (the baseline of that table),
 in the same sandbox, rounds interleaved so machine load hits both alike: per-call
@@ -19,6 +20,9 @@ latency of trajectories of ``--session-calls`` calls (each a session opened at i
 call and closed after its last), at 1 and 8 trajectories at once; p50/p95 of all calls,
 p50 of first calls (they fork the session's interpreter) and of later calls, the ratio
 stateless/stateful, and the load average before and after.
+
+Then why a child is born in its control group rather than moved there (``--only
+cgroup-join``, as root): what joining a group costs, back to back and 100 ms apart.
 
 Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--rounds 30] [--only hardening]``.
 Needs Linux; the isolation columns need root or unprivileged user namespaces.
@@ -202,6 +206,46 @@ def hardening_costs(rounds: int) -> None:
     print("  load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
+def cgroup_join_cost(joins: int = 15) -> None:
+    """Why a child born in its control group matters: a process that joins a group by
+    writing ``cgroup.procs`` waits for an RCU grace period (the kernel's
+    ``cgroup_threadgroup_rwsem`` write side) unless another join happened just before.
+    Joins back to back vs 100 ms apart, in a v1 pids group and a v2 group (as root)."""
+    print("\njoining a control group (a fresh child writes cgroup.procs): load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    own = next((line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":pids:" in line), None)
+    trees = {"v1 pids": f"/sys/fs/cgroup/pids{(own or '').rstrip('/')}" if own is not None else None,
+             "v2": next((t for t in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+                         if os.path.exists(f"{t}/cgroup.procs") and os.path.exists(f"{t}/cgroup.controllers")), None)}
+    for label, tree in trees.items():
+        if tree is None or os.geteuid() != 0:
+            print(f"  {label}: not measured (no such tree, or not root)")
+            continue
+        group = tempfile.mkdtemp(prefix="retool-bench-", dir=tree)
+        try:
+            row = {gap: percentile(sorted(_join_once(group, gap) for _ in range(joins)), 50) * 1e3 for gap in (0.0, 0.1)}
+        finally:
+            os.rmdir(group)
+        print(f"  {label:8} p50 back to back {row[0.0]:6.2f} ms, 100 ms apart {row[0.1]:6.2f} ms")
+
+
+def _join_once(group: str, gap: float) -> float:
+    time.sleep(gap)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        t = time.perf_counter()
+        with open(f"{group}/cgroup.procs", "w") as f:
+            f.write("0")
+        os.write(write, str(time.perf_counter() - t).encode())
+        os._exit(0)
+    os.close(write)
+    seconds = float(os.read(read, 64))
+    os.close(read)
+    os.waitpid(pid, 0)
+    return seconds
+
+
 def trajectory_latencies(sb: Sandbox, code: str, calls: int, stateful: bool) -> list[float]:
     """Per-call latencies of one trajectory of ``calls`` calls (one session when ``stateful``;
     its opening is in the first call, its closing in no call)."""
@@ -266,8 +310,8 @@ def main() -> int:
                         help="calls per trajectory in the stateful comparison (the rollout's default budget)")
     parser.add_argument("--rounds", type=int, default=30,
                         help="interleaved rounds in the before/after table of the hardening mechanisms")
-    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "stateful"),
-                        help="run one part only (default: all four)")
+    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "cgroup-join", "stateful"),
+                        help="run one part only (default: all five)")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, uid {os.geteuid()}\n")
     if args.only in (None, "baseline"):
@@ -276,6 +320,8 @@ def main() -> int:
         mechanism_costs(args.calls)
     if args.only in (None, "hardening"):
         hardening_costs(args.rounds)
+    if args.only in (None, "cgroup-join"):
+        cgroup_join_cost()
     if args.only in (None, "stateful"):
         stateful_vs_stateless(args.trajectories, args.session_calls)
     return 0
