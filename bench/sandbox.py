@@ -157,11 +157,16 @@ network namespace per session; and what pays for them: children forked ahead of 
 work (``prefork``; "without prefork" shows what it saves)."""
 
 
+SESSION_CALLS = 6
+"""Calls per session in the hardening table: its first forks the interpreter, the five
+later ones give enough samples for a stable p50 of a ~1 ms call on a loaded machine."""
+
+
 def hardening_costs(rounds: int) -> None:
     """Before/after the hardening mechanisms, in one run: one sandbox with none of them
     ("before"), one with all ("after") and one without each, rounds interleaved so that
     machine load hits every variant alike. Per round and variant: one stateless call and
-    one session of three calls (its first call forks the interpreter)."""
+    one session of ``SESSION_CALLS`` calls (its first call forks the interpreter)."""
     print(f"\nhardening mechanisms: before/after and the cost of each ({rounds} rounds, variants interleaved); "
           "load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     variants = {"before (none of them)": HARDENING, "after (all of them)": (),
@@ -179,7 +184,7 @@ def hardening_costs(rounds: int) -> None:
                 t = time.perf_counter()
                 assert sb.run_sync(SNIPPETS["a_print"]).ok
                 samples[label]["stateless"].append(time.perf_counter() - t)
-                session = trajectory_latencies(sb, SNIPPETS["a_print"], 3, stateful=True)
+                session = trajectory_latencies(sb, SNIPPETS["a_print"], SESSION_CALLS, stateful=True)
                 samples[label]["first"].append(session[0])
                 samples[label]["later"] += session[1:]
         rates = {label: summary(*measure_sandbox(boxes[label], SNIPPETS["a_print"], 4 * rounds, 8))[2]
