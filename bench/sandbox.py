@@ -159,7 +159,11 @@ work (``prefork``; "without prefork" shows what it saves)."""
 
 SESSION_CALLS = 6
 """Calls per session in the hardening table: its first forks the interpreter, the five
-later ones give enough samples for a stable p50 of a ~1 ms call on a loaded machine."""
+later ones (back to back) give enough samples for a stable p50 of a ~1 ms call on a
+loaded machine. A second session per round makes 3 calls ``GAP_S`` apart."""
+GAP_S = 0.02
+"""Time between a session's calls in the "later, apart" column: in training a model
+writes its next call in between (far longer than this)."""
 
 
 def hardening_costs(rounds: int) -> None:
@@ -174,7 +178,7 @@ def hardening_costs(rounds: int) -> None:
     logging.getLogger("retool.sandbox").setLevel(logging.ERROR)  # the variants are degraded on purpose
     boxes = {label: Sandbox(SandboxConfig(timeout_s=30, workers=8, max_sessions=8, benchmark_skip=skip))
              for label, skip in variants.items()}
-    samples = {label: {"stateless": [], "first": [], "later": []} for label in variants}
+    samples = {label: {"stateless": [], "first": [], "later": [], "apart": []} for label in variants}
     try:
         for sb in boxes.values():
             sb.start()
@@ -187,6 +191,9 @@ def hardening_costs(rounds: int) -> None:
                 session = trajectory_latencies(sb, SNIPPETS["a_print"], SESSION_CALLS, stateful=True)
                 samples[label]["first"].append(session[0])
                 samples[label]["later"] += session[1:]
+                session = trajectory_latencies(sb, SNIPPETS["a_print"], 3, stateful=True, gap_s=GAP_S)
+                samples[label]["first"].append(session[0])
+                samples[label]["apart"] += session[1:]
         rates = {label: summary(*measure_sandbox(boxes[label], SNIPPETS["a_print"], 4 * rounds, 8))[2]
                  for label in ("before (none of them)", "after (all of them)")}
     finally:
@@ -194,18 +201,21 @@ def hardening_costs(rounds: int) -> None:
             sb.close()
     p50 = {label: {k: percentile(sorted(v), 50) * 1e3 for k, v in kinds.items()} for label, kinds in samples.items()}
     after = p50["after (all of them)"]
-    header = f"  {'variant':28} {'stateless p50':>13} {'session 1st p50':>15} {'later p50':>9}"
+    header = (f"  {'variant':28} {'stateless p50':>13} {'session 1st p50':>15} {'later p50':>9} "
+              f"{'later, ' + str(int(GAP_S * 1e3)) + ' ms apart':>19}")
     print(header + "\n  " + "-" * (len(header) - 2))
     for label, row in p50.items():
-        print(f"  {label:28} {row['stateless']:10.1f} ms {row['first']:12.1f} ms {row['later']:6.1f} ms")
-    print("  cost of each mechanism (all on minus all on but that one), stateless / session 1st / later:")
+        print(f"  {label:28} {row['stateless']:10.1f} ms {row['first']:12.1f} ms {row['later']:6.1f} ms "
+              f"{row['apart']:16.1f} ms")
+    print("  cost of each mechanism (all on minus all on but that one), stateless / session 1st / later / apart:")
     for m in HARDENING:
         row = p50[f"after, without {m}"]
         print(f"    {m:16} {after['stateless'] - row['stateless']:+6.1f} ms {after['first'] - row['first']:+6.1f} ms "
-              f"{after['later'] - row['later']:+6.1f} ms")
+              f"{after['later'] - row['later']:+6.1f} ms {after['apart'] - row['apart']:+6.1f} ms")
     before = p50["before (none of them)"]
     print(f"  after/before p50 ratio: stateless {after['stateless'] / before['stateless']:.2f}x, "
-          f"session 1st {after['first'] / before['first']:.2f}x, later {after['later'] / before['later']:.2f}x; "
+          f"session 1st {after['first'] / before['first']:.2f}x, later {after['later'] / before['later']:.2f}x, "
+          f"apart {after['apart'] / before['apart']:.2f}x; "
           f"calls/s at concurrency 8: before {rates['before (none of them)']:.1f}, "
           f"after {rates['after (all of them)']:.1f}")
     print("  load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
@@ -251,14 +261,17 @@ def _join_once(group: str, gap: float) -> float:
     return seconds
 
 
-def trajectory_latencies(sb: Sandbox, code: str, calls: int, stateful: bool) -> list[float]:
+def trajectory_latencies(sb: Sandbox, code: str, calls: int, stateful: bool, gap_s: float = 0.0) -> list[float]:
     """Per-call latencies of one trajectory of ``calls`` calls (one session when ``stateful``;
-    its opening is in the first call, its closing in no call)."""
+    its opening is in the first call, its closing in no call), ``gap_s`` apart (the time
+    a model would take to write the next call; not counted)."""
     async def main() -> list[float]:
         latencies = []
         session = sb.session() if stateful else None
         try:
-            for _ in range(calls):
+            for i in range(calls):
+                if i and gap_s:
+                    await asyncio.sleep(gap_s)
                 t = time.perf_counter()
                 res = await (session.run(code) if stateful else sb.run(code))
                 assert res.ok, res

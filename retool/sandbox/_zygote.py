@@ -15,8 +15,8 @@ Process tree (Linux, with namespaces available)::
      zygote     pid 1 of that shared namespace; imports ``preload``, then gc.freeze()s so
      |          children do not copy its heap; serves requests, enforces timeouts and
      |          output caps, reaps                 (*) user namespace only when not root
-     +- init    per call: ``sleep infinity`` forked (by the slot's template) and exec'd as
-     |          pid 1 of a fresh PID namespace. Killing it makes the kernel kill every process in
+     +- init    per call: ``sleep infinity`` spawned (vfork+exec, cheap) as pid 1 of a
+     |          fresh PID namespace. Killing it makes the kernel kill every process in
      |          that namespace: how a call's tree dies, setsid/double-fork included.
      +- runner  per call: forked into that namespace as pid 2 (by the slot's template, in
                 the slot's control group, usually ahead of its call: ``prefork``);
@@ -399,7 +399,7 @@ class Child:
         self.fds: dict[str, int] = {}  # the zygote's ends: stdout, stderr, info (+ a session's control)
         self.go: socket.socket | None = None
         self.group = None  # its control group, if any
-        self.extra_pids = 0  # processes in its group that are not the call's (its template, its init)
+        self.born_inside = False  # forked by a template living in that group
         self.template: Template | None = None  # the template asked to fork it
         self.error: str | None = None  # why the template could not fork it
 
@@ -647,7 +647,7 @@ class Zygote:
         try:
             _prepare_directory(child.dir, {**(req.get("files") or {}), SCRIPT_NAME: None}, child.uid, req["code"])
             if call.group is not None:
-                call.group.set_limits(req["memory_mb"] << 20, self.cfg["max_processes"] + child.extra_pids)
+                call.group.set_limits(req["memory_mb"] << 20, self.cfg["max_processes"] + child.born_inside)
                 call.group_cpu_base = call.group.cpu_seconds()
             stdin = (os.open(os.devnull, os.O_RDONLY) if req.get("stdin") is None
                      else _memory_file("stdin", req["stdin"].encode()))
@@ -726,16 +726,15 @@ class Zygote:
         the kernel kill everything in it), then the runner as pid 2, forked by the slot's
         template (or, without one, by the zygote itself)."""
         template = self._template_for("call", child.slot)
-        born_inside = template is not self.template
-        child.group = self._group(f"call-{child.slot}", child_fds, born_inside)
-        if born_inside:  # the slot's template, and the init it forked, live in the group too
-            child.extra_pids = 1 + (self.pidns_fd is not None)
-        if template is not None:  # it forks the init too: the zygote never waits for an exec
-            return template.send(child, "call", child_fds)
+        child.born_inside = template is not self.template
+        child.group = self._group(f"call-{child.slot}", child_fds, child.born_inside)
         with self._children_in_new_pid_namespace():
             if self.pidns_fd is not None:
                 child.init_pid = self._spawn_init()
-            child.pid = _fork_running(run_snippet, self, child_fds)
+            if template is None:
+                child.pid = _fork_running(run_snippet, self, child_fds)
+        if template is not None:
+            template.send(child, "call", child_fds, child.init_pid or None)
 
     def _fork_interpreter(self, child: Child, child_fds: dict[str, int]) -> None:
         """A session's interpreter: pid 1 of a fresh PID namespace (so that it can kill
@@ -744,7 +743,7 @@ class Zygote:
         if child.group is not None:
             child.group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"])
         if self.template is not None:
-            self.template.send(child, "session", child_fds)
+            self.template.send(child, "session", child_fds, None)
         else:
             with self._children_in_new_pid_namespace():
                 child.pid = _fork_running(run_session, self, child_fds)
@@ -871,7 +870,7 @@ class Zygote:
         if self.cgroups is not None:  # a child born in its group needs no migration (that waits
             for slot in range(self.cfg["workers"]):  # for an RCU grace period, ~10 ms here)
                 group = self.cgroups.group(f"call-{slot}")
-                group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"] + 2)
+                group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"] + 1)
                 self.slot_templates[slot] = Template.start(self, group.join_fds())
         for template in [self.template, *self.slot_templates.values()]:
             self.sel.register(template.sock, selectors.EVENT_READ, ("template", template))
@@ -1288,11 +1287,12 @@ class Zygote:
         self._start_queued()
 
 
-CHILD_FD_NAMES = ("stdin", "stdout", "stderr", "info", "control", "request", "go",
+CHILD_FD_NAMES = ("stdin", "stdout", "stderr", "info", "control", "request", "go", "pidns",
                   *(f"cgroup{i}" for i in range(len(_cgroups.V1_CONTROLLERS))))
 """The names the fds a child gets from the template may have (``control``: a session's
-requests; ``cgroup<i>``: its control group's ``cgroup.procs``, one per hierarchy;
-``go``: the socket its work arrives on)."""
+requests; ``pidns``: the PID namespace a call's runner is forked into; ``cgroup<i>``: its
+control group's ``cgroup.procs``, one per hierarchy; ``go``: the socket its work
+arrives on)."""
 TEMPLATE_REPLY_TIMEOUT_S = 30.0
 
 
@@ -1305,16 +1305,15 @@ class Template:
     moment — other calls' code, queued requests and output read so far, as live objects
     (``gc.get_objects()``) and as freed bytes. The template never holds any of that. Each
     command it gets is one word (``call``/``session``) and the names of the fds sent with
-    it (``SCM_RIGHTS`` on a socket pair): the child's pipes, a memory file with its
-    directory and uid (read only by the child), the socket its work will arrive on, and
-    the ``cgroup.procs`` of the control group the child joins. For a call it first forks
-    the init of the call's fresh PID namespace. It answers with their pids (JSON). There
-    is one template for sessions and, with control groups, one per call slot living in
-    that slot's group (a child born there needs no migration: joining a group waits for
-    an RCU grace period, ~10 ms, unless another join happened just before). It forks
-    with ``CLONE_PARENT``, so the child is the zygote's child (the zygote waits for it,
-    reads its resource usage and gets its pidfd as before) and the template has no
-    children at all. With ``prefork`` it runs at a lower priority. It is
+    it (``SCM_RIGHTS`` on a socket pair): the child's pipes, a memory file with its own
+    request (read only by the child), for a call its PID namespace, the socket its work
+    arrives on, and the ``cgroup.procs`` of the control group the child joins. There is one template for
+    sessions and, with control groups, one per call slot living in that slot's group (a
+    child born there needs no migration: joining a group waits for an RCU grace period,
+    ~10 ms, unless another join happened just before). With ``prefork`` it runs at a
+    lower priority. It forks with ``CLONE_PARENT``, so the
+    child is the zygote's child (the zygote waits for it, reads its resource usage and
+    gets its pidfd as before) and the template has no children at all. It is
     single-threaded, so the raw ``clone`` (without glibc's fork handlers; CPython's own
     before/after-fork hooks do run) leaves no lock held in the child.
     """
@@ -1346,14 +1345,22 @@ class Template:
         mine.settimeout(TEMPLATE_REPLY_TIMEOUT_S)
         return cls(pid, mine)
 
-    def send(self, child: Child, kind: str, child_fds: dict[str, int]) -> None:
+    def send(self, child: Child, kind: str, child_fds: dict[str, int], pid_namespace_of: int | None) -> None:
         """Ask the template to fork ``child`` (a ``kind`` child with ``child_fds``; the
-        zygote keeps and closes its copies). Its pid (and a call's init) come later
-        (:meth:`receive`). Ends the zygote if the template is gone."""
+        zygote keeps and closes its copies); for a call, in the PID namespace of the process
+        ``pid_namespace_of``. The pid comes later (:meth:`receive`). Ends the zygote if the
+        template is gone."""
+        fds = dict(child_fds)
+        namespace_fd = os.pidfd_open(pid_namespace_of) if pid_namespace_of else None
+        if namespace_fd is not None:
+            fds["pidns"] = namespace_fd
         try:
-            socket.send_fds(self.sock, [" ".join([kind, *child_fds]).encode()], list(child_fds.values()))
+            socket.send_fds(self.sock, [" ".join([kind, *fds]).encode()], list(fds.values()))
         except OSError as exc:
             self._gone(str(exc))
+        finally:
+            if namespace_fd is not None:
+                os.close(namespace_fd)
         child.template = self
         self.pending.append(child)
 
@@ -1370,12 +1377,10 @@ class Template:
         if not reply or reply.startswith("gone"):
             self._gone(reply)
         child = self.pending.popleft()
-        answer = json.loads(reply)
-        child.init_pid = answer.get("init", 0)
-        if "pid" in answer:
-            child.pid = answer["pid"]
+        if reply.isdigit():
+            child.pid = int(reply)
         else:
-            child.error = f"the template could not fork: {answer['error']}"
+            child.error = f"the template could not fork: {reply}"
 
     @staticmethod
     def _gone(why: str) -> None:
@@ -1399,48 +1404,34 @@ def serve_template(zygote: Zygote, sock: socket.socket) -> None:
             message, fds = b"", []
         if not message:
             os._exit(0)
-        answer: dict = {}
         try:
             kind, *names = message.decode().split()
-            _fork_child(zygote, kind, dict(zip(names, fds, strict=True)), answer)
+            reply = str(_fork_child(zygote, kind, dict(zip(names, fds, strict=True))))
         except Exception as exc:  # answered to the zygote, which fails that call
-            answer["error"] = f"{type(exc).__name__}: {exc}"
+            reply = f"{type(exc).__name__}: {exc}"
         finally:
             for fd in fds:
                 os.close(fd)
-        sock.send(json.dumps(answer).encode())
+        sock.send(reply.encode())
 
 
-def _fork_child(zygote: Zygote, kind: str, child_fds: dict[str, int], answer: dict) -> None:
-    """Fork a ``kind`` child as the zygote's child, its pid (and a call's init's) into
-    ``answer``: with PID namespaces, a call's init as pid 1 of a fresh one and the runner
-    as pid 2, or a session's interpreter as pid 1 of a fresh one."""
+def _fork_child(zygote: Zygote, kind: str, child_fds: dict[str, int]) -> int:
+    """Fork a ``kind`` child as the zygote's child: a call's runner into the PID namespace
+    ``pidns``, a session's interpreter as pid 1 of a fresh one."""
     if kind not in ("call", "session") or not set(child_fds) <= set(CHILD_FD_NAMES):
         raise ValueError(f"not a template command: {kind} {sorted(child_fds)}")
-    new_namespace = zygote.pidns_fd is not None
-    if new_namespace:
-        unshare(CLONE_NEWPID)  # for our next children only
+    namespace_fd = child_fds.pop("pidns", None)
+    runner = run_snippet if kind == "call" else run_session
+    new_namespace = kind == "session" and zygote.pidns_fd is not None
+    if namespace_fd is not None:
+        setns(namespace_fd, CLONE_NEWPID)
+    elif new_namespace:
+        unshare(CLONE_NEWPID)
     try:
-        if kind == "call" and new_namespace:
-            answer["init"] = _fork_sibling(_exec_init, zygote.sleep_binary)
-        answer["pid"] = _fork_sibling(run_snippet if kind == "call" else run_session, zygote, child_fds)
+        return _fork_sibling(runner, zygote, child_fds)
     finally:
-        if new_namespace:
+        if namespace_fd is not None or new_namespace:
             setns(zygote.pidns_fd, CLONE_NEWPID)
-
-
-def _exec_init(sleep_binary: str | None) -> None:
-    """Pid 1 of a call's PID namespace: ``sleep infinity`` with nothing open but
-    /dev/null (killing it makes the kernel kill every process in the namespace)."""
-    os.setsid()
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    os.closerange(3, MAX_FD)
-    if sleep_binary:
-        os.execve(sleep_binary, [sleep_binary, "infinity"], {})
-    while True:
-        signal.pause()
 
 
 _pylibc = None
