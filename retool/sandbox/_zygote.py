@@ -108,8 +108,10 @@ CPU_POLL_S = 0.05
 """How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
 SETTLE_POLL_S = 0.001
 """How often the zygote looks whether a session's group, frozen after its call, is frozen yet."""
-PREFORK_IDLE_S = 0.002
-"""How long the zygote must have had nothing to do before it forks a child ahead."""
+PREFORK_IDLE_S = 0.05
+"""How long the zygote must have had nothing to do before it forks a child ahead: longer
+than a session's calls are apart when they come back to back, far shorter than the time
+a model takes to write its next call."""
 PREFORK_NICE = 10
 """How much lower the templates run (as root): children forked ahead take spare CPU only."""
 seccomp = _load_sibling("seccomp")
