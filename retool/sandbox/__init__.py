@@ -65,8 +65,8 @@ calls' work, switching off the mechanisms that contain it). Isolated:
   Children are forked ahead of their work (``prefork``; ``SandboxConfig.prefork`` of each
   kind): a ready child has its control group, PID namespace, private mounts, directory
   and (a session's) network namespace, but no request and nothing of any call; it runs
-  only the sandbox's code, waiting on a socket of its own for the memory file with its
-  request (and a call's stdin). Rlimits, the privilege drop, the fresh interpreter
+  only the sandbox's code (still with the warm parent's uid, at a lower priority), waiting
+  on a socket of its own for the memory file with its request (and a call's stdin). Rlimits, the privilege drop, the fresh interpreter
   state, keyring and filter come after the request, as before, always before the snippet.
 - *Secrets.* The warm parent is started by ``exec`` with a fixed, minimal environment
   (``CLEAN_ENV``), never forked from the trainer, so neither the trainer's environment
