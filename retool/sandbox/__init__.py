@@ -30,7 +30,7 @@ Stateful interpreter (opt-in; ``--interpreter stateful``)::
 
 A session is one interpreter forked exactly as a call's runner is (same namespaces, its
 own unprivileged uid, rlimits, scrubbed environment, output caps, fresh session keyring
-and syscall filter, plus a network namespace of its own), started at its first call; its
+and syscall filter, plus a network namespace of its own), given to it at its first call; its
 calls run one after the other in the same globals, each as the file ``call<n>.py``.
 Limits are per call, never summed: before each call the interpreter's soft address-space
 limit is its size now + ``memory_mb`` (under a hard cap for the whole session,
