@@ -779,7 +779,8 @@ class Zygote:
         for fd in child.fds.values():
             os.close(fd)
         child.fds = {}
-        child.go.close()
+        if child.go is not None:  # None when preparing it failed before its socket was made
+            child.go.close()
         self._remove_directory(child.dir)
 
     def _wanted(self) -> list[tuple[str, int]]:
@@ -808,7 +809,7 @@ class Zygote:
         kind, slot = wanted[0]
         try:
             child = self._prepare(kind, slot)
-        except OSError as exc:
+        except Exception as exc:  # e.g. no memory or fds left: calls fork on demand meanwhile
             sys.stderr.write(f"retool sandbox: could not fork a {kind} ahead ({exc}); retrying in 1 s\n")
             self.prefork_paused_until = time.monotonic() + 1.0
             return
