@@ -1,4 +1,4 @@
-"""Cold-start SFT: ``retool sft`` (ReTool's first stage, which the seed skipped).
+"""Cold-start SFT: ``retool sft`` (ReTool's first stage, which the reference run skipped).
 
 Supervised fine-tuning on code-interleaved dialogues in OpenAI chat format, on the
 same engine and in the same checkpoint layout as RL, so ``retool train --init-from
@@ -7,26 +7,9 @@ SFT_RUN_DIR`` continues from the result. One step, top to bottom (:func:`sft_ste
     batch of dialogues (seeded shuffle per epoch) → datums → forward_backward
     (cross_entropy) → optim_step (scheduled lr) → metrics → (every N steps) checkpoint
 
-The dialogues themselves — reading, validating, their token layout — are
-:mod:`retool.dialogues`'s:
-
-**Token layout = the RL rollout's.** A dialogue becomes exactly the tokens a rollout
-would have produced had the policy written its assistant turns: the prompt (mask 0),
-then per assistant turn its text and end-of-turn token (mask 1) followed by what
-:class:`retool.render.Renderer` appends — the template's closing, the sanitised and
-truncated tool message, the next generation prompt (mask 0). The text of a tool-call
-turn is the chat template's own render of the OpenAI ``tool_calls`` message, and it
-must parse back to the same code with the protocol's parser, or the dialogue is
-rejected. So the loss covers assistant tokens only; tool output is never trained on.
-
-**Input** (JSONL, one dialogue per line): ``{"messages": [...]}`` with an optional
-system message, one user message (the question), then assistant turns; an assistant
-turn that calls ``code_interpreter`` (one call, ``arguments`` a JSON string or an
-object with one ``code`` string) is followed by one ``tool`` message; the last message
-is the final assistant answer. Other top-level keys (``id``, ``answer``) are kept for
-error messages and otherwise ignored. Anything else is a :class:`ConversationError`
-naming the file, line, message and what is wrong — raised before any model loads.
-Dialogues longer than ``max_seq_tokens`` are dropped and counted (never silently).
+The dialogues themselves — reading and validating the OpenAI-format JSONL, and their
+token layout, which is the RL rollout's (assistant tokens mask 1, tool output and
+template glue mask 0) — are :mod:`retool.dialogues`'s.
 
 Not covered: multi-turn user dialogues, parallel tool calls, tools other than
 ``code_interpreter``, packing several dialogues into one sequence, evaluation during
