@@ -24,10 +24,12 @@ the gain exceeds two standard errors), so the reader can judge what RL bought. I
 gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
 ones that teach — as "N of M groups informative".
 
-Sized for about 37 minutes on two idle cores; with the default sizes RL's gain over the
-cold start exceeded two paired standard errors for both seeds measured end to end (seed 7:
-+10.9 points, z 2.6, 37.2 min; seed 11: +9.9, z 3.5, 36.2 min; docs/demo.md) — measured,
-not guaranteed for every seed. Not covered: hub models (use ``retool train``/``retool
+Sized for about 37 minutes on two idle cores. At the previous defaults (before the RL
+stage drew from the difficulty pool, the sampler ran its own decode loop and evals used
+position-based seeds) RL's gain over the cold start exceeded two paired standard errors
+for seeds 7 and 11 (+10.9 points, z 2.6; +9.9, z 3.5; docs/demo.md) and not for the
+default seed 42 in an outside review (+3.6, z 1.26, 8 of 63 RL groups informative). The
+current defaults are not yet measured end to end: measured, never guaranteed. Not covered: hub models (use ``retool train``/``retool
 eval`` with a preset).
 """
 
