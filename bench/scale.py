@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,11 +190,13 @@ class Outcome:
     rows: list[dict]
     samples: list[Sample]
     calls: list[ServiceCall]
-    marks: list[tuple[float, float]]
+    marks: list[tuple[float, float, int | None]]
     tokens: dict[str, int]
     gaps: dict[tuple[str, str], float]
     returncodes: list[int]
     resumed_from: int | None = None
+    resumed_samples: list[Sample] = field(default_factory=list)
+    """The resumed client's samples (``samples``: the first client's, the soak's)."""
 
 
 def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenizer_dir: Path, data: Path,
@@ -211,20 +213,23 @@ def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenize
         codes, resumed_from = [], None
         if kill:
             rng = random.Random(args.seed)
-            kill_step = rng.randint(KILL_AFTER_STEP + 1, args.steps - 1)
+            kill_step = rng.randint(args.kill_after + 1, args.steps - 1)
             codes.append(client.run(kill_step, rng.uniform(0.0, 1.0) * _mean_step_s(run)))
             steps_before = len(server.calls)
-            codes.append(ClientRun(argv + ["--resume"], run, env).run())
+            server.new_client()
+            resumed_client = ClientRun([sys.executable, "-m", "retool", "train", "--resume", str(run)], run, env)
+            codes.append(resumed_client.run())
+            resumed_samples = resumed_client.samples
             resumed = server.calls[steps_before:]
             resumed_from = min((c.step for c in resumed), default=None)
             keep = [c for c in server.calls[:steps_before] if resumed_from is None or c.step < resumed_from]
             calls = keep + resumed
         else:
             codes.append(client.run())
-            calls = list(server.calls)
+            calls, resumed_samples = list(server.calls), []
         samples = client.samples
         return Outcome(_read_rows(run / "metrics.jsonl"), samples, calls, list(server.step_marks),
-                       dict(server.tokens), dict(server.gaps), codes, resumed_from)
+                       dict(server.tokens), dict(server.gaps), codes, resumed_from, resumed_samples)
 
 
 def _mean_step_s(run: Path) -> float:
@@ -249,15 +254,17 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
     """Print the per-step table and the totals; return the totals."""
     from retool.sandbox.metrics import percentile
 
-    rows = outcome.rows
-    marks = outcome.marks
-    walls = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
-    busys = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+    rows_by_step = {int(r["step"]): r for r in outcome.rows}  # a step redone after a resume: its last row
+    spans = step_spans(outcome.marks)
+    steps = [s for s in sorted(spans) if s in rows_by_step]
+    rows = [rows_by_step[s] for s in steps]
+    walls = [spans[s][0] for s in steps]
+    busys = [spans[s][1] for s in steps]
     if per_step:
         print(f"{'step':>4} {'wall_s':>7} {'service_s':>9} {'client_s':>8} {'client%':>7} {'sbx_calls':>9} "
               f"{'sbx_p50':>7} {'sbx_p95':>7} {'wait_p95':>8} {'run_p95':>7} {'rss_MiB':>7} {'fds':>4} {'procs':>5}")
-        by_step = {s.step: s for s in outcome.samples}
-        for i, row in enumerate(rows[:len(walls)]):
+        by_step = {s.step: s for s in outcome.samples + outcome.resumed_samples}
+        for i, row in enumerate(rows):
             s = by_step.get(int(row["step"]))
             wall, busy = walls[i], busys[i]
             print(f"{int(row['step']):>4} {wall:7.2f} {busy:9.2f} {wall - busy:8.2f} {100 * (wall - busy) / wall:6.1f}% "
@@ -294,6 +301,17 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
     tok = outcome.tokens
     totals.update({f"tokens_{k}": float(v) for k, v in tok.items()})
     return totals
+
+
+def step_spans(marks: list[tuple[float, float, int | None]]) -> dict[int, tuple[float, float]]:
+    """Step -> (wall seconds, service-busy seconds), from the service's step marks; a step
+    is measured from the mark before it in the same client process (a redone step: the
+    last time)."""
+    spans = {}
+    for (t0, b0, _), (t1, b1, step) in zip(marks, marks[1:]):
+        if step is not None:
+            spans[step] = (t1 - t0, b1 - b0)
+    return spans
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -338,7 +356,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
                         help="override the preset's 30 s sandbox timeout (a soak: fewer long stalls)")
     parser.add_argument("--sandbox-workers", type=int, default=None, help="override the preset's 8 workers")
     parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=None,
-                        help="SIGKILL after step 100 and resume (default: on when --steps > 101)")
+                        help="SIGKILL after step --kill-after and resume (default: on when --steps > 101)")
+    parser.add_argument("--kill-after", type=int, default=KILL_AFTER_STEP,
+                        help="the kill comes at a random point after this step (default 100)")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=False,
                         help="also run uninterrupted and check both asked the service the same things")
     parser.add_argument("--per-step", action=argparse.BooleanOptionalAction, default=True, help="print every step")
@@ -351,9 +371,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
     args = parser.parse_args(argv)
     model = replace_model(defaults, **{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
     if args.kill is None:
-        args.kill = args.steps > KILL_AFTER_STEP + 1
-    if args.kill and args.steps <= KILL_AFTER_STEP + 1:
-        parser.error(f"--kill needs --steps > {KILL_AFTER_STEP + 1} (the kill comes after step {KILL_AFTER_STEP})")
+        args.kill = args.steps > args.kill_after + 1
+    if args.kill and args.steps <= args.kill_after + 1:
+        parser.error(f"--kill needs --steps > {args.kill_after + 1} (the kill comes after step {args.kill_after})")
     return args, model
 
 
@@ -369,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     print_totals("killed + resumed" if args.kill else "run", totals, model)
     ok = all(code == 0 for code in outcome.returncodes[-1:])
     if args.kill:
-        print(f"SIGKILL after step {KILL_AFTER_STEP}: exit codes {outcome.returncodes}; resumed from step "
+        print(f"SIGKILL after step {args.kill_after}: exit codes {outcome.returncodes}; resumed from step "
               f"{outcome.resumed_from}; finished with {len(outcome.rows)} metric rows")
     if args.compare:
         reference = rehearse(args, model, work / "uninterrupted", tokenizer_dir, data, kill=False)

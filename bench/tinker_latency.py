@@ -189,8 +189,10 @@ class LatencyTinkerServer(TinkerHTTPFake):
         self.calls: list[ServiceCall] = []
         self.tokens = collections.Counter()
         """prefill (prompt tokens asked), prefill_new (after the cache), sampled, trained."""
-        self.step_marks: list[tuple[float, float]] = []
-        """(time, :meth:`busy_s`) at the end of every optim_step: the step boundaries."""
+        self.step_marks: list[tuple[float, float, int | None]] = []
+        """(time, :meth:`busy_s`, step) at the end of every optim_step (the step boundaries;
+        step counts from 1), and with step ``None`` at a client's first timed request."""
+        self._run_starting = True
         self._states: dict[str, tuple[str, int]] = {}  # save_state path -> optim steps
         self._busy_lock = threading.Lock()
         self._in_flight = 0
@@ -205,6 +207,10 @@ class LatencyTinkerServer(TinkerHTTPFake):
         self.budget.close()
         super().__exit__(*exc)
 
+    def new_client(self) -> None:
+        """A new client process (a resume) starts: its first timed request opens a step."""
+        self._run_starting = True
+
     def busy_s(self) -> float:
         """Seconds so far during which at least one request was being served."""
         with self._busy_lock:
@@ -215,8 +221,9 @@ class LatencyTinkerServer(TinkerHTTPFake):
         """Hold the request for ``seconds`` (scaled) or, with ``work`` = (work, floor), its
         share of the sampling budget; counted as busy time. An idle gap before it is added
         to :attr:`gaps` under (the endpoint that ended last, this one)."""
-        if not self.step_marks:  # step 1 starts with the first timed request
-            self.step_marks.append((time.monotonic(), self.busy_s()))
+        if self._run_starting:  # a client's first step starts with its first timed request
+            self._run_starting = False
+            self.step_marks.append((time.monotonic(), self.busy_s(), None))
         with self._busy_lock:
             if self._in_flight == 0:
                 self._busy_since = time.monotonic()
@@ -294,7 +301,7 @@ class LatencyTinkerServer(TinkerHTTPFake):
         self._record(trainer.steps, "optim_step", repr(sorted(body.get("adam_params", {}).items())).encode())
         self._timed("optim_step", self.model.optim_step_s)
         trainer.steps += 1
-        self.step_marks.append((time.monotonic(), self.busy_s()))
+        self.step_marks.append((time.monotonic(), self.busy_s(), trainer.steps))
         return {"metrics": {}, "type": "optim_step"}
 
     def _save_state(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -154,3 +154,19 @@ def test_every_latency_model_rate_is_a_flag():
     args, model = scale.parse_args(["--steps", "3", "--decode-rate", "1000", "--time-scale", "10"])
     assert model == LatencyModel(decode_rate=1000.0, time_scale=10.0)
     assert isinstance(args, argparse.Namespace) and args.kill is False
+
+
+def test_a_sigkill_and_resume_ask_the_service_what_an_uninterrupted_run_asks(tmp_path):
+    args, model = scale.parse_args(["--steps", "4", "--save-every", "2", "--kill-after", "2", "--batch-size", "2",
+                                    "--group-size", "4", "--problems", "12", "--sandbox-timeout-s", "3",
+                                    "--time-scale", "4"])
+    assert args.kill
+    tokenizer_dir = scale.qwen35_tokenizer_folder(tmp_path / "tokenizer")
+    data = scale.write_problems(tmp_path / "train.jsonl", args.problems)
+    killed = scale.rehearse(args, model, tmp_path / "killed", tokenizer_dir, data, kill=True)
+    assert killed.returncodes[0] < 0 and killed.returncodes[1] == 0  # SIGKILLed, then finished
+    assert killed.resumed_from == 2  # the step-2 checkpoint: steps 3 and 4 asked again
+    assert sorted({int(r["step"]) for r in killed.rows}) == [1, 2, 3, 4]
+    uninterrupted = scale.rehearse(args, model, tmp_path / "uninterrupted", tokenizer_dir, data, kill=False)
+    same, detail = scale.same_calls(uninterrupted.calls, killed.calls)
+    assert same, detail
