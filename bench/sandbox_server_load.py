@@ -160,9 +160,12 @@ def run_level(clients: int, args: argparse.Namespace) -> dict:
         time.sleep(1.0)
         before = tree_rss_mib(server.pid)
         watch = MemoryWatch(server.pid)
-        out, wall = asyncio.run(load(f"http://127.0.0.1:{port}/run_code", clients, args.requests, args.max_s))
+        afters = []
+        for _ in range(args.rounds):  # the same server again: memory that keeps growing is a leak
+            out, wall = asyncio.run(load(f"http://127.0.0.1:{port}/run_code", clients, args.requests, args.max_s))
+            afters.append(tree_rss_mib(server.pid))
         peak = watch.stop()
-        after = tree_rss_mib(server.pid)
+        after = afters[-1]
         alive = server.poll() is None
     finally:
         server.terminate()
@@ -173,14 +176,15 @@ def run_level(clients: int, args: argparse.Namespace) -> dict:
             server.wait()
     latencies = sorted(out.pop("latencies"))
     answered = len(latencies)
-    print(f"\n== {clients} concurrent clients x {args.requests} requests, {args.workers} workers; "
+    print(f"\n== {clients} concurrent clients x {args.requests} requests, {args.workers} workers, "
+          f"{args.rounds} round(s); "
           f"load {os.getloadavg()}")
     print(f"answered {answered} of {clients * args.requests} in {wall:.1f} s: {answered / wall:.1f} requests/s; "
           f"latency p50 {percentile(latencies, 50):.2f} s, p95 {percentile(latencies, 95):.2f} s, "
           f"p99 {percentile(latencies, 99):.2f} s")
     print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(out.items()) if v))
     print(f"server memory (process tree PSS): before {before:.0f} MiB, peak {max(peak, after):.0f} MiB, "
-          f"after {after:.0f} MiB; still serving after the load: {alive}")
+          f"after each round {', '.join(f'{a:.0f}' for a in afters)} MiB; still serving after the load: {alive}")
     return {"answered": answered, "sent": clients * args.requests, **out}
 
 
@@ -189,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[256, 1024], help="concurrency levels")
     parser.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
     parser.add_argument("--workers", type=int, default=64, help="the server's --workers (its default: 64)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="load the same server this many times (reported: the last round; memory after each)")
     parser.add_argument("--max-s", type=float, default=300.0, help="bound on each level's time")
     args = parser.parse_args(argv)
     ok = True
