@@ -170,3 +170,17 @@ def test_a_sigkill_and_resume_ask_the_service_what_an_uninterrupted_run_asks(tmp
     uninterrupted = scale.rehearse(args, model, tmp_path / "uninterrupted", tokenizer_dir, data, kill=False)
     same, detail = scale.same_calls(uninterrupted.calls, killed.calls)
     assert same, detail
+
+
+def test_a_tokenizer_setting_must_be_a_folder(tmp_path):
+    from retool.config import ConfigError
+    from retool.engines import ServiceSettings
+    from retool.engines.tinker import load_tokenizer
+
+    with pytest.raises(ConfigError, match="tokenizer must be a folder"):
+        ServiceSettings(tokenizer=str(tmp_path / "missing")).validate()
+    folder = scale.qwen35_tokenizer_folder(tmp_path / "qwen3.5")
+    ServiceSettings(tokenizer=str(folder)).validate()
+    tokenizer = load_tokenizer("Qwen/Qwen3.5-4B", str(folder))  # offline: nothing asked of the hub
+    assert tokenizer.chat_template == qwen35_tokenizer().chat_template
+    assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [248046]
