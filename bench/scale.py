@@ -197,6 +197,10 @@ class Outcome:
     resumed_from: int | None = None
     resumed_samples: list[Sample] = field(default_factory=list)
     """The resumed client's samples (``samples``: the first client's, the soak's)."""
+    redone: tuple[bool, str] | None = None
+    """Whether the steps done before the kill and done again after the resume asked the
+    service the same things (the steps from the checkpoint to the last one the killed
+    client finished)."""
 
 
 def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenizer_dir: Path, data: Path,
@@ -222,14 +226,18 @@ def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenize
             resumed_samples = resumed_client.samples
             resumed = server.calls[steps_before:]
             resumed_from = min((c.step for c in resumed), default=None)
+            finished = {c.step for c in server.calls[:steps_before] if c.endpoint == "optim_step"}
+            overlap = {step for step in finished if step >= (resumed_from or 0)}
+            redone = same_calls([c for c in server.calls[:steps_before] if c.step in overlap],
+                                [c for c in resumed if c.step in overlap])
             keep = [c for c in server.calls[:steps_before] if resumed_from is None or c.step < resumed_from]
             calls = keep + resumed
         else:
             codes.append(client.run())
-            calls, resumed_samples = list(server.calls), []
+            calls, resumed_samples, redone = list(server.calls), [], None
         samples = client.samples
         return Outcome(_read_rows(run / "metrics.jsonl"), samples, calls, list(server.step_marks),
-                       dict(server.tokens), dict(server.gaps), codes, resumed_from, resumed_samples)
+                       dict(server.tokens), dict(server.gaps), codes, resumed_from, resumed_samples, redone)
 
 
 def _mean_step_s(run: Path) -> float:
@@ -378,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.stdout.reconfigure(line_buffering=True)
     args, model = parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="retool-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -391,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill:
         print(f"SIGKILL after step {args.kill_after}: exit codes {outcome.returncodes}; resumed from step "
               f"{outcome.resumed_from}; finished with {len(outcome.rows)} metric rows")
+        print(f"steps redone after the resume asked the service what they asked before the kill: "
+              f"{outcome.redone[0]} ({outcome.redone[1]})")
+        ok = ok and outcome.redone[0]
     if args.compare:
         reference = rehearse(args, model, work / "uninterrupted", tokenizer_dir, data, kill=False)
         same, detail = same_calls(reference.calls, outcome.calls)

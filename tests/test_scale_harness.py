@@ -167,6 +167,8 @@ def test_a_sigkill_and_resume_ask_the_service_what_an_uninterrupted_run_asks(tmp
     assert killed.returncodes[0] < 0 and killed.returncodes[1] == 0  # SIGKILLed, then finished
     assert killed.resumed_from == 2  # the step-2 checkpoint: steps 3 and 4 asked again
     assert sorted({int(r["step"]) for r in killed.rows}) == [1, 2, 3, 4]
+    assert killed.redone[0], killed.redone[1]  # step 3, done before the kill and again after it
+    assert "0 vs 0 calls" not in killed.redone[1]
     uninterrupted = scale.rehearse(args, model, tmp_path / "uninterrupted", tokenizer_dir, data, kill=False)
     same, detail = scale.same_calls(uninterrupted.calls, killed.calls)
     assert same, detail
