@@ -185,7 +185,7 @@ def run_level(clients: int, args: argparse.Namespace) -> dict:
     print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(out.items()) if v))
     print(f"server memory (process tree PSS): before {before:.0f} MiB, peak {max(peak, after):.0f} MiB, "
           f"after each round {', '.join(f'{a:.0f}' for a in afters)} MiB; still serving after the load: {alive}")
-    return {"answered": answered, "sent": clients * args.requests, **out}
+    return {"answered": answered, "sent": clients * args.requests, "rate": answered / wall, **out}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="load the same server this many times (reported: the last round; memory after each)")
     parser.add_argument("--max-s", type=float, default=300.0, help="bound on each level's time")
     args = parser.parse_args(argv)
-    ok = True
+    ok, rates = True, []
     for clients in args.clients:
         result = run_level(clients, args)
         ok = ok and result["answered"] == result["sent"]
+        rates.append((clients, result["rate"]))
+    base_clients, base_rate = rates[0]
+    for clients, rate in rates[1:]:  # the baseline: the first level, measured in this run
+        print(f"requests/s at {clients} clients / at {base_clients}: {rate / base_rate if base_rate else 0:.2f}")
     return 0 if ok else 1
 
 

@@ -377,7 +377,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)), default=None,
                             help=f"latency model: {f.name} (default {getattr(defaults, f.name):g})")
     args = parser.parse_args(argv)
-    model = replace_model(defaults, **{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
+    try:
+        model = replace_model(defaults, **{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
+    except ValueError as err:
+        parser.error(str(err))
+    if min(args.steps, args.batch_size, args.group_size, args.problems, args.save_every) < 1:
+        parser.error("--steps, --batch-size, --group-size, --problems and --save-every must be >= 1")
     if args.kill is None:
         args.kill = args.steps > args.kill_after + 1
     if args.kill and args.steps <= args.kill_after + 1:
@@ -387,6 +392,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
 
 def main(argv: list[str] | None = None) -> int:
     sys.stdout.reconfigure(line_buffering=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated bench takes its client with it
     args, model = parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="retool-scale-"))
     work.mkdir(parents=True, exist_ok=True)

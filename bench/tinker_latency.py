@@ -74,6 +74,13 @@ class LatencyModel:
     time_scale: float = 1.0
     """Every time above is divided by this (a soak runs the model faster than real time)."""
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value < 0 or (value == 0 and f.name.endswith(("rate", "scale"))):
+                raise ValueError(f"latency model: {f.name} must be {'> 0' if f.name.endswith(('rate', 'scale')) else '>= 0'}"
+                                 f", got {value}")
+
     def scaled(self, seconds: float) -> float:
         return seconds / self.time_scale
 

@@ -186,3 +186,13 @@ def test_a_tokenizer_setting_must_be_a_folder(tmp_path):
     tokenizer = load_tokenizer("Qwen/Qwen3.5-4B", str(folder))  # offline: nothing asked of the hub
     assert tokenizer.chat_template == qwen35_tokenizer().chat_template
     assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [248046]
+
+
+@pytest.mark.parametrize("flags, message", [(["--time-scale", "0"], "time_scale must be > 0"),
+                                            (["--decode-rate", "-5"], "decode_rate must be > 0"),
+                                            (["--steps", "0"], "must be >= 1"),
+                                            (["--steps", "50", "--kill"], "--kill needs --steps > 101")])
+def test_bad_bench_flags_are_one_line_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        scale.parse_args(flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
