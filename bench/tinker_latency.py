@@ -215,8 +215,10 @@ class LatencyTinkerServer(TinkerHTTPFake):
         super().__exit__(*exc)
 
     def new_client(self) -> None:
-        """A new client process (a resume) starts: its first timed request opens a step."""
+        """A new client process (a resume) starts: its first timed request opens a step
+        (the restart is no idle gap of a step)."""
         self._run_starting = True
+        self._last_done = None
 
     def busy_s(self) -> float:
         """Seconds so far during which at least one request was being served."""
@@ -224,22 +226,26 @@ class LatencyTinkerServer(TinkerHTTPFake):
             extra = time.monotonic() - self._busy_since if self._in_flight else 0.0
             return self._busy_total + extra
 
-    def _timed(self, endpoint: str, seconds: float, work: Any = None) -> None:
+    def _timed(self, endpoint: str, seconds: float, work: Any = None, started: float | None = None) -> None:
         """Hold the request for ``seconds`` (scaled) or, with ``work`` = (work, floor), its
-        share of the sampling budget; counted as busy time. An idle gap before it is added
-        to :attr:`gaps` under (the endpoint that ended last, this one)."""
+        share of the sampling budget; counted as busy time from ``started`` (when its
+        handling began: the policy's own compute is the service's time, not the client's).
+        An idle gap before it is added to :attr:`gaps` under (the endpoint that ended
+        last, this one)."""
+        now = time.monotonic()
+        started = now if started is None else started
         if self._run_starting:  # a client's first step starts with its first timed request
             self._run_starting = False
-            self.step_marks.append((time.monotonic(), self.busy_s(), None))
+            self.step_marks.append((started, self.busy_s(), None))
         with self._busy_lock:
-            if self._in_flight == 0:
-                self._busy_since = time.monotonic()
+            if self._in_flight == 0:  # (a request that ended since ``started`` already counted that time)
+                self._busy_since = max(started, self._last_done[1]) if self._last_done else started
                 if self._last_done is not None:
                     self.gaps[(self._last_done[0], endpoint)] += self._busy_since - self._last_done[1]
             self._in_flight += 1
         try:
-            if work is not None:
-                self.budget.run(self.model.scaled(work[0]), self.model.scaled(work[1]))
+            if work is not None:  # the time already spent computing counts toward the floor
+                self.budget.run(self.model.scaled(work[0]), max(0.0, self.model.scaled(work[1]) - (now - started)))
             elif seconds > 0:
                 time.sleep(self.model.scaled(seconds))
         finally:
@@ -342,6 +348,7 @@ class LatencyTinkerServer(TinkerHTTPFake):
     def _sample(self, body: dict[str, Any]) -> bytes:
         from tinker import types
 
+        started = time.monotonic()
         request = types.SampleRequest.model_validate(body)
         steps = self._samplers[request.sampling_session_id][0]
         prompt = request.prompt.to_ints()
@@ -358,7 +365,8 @@ class LatencyTinkerServer(TinkerHTTPFake):
         m = self.model
         prefill_s = (len(prompt) - cached) / m.prefill_rate
         longest = max(len(tokens) for tokens, _, _ in sequences)
-        self._timed("asample", 0, (prefill_s + sampled / m.decode_rate, m.ttft_s + prefill_s + longest / m.stream_decode_rate))
+        self._timed("asample", 0, (prefill_s + sampled / m.decode_rate, m.ttft_s + prefill_s + longest / m.stream_decode_rate),
+                    started)
         return _sample_proto(SimpleNamespace(sequences=[SimpleNamespace(tokens=t, logprobs=lp, stop_reason=r)
                                                         for t, lp, r in sequences]))
 
