@@ -295,6 +295,7 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
               "sandbox_p50_s": percentile(sorted(r.get("sandbox/latency_p50", 0) for r in rows), 50),
               "sandbox_p95_s": percentile(sorted(r.get("sandbox/latency_p95", 0) for r in rows), 50),
               "sandbox_wait_p95_s": max((r.get("sandbox/queue_wait_p95", 0) for r in rows), default=0.0),
+              "sandbox_wait_p95_median_s": percentile(sorted(r.get("sandbox/queue_wait_p95", 0) for r in rows), 50),
               "sandbox_run_p95_s": percentile(sorted(r.get("sandbox/run_p95", 0) for r in rows), 50),
               "reward_correct": _mean(rows, "reward/correct"), "trajectory_tokens": _mean(rows, "rollout/trajectory_tokens"),
               "code_calls": _mean(rows, "rollout/code_calls"), "turns": _mean(rows, "rollout/turns")}
@@ -338,10 +339,12 @@ def print_totals(label: str, totals: dict[str, float], model: LatencyModel) -> N
     gaps = [(k.split("/", 1)[1], v) for k, v in t.items() if k.startswith("gap_s_per_step/")]
     print("client's own work, by where it sits (s/step; idle between the service calls named): "
           + ", ".join(f"{k} {v:.2f}" for k, v in gaps))
+    met = t["sandbox_wait_p95_median_s"] <= t["sandbox_run_p95_s"]
     print(f"sandbox: {t['sandbox_calls']:.0f} calls, {t['sandbox_calls_per_s']:.1f} calls/s of rollout time, "
-          f"median-step p50 {t['sandbox_p50_s']:.3f} s / p95 {t['sandbox_p95_s']:.3f} s; worker wait p95 (worst "
-          f"step) {t['sandbox_wait_p95_s']:.3f} s vs run p95 {t['sandbox_run_p95_s']:.3f} s "
-          f"(goal: wait <= run: {'met' if t['sandbox_wait_p95_s'] <= t['sandbox_run_p95_s'] else 'NOT met'})")
+          f"median-step p50 {t['sandbox_p50_s']:.3f} s / p95 {t['sandbox_p95_s']:.3f} s; wait for a worker p95 "
+          f"{t['sandbox_wait_p95_median_s']:.3f} s (median step; worst {t['sandbox_wait_p95_s']:.3f} s) vs run p95 "
+          f"{t['sandbox_run_p95_s']:.3f} s (goal: wait <= run: {'met' if met else 'NOT met'}; the wait includes "
+          f"the hand-over)")
     print(f"client RSS {t['rss_mib_first']:.0f} -> {t['rss_mib_last']:.0f} MiB (slope {t['rss_mib_slope_per_step']:+.3f}"
           f" MiB/step), fds {t['fds_first']} -> {t['fds_last']} ({t['fds_slope_per_step']:+.3f}/step), processes "
           f"{t['procs_first']} -> {t['procs_last']} ({t['procs_slope_per_step']:+.3f}/step); slopes over the 2nd half")
