@@ -142,7 +142,8 @@ class ClientRun:
                 proc.wait()
 
     def _watch(self, proc: subprocess.Popen, kill_step: int | None, kill_delay_s: float) -> int:
-        metrics, seen = self.run_dir / "metrics.jsonl", 0
+        metrics = self.run_dir / "metrics.jsonl"
+        seen = len(_read_rows(metrics))  # a resumed run's earlier rows are not this process's
         while proc.poll() is None:
             rows = _read_rows(metrics)
             for row in rows[seen:]:
@@ -198,6 +199,8 @@ class Outcome:
     resumed_samples: list[Sample] = field(default_factory=list)
     """The resumed client's samples (``samples``: the first client's, the soak's)."""
     redone: tuple[bool, str] | None = None
+    killed_after: int | None = None
+    """The step after whose metrics row the first client was SIGKILLed (at a random delay)."""
     """Whether the steps done before the kill and done again after the resume asked the
     service the same things (the steps from the checkpoint to the last one the killed
     client finished)."""
@@ -218,6 +221,7 @@ def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenize
         if kill:
             rng = random.Random(args.seed)
             kill_step = rng.randint(args.kill_after + 1, args.steps - 1)
+            killed_after = kill_step
             codes.append(client.run(kill_step, rng.uniform(0.0, 1.0) * _mean_step_s(run)))
             steps_before = len(server.calls)
             server.new_client()
@@ -234,10 +238,10 @@ def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenize
             calls = keep + resumed
         else:
             codes.append(client.run())
-            calls, resumed_samples, redone = list(server.calls), [], None
+            calls, resumed_samples, redone, killed_after = list(server.calls), [], None, None
         samples = client.samples
         return Outcome(_read_rows(run / "metrics.jsonl"), samples, calls, list(server.step_marks),
-                       dict(server.tokens), dict(server.gaps), codes, resumed_from, resumed_samples, redone)
+                       dict(server.tokens), dict(server.gaps), codes, resumed_from, resumed_samples, redone, killed_after)
 
 
 def _mean_step_s(run: Path) -> float:
@@ -407,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     print_totals("killed + resumed" if args.kill else "run", totals, model)
     ok = all(code == 0 for code in outcome.returncodes[-1:])
     if args.kill:
-        print(f"SIGKILL after step {args.kill_after}: exit codes {outcome.returncodes}; resumed from step "
+        print(f"SIGKILL at a random point after step {outcome.killed_after} (> {args.kill_after}): exit codes {outcome.returncodes}; resumed from step "
               f"{outcome.resumed_from}; finished with {len(outcome.rows)} metric rows")
         print(f"steps redone after the resume asked the service what they asked before the kill: "
               f"{outcome.redone[0]} ({outcome.redone[1]})")

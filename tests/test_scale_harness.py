@@ -165,7 +165,8 @@ def test_a_sigkill_and_resume_ask_the_service_what_an_uninterrupted_run_asks(tmp
     data = scale.write_problems(tmp_path / "train.jsonl", args.problems)
     killed = scale.rehearse(args, model, tmp_path / "killed", tokenizer_dir, data, kill=True)
     assert killed.returncodes[0] < 0 and killed.returncodes[1] == 0  # SIGKILLed, then finished
-    assert killed.resumed_from == 2  # the step-2 checkpoint: steps 3 and 4 asked again
+    assert killed.killed_after == 3 and killed.resumed_from == 2  # the step-2 checkpoint: steps 3, 4 asked again
+    assert killed.resumed_samples and all(s.procs > 1 for s in killed.resumed_samples)  # its own steps only
     assert sorted({int(r["step"]) for r in killed.rows}) == [1, 2, 3, 4]
     assert killed.redone[0], killed.redone[1]  # step 3, done before the kill and again after it
     assert "0 vs 0 calls" not in killed.redone[1]
