@@ -21,12 +21,23 @@ likely tokens), alternating ``--repeats`` times; both must sample the same token
     python bench/sampling.py --requests 16 --max-tokens 32
     python bench/sampling.py --requests 16 --max-tokens 64 --tool-prompts
     python bench/sampling.py --requests 8 --max-tokens 128 --tool-prompts --decode
+    python bench/sampling.py --requests 16 --max-tokens 128 --loops
+
+``--loops`` is the old path against the new one on the demo's own rollout requests (the
+tool prompts, the rollout's stop tokens, temperature 1, top-p 0.7): ``decode_loop=
+generate`` (one HF ``generate`` per batch) against ``decode_loop=own`` (the sampler's
+loop, finished rows dropped), alternating ``--repeats`` times, with the same sampled
+tokens. It prints tokens/s of both, their ratio, the load, and the bound of this
+machine for the same tokens: matmul rate and memory bandwidth measured in the same run,
+each step costing at least its FLOPs at that rate and its bytes (weights + the rows' KV)
+at that bandwidth (``machine_bound``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 
 from retool.engines.base import SamplingParams
@@ -87,19 +98,28 @@ def main() -> None:
                         help="the rollout's ~400-token tool prompts, and a run without the prefix cache")
     parser.add_argument("--decode", action="store_true",
                         help="only compare the decode-step optimisations with HF's plain path")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per variant (--decode)")
+    parser.add_argument("--loops", action="store_true",
+                        help="old path (HF generate) vs new (own decode loop) on the rollout's requests")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per variant (--decode, --loops)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
                                                    max_sample_rows=args.requests))
     sampler = engine.save_weights_for_sampler()
     sampler.kv_cache_bytes = 0  # the store of earlier turns is bench/multiturn.py's subject
-    make = tool_prompts if args.tool_prompts else prompts
+    make = tool_prompts if args.tool_prompts or args.loops else prompts
     prompts_P = make(engine.get_tokenizer(), args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)
     timed(all_at_once(sampler, prompts_P[:2], SamplingParams(max_tokens=2)))  # warm-up
     if args.decode:
         return decode_ab(sampler, prompts_P, args)
+    if args.loops:
+        return loops_ab(engine, sampler, prompts_P, args)
 
     calls = sampler.calls
     base_tokens, base_s = timed(one_at_a_time(sampler, prompts_P, params))
@@ -150,6 +170,85 @@ def decode_ab(sampler, prompts_P, args) -> None:
         print(f"{name}: {count} tokens in {best:.1f} s = {count / best:.1f} tok/s "
               f"(runs: {', '.join(f'{s:.1f}' for s in seconds[name])} s)")
     print(f"speed-up: {base_s / new_s:.2f}x; same tokens: {tokens[base] == tokens[new]}")
+
+
+def loops_ab(engine, sampler, prompts_P, args) -> None:
+    """The old path (``decode_loop=generate``) vs the new (``own``), same seeded rollout requests."""
+    from retool.render import Renderer
+
+    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=0.7, stop_token_ids=stops, seed=0)
+    seconds: dict[str, list[float]] = {"generate": [], "own": []}
+    tokens = {}
+    for _ in range(args.repeats):
+        for loop in seconds:
+            sampler.decode_loop = loop
+            start = time.perf_counter()
+            tokens[loop] = asyncio.run(samples(sampler, prompts_P, params))
+            seconds[loop].append(time.perf_counter() - start)
+    rate, bandwidth = machine_rates()
+    lengths = [len(t) for t in tokens["own"]]
+    bound_s = machine_bound(engine.model, prompts_P, lengths, rate, bandwidth)
+    count = sum(lengths)
+    mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
+    print(f"{len(prompts_P)} rollout requests x <= {args.max_tokens} tokens (stop tokens {stops}), prompts of "
+          f"{mean_prompt:.0f} tokens; {count} tokens sampled (rows of {min(lengths)}-{max(lengths)}); "
+          f"torch threads {_threads()}; best of {args.repeats}")
+    for loop, label in (("generate", "old path (HF generate)"), ("own", "new path (own decode loop)")):
+        best = min(seconds[loop])
+        print(f"{label}: {count / best:.1f} tok/s ({best:.1f} s; runs {', '.join(f'{s:.1f}' for s in seconds[loop])} s)")
+    old, new = min(seconds["generate"]), min(seconds["own"])
+    print(f"new / old: {old / new:.2f}x; same tokens: {tokens['own'] == tokens['generate']}")
+    print(f"machine bound: {count / bound_s:.0f} tok/s ({bound_s:.2f} s at {rate / 1e9:.0f} GFLOP/s matmul and "
+          f"{bandwidth / 1e9:.1f} GB/s memory, measured now); new path at {count / bound_s / (count / new):.1f}x "
+          f"the bound's time")
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def machine_rates() -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, memory bytes/s) of this machine now: best of a few runs of a
+    1024^3 matmul and of summing a 256 MB tensor."""
+    import torch
+
+    a, b, big = torch.randn(1024, 1024), torch.randn(1024, 1024), torch.randn(64 * 2**20)
+    matmul = min(_timed_once(lambda: a @ b) for _ in range(5))
+    read = min(_timed_once(big.sum) for _ in range(5))
+    return 2 * 1024**3 / matmul, big.nbytes / read
+
+
+def _timed_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def machine_bound(model, prompts_P, lengths_R, rate: float, bandwidth: float) -> float:
+    """Seconds the work cannot beat on this machine: a prefill of every prompt token (the
+    shared prefix once) at ``rate``, then per decode step, for the rows still running,
+    the larger of its FLOPs at ``rate`` and its bytes (all weights + those rows' KV) at
+    ``bandwidth``."""
+    from retool.engines.local import kv_cache
+
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    shared = kv_cache.shared_prefix_length([tuple(p) for p in prompts_P])
+    prefill_tokens = shared + sum(len(p) - shared for p in prompts_P)
+    seconds = 2 * params * prefill_tokens / rate
+    for step in range(1, max(lengths_R)):
+        running = [len(p) + step for p, n in zip(prompts_P, lengths_R) if n > step]
+        flops = 2 * params * len(running)
+        moved = weight_bytes + kv_token_bytes * sum(running)
+        seconds += max(flops / rate, moved / bandwidth)
+    return seconds
 
 
 if __name__ == "__main__":

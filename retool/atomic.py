@@ -89,26 +89,6 @@ def _close_layers(f: IO[Any], stream: IO[bytes]) -> None:
         stream.close()  # writes the gzip trailer; leaves the raw file open
 
 
-class UnwritableOutputError(ValueError):
-    """An output folder that cannot be created or written to; the message names the flag."""
-
-
-def writable_folder(folder: str | Path, flag: str) -> Path:
-    """Check, before any work is done and without creating anything, that ``folder`` is (or
-    can be created as) a writable folder; raise :class:`UnwritableOutputError` naming ``flag``."""
-    folder = Path(folder)
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        reason = f"{existing} is a file, not a folder"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        reason = f"no permission to write in {existing}"
-    else:
-        return folder
-    raise UnwritableOutputError(f"cannot write {flag} {folder}: {reason}; choose a writable folder for {flag}")
-
-
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Replace ``path`` with ``data``."""
     with atomic_open(path, "wb") as f:

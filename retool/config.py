@@ -10,7 +10,9 @@ A config is a plain (non-frozen) dataclass whose fields are declared with
   class defines it, so bad values are rejected before any model loads.
 
 Unknown keys in a preset and values of the wrong type are errors that name the file
-and the key.
+and the key. A class may list renamed fields in a ``RENAMED`` class attribute
+(``{"old": "new"}``): the old flag and the old preset key are refused with one line
+that points to the new name.
 
 **Sections.** A field whose type is itself a (frozen) dataclass of :func:`option` fields
 is a *section*: the settings of one engine, say. Its fields become flags prefixed with
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from retool.atomic import atomic_write_text
+from retool.flag_checks import refuse_renamed
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -110,6 +113,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
     (a section's fields under their own heading, prefixed with the section's name)."""
     parser.add_argument("--config", type=Path, default=None, metavar="FILE.toml",
                         help="a TOML preset; flags given on the command line override it")
+    for old, new in _renamed(cls).items():
+        refuse_renamed(parser, _flag(old), _flag(new))
     hints = _field_types(cls)
     for f in dataclasses.fields(cls):
         section = _section_class(hints[f.name])
@@ -120,6 +125,11 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         section_hints = _field_types(section)
         for sub in dataclasses.fields(section):
             _add_flag(group, sub, section_hints[sub.name], f"{f.name}_{sub.name}", _section_dest(f.name, sub.name))
+
+
+def _renamed(cls: type) -> dict[str, str]:
+    """The ``RENAMED`` map of a config class: old field name → new (see the module docstring)."""
+    return getattr(cls, "RENAMED", {})
 
 
 def _add_flag(parser: Any, f: dataclasses.Field, tp: Any, name: str, dest: str) -> None:
@@ -198,6 +208,9 @@ def load_toml(cls: type, path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     names = {f.name for f in dataclasses.fields(cls)}
+    renamed = sorted(set(raw) & set(_renamed(cls)))
+    if renamed:
+        raise ConfigError(f"{path}: {renamed[0]} was renamed: use {_renamed(cls)[renamed[0]]}")
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)} for {cls.__name__}")

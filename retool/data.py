@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from retool import reward
-from retool.atomic import UnwritableOutputError, atomic_write_jsonl, writable_folder
+from retool.atomic import atomic_write_jsonl
+from retool.flag_checks import UnwritableOutputError, output_folder
 from retool.types import Problem
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def _decode_json(path: Path, line: int, raw: bytes) -> Any:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
-    import pyarrow as pa
+    import pyarrow as pa  # heavy: only parquet input needs it
     import pyarrow.parquet as pq
 
     try:
@@ -491,7 +492,7 @@ def fetch_hub_parquets(repo_id: str = DAPO_REPO, *, revision: str | None = None,
     ``cache_dir`` is given); ``offline`` (or ``HF_HUB_OFFLINE=1``) uses the cache only.
     Raises ``DataError`` when the hub cannot be reached and nothing is cached.
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # heavy: only reading from the hub needs it
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
@@ -548,7 +549,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "prepare-data", help="DAPO-Math-17k → deduplicated train.jsonl + 50-row dev.jsonl",
+        "prepare-data",
         description="Read DAPO-Math-17k from the Hugging Face hub (default) or a local "
         "parquet/JSONL file, strip DAPO's prompt wrapper, deduplicate on whitespace-normalised "
         "question text, drop problems whose copies disagree on the answer (listed in "
@@ -578,7 +579,7 @@ def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_validate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "validate-data", help="check every gold answer grades correct against itself",
+        "validate-data",
         description="Load FILE (a JSONL/parquet file, or a bundled set: aime24, aime25, "
         "math500) and grade each gold answer, written as \\boxed{gold}, against itself with "
         "the reward's grader. Every failure and every malformed row is reported with its "
@@ -605,7 +606,9 @@ def _positive_int(text: str) -> int:
 def _run_prepare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
-        writable_folder(args.output_dir, "--output-dir")
+        output_folder(args.output_dir, "--output-dir")
+        if args.cache_dir is not None and args.input is None and not args.bundled:  # the hub download goes there
+            output_folder(args.cache_dir, "--cache-dir")
         if args.input is not None and args.bundled:
             raise DataError(args.input, "give either --input or --bundled, not both")
         if args.input is not None:

@@ -8,7 +8,9 @@ Stages (each one resumes if the demo is re-run with the same output folder):
 2. eval *before SFT* — the bundled SmolLM2-135M-Instruct zero-shot, tool on;
 3. cold-start SFT (:mod:`retool.sft`) — LoRA on the tool dialogues;
 4. eval *after SFT*;
-5. RL (:mod:`retool.train`) — GRPO/PPO from the SFT adapter, code calls in the sandbox;
+5. RL (:mod:`retool.train`) — GRPO/PPO from the SFT adapter, code calls in the sandbox,
+   problems drawn from the difficulty pool (``--curriculum difficulty``: fewer of the kinds
+   and problems whose recent groups were all right or all wrong);
 6. eval *after RL*;
 7. report — checkpoint comparison and training-curve plots (PNG + SVG), an HTML page of
    the after-RL trajectories, ``summary.json``/``summary.md`` and a printed table.
@@ -18,7 +20,9 @@ folder holds every stage's own run folder, so anything can be inspected or re-pl
 
 The printed table and ``summary.md`` compare after RL with after SFT on the same held-out
 problems, as ``retool compare`` does (difference, paired standard error, z, and whether
-the gain exceeds two standard errors), so the reader can judge what RL bought.
+the gain exceeds two standard errors), so the reader can judge what RL bought. It also
+gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
+ones that teach — as "N of M groups informative".
 
 Sized for about 37 minutes on two idle cores; with the default sizes RL's gain over the
 cold start exceeded two paired standard errors for both seeds measured end to end (seed 7:
@@ -38,11 +42,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.console import Console
+from rich.table import Table
+
+from retool import tasks
 from retool.algo import PACKINGS
 from retool.atomic import atomic_write_text
-from retool.config import ConfigError, add_config_args, config_from_args, option, require
-from retool.protocol import INTERPRETERS
+from retool.bundled import BundledModelMissing, resolve_model_name
+from retool.config import ConfigError, add_config_args, config_from_args, make_config, option, require
+from retool.curriculum import CURRICULA
+from retool.evaluate import EvalConfig, evaluate, format_behaviour
+from retool.flag_checks import output_folder
+from retool.log import read_metrics
+from retool.protocol import INTERPRETERS, TemplateError
+from retool.report import ReportInputError, plots, view
+from retool.report.compare import compare, format_table
+from retool.peak_rss import PeakRSS
 from retool.results import EvalSummary
+from retool.runs import latest_checkpoint
+from retool.serialize import to_jsonable
+from retool.sft import ConversationError, SFTConfig, sft
+from retool.train import TrainConfig, train
 
 if TYPE_CHECKING:
     from retool.report.compare import Comparison
@@ -86,6 +106,13 @@ class DemoConfig:
     rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
     rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
                                       "have mixed rewards (see retool train --help)")
+    rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = fewer of the kinds and "
+                                              "problems whose recent groups were all right or all wrong; none = "
+                                              "a seeded shuffle (see retool train --curriculum)",
+                                choices=CURRICULA)
+    rl_difficulty: str = option("", "harder RL problems per kind, kind=level,... or one level for all (0-2, each "
+                                    "adds a digit to the operands; empty: level 0, the calibrated task; see "
+                                    "retool task-data --difficulty)")
     interpreter: str = option("stateless", "stateless: every code call starts a fresh Python (the SFT dialogues "
                                            "make one call); stateful: one interpreter per trajectory keeps its "
                                            "variables (two-call dialogues that reuse them) — for every stage",
@@ -102,6 +129,13 @@ class DemoConfig:
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
+        require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
+        from retool.tasks import parse_difficulty
+
+        try:
+            parse_difficulty(self.rl_difficulty)
+        except ValueError as err:
+            raise ConfigError(f"--rl-difficulty: {err}") from None
 
     def shrunk(self) -> "DemoConfig":
         """The ``--quick`` sizes."""
@@ -121,7 +155,8 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
-IDENTITY = ("model", "seed", "interpreter")  # what the stored stages were made with; a change needs a new folder
+IDENTITY = ("model", "seed", "interpreter", "rl_difficulty")
+"""What the stored stages were made with; a change needs a new folder."""
 
 
 def check_identity(cfg: DemoConfig, out: Path) -> None:
@@ -139,22 +174,22 @@ def check_identity(cfg: DemoConfig, out: Path) -> None:
         stored = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"{path} is unreadable ({err}); use another --output-dir") from None
-    changed = [f"--{name.replace('_', '-')} {stored.get(name)!r} → {mine[name]!r}" for name in IDENTITY
-               if stored.get(name) != mine[name]]
+    defaults = {f.name: f.default for f in dataclasses.fields(DemoConfig)}  # a folder made before a name was added
+    changed = [f"--{name.replace('_', '-')} {stored.get(name, defaults[name])!r} → {mine[name]!r}"
+               for name in IDENTITY if stored.get(name, defaults[name]) != mine[name]]
     require(not changed, f"{out} holds a demo made with other settings ({', '.join(changed)}); its stages would "
                          "be resumed, not redone: use another --output-dir")
 
 
 def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     """Write the three disjoint splits of the arithmetic task (skipped when present)."""
-    from retool import tasks
-    from retool.serialize import to_jsonable
-
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     paths = {"sft": data / "sft.jsonl", "rl": data / "rl.jsonl", "test": data / "test.jsonl"}
     if not paths["rl"].exists():
-        tasks.write_jsonl(paths["rl"], map(to_jsonable, tasks.make_problems(cfg.rl_problems, cfg.seed, "rl")))
+        problems = tasks.make_problems(cfg.rl_problems, cfg.seed, "rl",
+                                       difficulty=tasks.parse_difficulty(cfg.rl_difficulty))
+        tasks.write_jsonl(paths["rl"], map(to_jsonable, problems))
     if not paths["test"].exists():
         tasks.write_jsonl(paths["test"], map(to_jsonable, tasks.make_problems(cfg.eval_problems, cfg.seed, "test")))
     if not paths["sft"].exists():
@@ -167,9 +202,6 @@ def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
 def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint: Path | None,
              problems: int | None = None) -> EvalSummary:
     """Evaluate one stage on the first ``problems`` held-out problems (all by default); return its summary."""
-    from retool.config import make_config
-    from retool.evaluate import EvalConfig, evaluate
-
     problems = min(problems or cfg.eval_problems, cfg.eval_problems)
     _say(f"eval {label}: {problems} problems x {cfg.eval_samples} samples")
     eval_cfg = make_config(
@@ -184,10 +216,6 @@ def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint
 
 def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
     """Cold-start SFT on the dialogues; returns the run folder (resumed if interrupted)."""
-    from retool.config import make_config
-    from retool.runs import latest_checkpoint
-    from retool.sft import SFTConfig, sft
-
     run_dir = out / "sft"
     latest = latest_checkpoint(run_dir)
     if latest is not None and latest[0] >= cfg.sft_steps:
@@ -203,10 +231,6 @@ def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
 
 def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
     """RL from the SFT adapter; returns the run folder (resumed if interrupted)."""
-    from retool.config import make_config
-    from retool.runs import latest_checkpoint
-    from retool.train import TrainConfig, train
-
     run_dir = out / "rl"
     latest = latest_checkpoint(run_dir)
     if latest is not None and latest[0] >= cfg.rl_steps:
@@ -218,7 +242,8 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p,
-        refill_rounds=cfg.rl_refill_rounds, interpreter=cfg.interpreter, sandbox_workers=4, run_dir=str(run_dir),
+        refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
+        sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
         dtype=cfg.dtype)
     return train(train_cfg, resume=(run_dir / "config.json").exists())
@@ -231,30 +256,63 @@ def eval_path(out: Path, label: str) -> Path:
 
 def rl_gain(out: Path) -> Comparison:
     """After RL against after SFT on the same held-out problems, as ``retool compare`` computes it."""
-    from retool.report.compare import compare
-
     return compare(eval_path(out, STAGES[1]), eval_path(out, STAGES[2]))
 
 
-def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path) -> list[Path]:
-    """Plots, the HTML viewer and the summary files."""
-    from retool.bundled import resolve_model_name
-    from retool.report.plots import plot_checkpoints, plot_training
-    from retool.report.view import write_view
+@dataclass(frozen=True)
+class RolloutShare:
+    """How many of the RL stage's rolled-out groups (refills included) had mixed rewards: the
+    demo's efficiency figure — an all-right or all-wrong group is rolled out and teaches nothing."""
 
-    written = plot_checkpoints(out / "eval", out / "plots", order=STAGES)
-    written += plot_training(rl_dir, out / "plots")
-    written.append(write_view([eval_path(out, STAGES[2])], out / "view.html",
-                              tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
+    steps: int
+    groups: int
+    informative: int
+
+    @property
+    def share(self) -> float:
+        return self.informative / self.groups if self.groups else 0.0
+
+    def sentence(self) -> str:
+        return (f"RL rollouts: {self.informative} of {self.groups} groups informative ({self.share:.0%}, mixed "
+                f"rewards) over {self.steps} step{'s' if self.steps != 1 else ''}")
+
+    def to_json(self) -> dict[str, float]:
+        return {"steps": self.steps, "groups": self.groups, "informative_groups": self.informative,
+                "informative_share": self.share}
+
+
+def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
+    """The informative share of an RL run folder's steps (``None`` without ``metrics.jsonl``)."""
+    path = Path(rl_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = read_metrics(path)
+    groups = [round(r["rollout/groups"]) for r in rows]
+    rates = [r["rollout/informative_group_rate"] if "rollout/informative_group_rate" in r
+             else 1 - r["rollout/degenerate_group_rate"] for r in rows]  # a run from before the rate
+    return RolloutShare(len(rows), sum(groups), sum(round(g * rate) for g, rate in zip(groups, rates)))
+
+
+def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
+           peak_rss_bytes: int = 0) -> list[Path]:
+    """Plots, the HTML viewer and the summary files (with the process tree's peak RSS)."""
+    written = plots.plot_checkpoints(out / "eval", out / "plots", order=STAGES)
+    written += plots.plot_training(rl_dir, out / "plots")
+    written.append(view.write_view([eval_path(out, STAGES[2])], out / "view.html",
+                                   tokenizer_name=resolve_model_name(cfg.model), title="retool demo: after RL"))
     accuracy = gain.metric("accuracy")
     summary = {**{k: s.to_json() for k, s in summaries.items()},
                "rl_vs_sft": {"problems": gain.problems, "samples_per_problem": cfg.eval_samples,
                              **{m.name: {"before": m.before, "after": m.after, "difference": m.difference,
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
-                             "significant": accuracy.significant}}
+                             "significant": accuracy.significant},
+               "peak_rss_mb": round(peak_rss_bytes / 2**20)}
+    rollouts = rl_rollouts(rl_dir)
+    if rollouts is not None:
+        summary["rl_rollouts"] = rollouts.to_json()
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "summary.md", summary_markdown(summaries, gain, quick=cfg.quick,
-                                                                      interpreter=cfg.interpreter))
+                                                           interpreter=cfg.interpreter, rollouts=rollouts))
     return written
 
 
@@ -275,11 +333,8 @@ QUICK_NOTE = "--quick is a smoke run of every stage: far too small to show learn
 
 
 def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, quick: bool = False,
-                     interpreter: str = "stateless") -> str:
+                     interpreter: str = "stateless", rollouts: RolloutShare | None = None) -> str:
     """The demo's tables as Markdown (the same numbers the console shows)."""
-    from retool.evaluate import format_behaviour
-    from retool.report.compare import format_table
-
     rows = [STATEFUL_NOTE, ""] if interpreter == "stateful" else []
     rows += ["| stage | problems × k | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
             "|---|---|---|---|---|---|---|---|"]
@@ -290,16 +345,15 @@ def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, qui
     rows += [f"- {stage}: {format_behaviour(s.behaviour)}" for stage, s in summaries.items() if s.behaviour]
     rows += ["", f"**{gain_sentence(gain)}.**", "", "After RL against after SFT (`retool compare`: per-problem "
              "differences, so each problem's difficulty cancels):", "", format_table(gain)]
+    if rollouts is not None:
+        rows += ["", rollouts.sentence() + "."]
     if quick:
         rows += ["", QUICK_NOTE]
     return "\n".join(rows) + "\n"
 
 
 def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, seconds: float,
-                quick: bool, interpreter: str = "stateless") -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+                quick: bool, interpreter: str = "stateless", rollouts: RolloutShare | None = None) -> None:
     mode = "" if interpreter == "stateless" else f", {interpreter} interpreter"
     table = Table(title=f"retool demo — held-out arithmetic, tool on{mode} ({seconds / 60:.1f} min)")
     for column in ("stage", "problems × k", "accuracy", "± s.e.", "Pass@k", "format", "used the tool", "code calls"):
@@ -310,6 +364,8 @@ def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, 
     console = Console()
     console.print(table)
     console.print(gain_sentence(gain), markup=False)
+    if rollouts is not None:
+        console.print(rollouts.sentence(), markup=False)
     if quick:
         console.print(QUICK_NOTE, markup=False)
     console.print(f"output folder: {out}  (summary.md, plots/, view.html, sft/, rl/, eval/)", markup=False)
@@ -317,8 +373,6 @@ def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, 
 
 def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     """Run every stage; return the summaries by stage."""
-    from retool.bundled import resolve_model_name
-
     cfg = cfg.shrunk()
     start = time.monotonic()
     out = Path(cfg.output_dir)
@@ -326,20 +380,22 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     check_identity(cfg, out)
     resolve_model_name(cfg.model)  # converts the bundled model once, or says how to install it
     paths = make_data(cfg, out)
-    summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
-    sft_dir = run_sft(cfg, out, paths["sft"])
-    summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
-    rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
-    summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
+    with PeakRSS() as memory:
+        summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
+        sft_dir = run_sft(cfg, out, paths["sft"])
+        summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
+        rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
+        summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
-    report(cfg, out, summaries, gain, rl_dir)
-    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter)
+    report(cfg, out, summaries, gain, rl_dir, memory.peak_bytes)
+    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir))
+    print(memory.sentence())
     return summaries
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "demo", help="the whole pipeline on CPU: SmolLM2 → cold-start SFT → RL → evals, plots, viewer",
+        "demo",
         description=__doc__.split("\n\n")[0] + " Default sizes take tens of minutes on 2 cores; --quick a few.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(p, DemoConfig)
@@ -347,13 +403,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_demo_command(args: argparse.Namespace) -> int:
-    from retool.bundled import BundledModelMissing
-    from retool.protocol import TemplateError
-    from retool.report import ReportInputError
-    from retool.sft import ConversationError
-
     try:
-        run_demo(config_from_args(DemoConfig, args))
+        cfg = config_from_args(DemoConfig, args)
+        output_folder(cfg.output_dir, "--output-dir")
+        run_demo(cfg)
     except (ConfigError, BundledModelMissing, ReportInputError, ConversationError, TemplateError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""``retool export RUN --output DIR``: a run's trained LoRA adapter as a PEFT folder.
+"""``retool export RUN --output-dir DIR``: a run's trained LoRA adapter as a PEFT folder.
 
 ``RUN`` is a run folder (its newest complete checkpoint), a ``checkpoints/step_N``
 folder or an engine folder. A local-engine checkpoint already holds a PEFT folder
@@ -45,6 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from retool.config import ConfigError
+from retool.engines.base import EngineCheckpoint
+from retool.engines.tinker import FLAVOURS, export_adapter
+from retool.flag_checks import output_folder, refuse_renamed
+from retool.runs import resolve_checkpoint
 
 PEFT_PREFIX = "base_model.model."
 """Where PEFT's (and Tinker's) adapter keys start."""
@@ -55,12 +59,9 @@ _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<half>[AB])(?:\.default)?\.weight$"
 
 def export(run: str | Path, output: str | Path, base_url: str | None = None) -> Path:
     """Write the adapter of ``run``'s checkpoint to the folder ``output``; return it."""
-    from retool.engines.base import EngineCheckpoint
-    from retool.runs import resolve_checkpoint
-
     output = Path(output)
     if output.exists() and any(output.iterdir()):
-        raise ConfigError(f"--output {output}: the folder exists and is not empty")
+        raise ConfigError(f"--output-dir {output}: the folder exists and is not empty")
     checkpoint = resolve_checkpoint(run, flag="RUN")
     record = EngineCheckpoint.read(checkpoint.engine_dir)
     if record.full_finetune:
@@ -68,7 +69,6 @@ def export(run: str | Path, output: str | Path, base_url: str | None = None) -> 
     if record.engine == "local":
         shutil.copytree(Path(checkpoint.engine_dir) / record.weights, output, dirs_exist_ok=True)
         return output
-    from retool.engines.tinker import FLAVOURS, export_adapter
 
     if record.engine not in FLAVOURS:
         raise ConfigError(f"RUN {run}: cannot export a checkpoint of the {record.engine} engine")
@@ -227,10 +227,10 @@ def check_peft_loads(model: Any, config: Any, tensors: dict[str, Any]) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("export", help="write a run's trained LoRA adapter as a PEFT folder",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser("export", description=__doc__.split("\n\n")[0])
     p.add_argument("run", metavar="RUN", help="a run folder, a checkpoints/step_N folder or an engine folder")
-    p.add_argument("--output", required=True, help="the folder to write (must be new or empty)")
+    p.add_argument("--output-dir", required=True, help="the folder to write (must be new or empty)")
+    refuse_renamed(p, "--output", "--output-dir", "export writes a folder")
     p.add_argument("--base-url", default=None, help="service URL for a service checkpoint (default: the SDK's "
                                                     "environment variable or its default)")
     p.set_defaults(func=_run)
@@ -238,7 +238,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        folder = export(args.run, args.output, base_url=args.base_url)
+        folder = export(args.run, output_folder(args.output_dir, "--output-dir"), base_url=args.base_url)
     except (ConfigError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from retool.atomic import atomic_open
+from retool.flag_checks import UnwritableOutputError, output_file
 from retool.grader_pool import DEFAULT_TIMEOUT_S, GraderPool
 from retool.reward import ANSWER_WINDOW_CHARS, GoldAnswerError, try_grade_many
 
@@ -30,7 +31,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``retool grade`` command."""
     parser = subparsers.add_parser(
         "grade",
-        help="grade model answers against gold answers (JSONL in, JSONL out)",
         description=(
             'Reads JSONL lines {"response": ..., "gold": ...} and writes, for each input '
             'line, one JSONL line {"line", "reward", "correct", "formatted", "answer", '
@@ -69,6 +69,11 @@ def _option_error(args: argparse.Namespace) -> str | None:
         return f"--batch-size must be >= 1, got {args.batch_size}"
     if args.input is not None and not args.input.is_file():
         return f"--input {args.input}: no such file"
+    if args.output is not None:
+        try:
+            output_file(args.output, "--output")
+        except UnwritableOutputError as err:
+            return str(err)
     return None
 
 

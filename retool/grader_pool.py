@@ -38,9 +38,12 @@ What it does not cover
 from __future__ import annotations
 
 import atexit
+import functools
+import logging
 import os
 import queue
 import re
+import resource
 import subprocess
 import sys
 import threading
@@ -100,8 +103,6 @@ def _worker_main(memory_bytes: int) -> None:
     Replies on the original stdout, which is then pointed at /dev/null so that stray
     prints cannot corrupt the protocol. Exits when stdin closes.
     """
-    import resource
-
     replies = Connection(os.dup(1), readable=False)
     requests = Connection(os.dup(0), writable=False)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -121,8 +122,6 @@ def _worker_main(memory_bytes: int) -> None:
 
 def _load_math_verify():
     """Import ``math_verify`` with its timeouts off; return the worker's verify function."""
-    import functools
-
     from math_verify import parse, verify
 
     errors = _record_swallowed_exceptions("math_verify")
@@ -154,8 +153,6 @@ def _record_swallowed_exceptions(logger_name: str) -> list[str]:
     ``math_verify``'s. (It catches most internal failures — even a MemoryError deep in
     sympy — without logging, so this fires rarely.) Nothing is printed.
     """
-    import logging
-
     errors: list[str] = []
 
     class _Recorder(logging.Handler):

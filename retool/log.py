@@ -17,6 +17,7 @@ the output is not a terminal it prints one plain line per step instead.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -25,7 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from retool.atomic import atomic_write_text
+from retool.jsonl import read_jsonl
 
 SINKS = ("jsonl", "swanlab", "wandb", "tensorboard")
 _PIP_NAME = {"swanlab": "swanlab", "wandb": "wandb", "tensorboard": "tensorboard"}
@@ -35,23 +40,15 @@ class SinkUnavailable(RuntimeError):
     """A chosen metric sink's package is not installed."""
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All rows of a ``metrics.jsonl`` (an empty list when the file does not exist)."""
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a ``metrics.jsonl`` in file order (an empty list when the file does not exist).
+
+    The one metrics reader (``retool plot`` keeps the last row per step of what it returns).
+    Read by the one JSON Lines rule (:mod:`retool.jsonl`): a cut-off last line is dropped
+    with a warning; any other bad line raises :class:`~retool.jsonl.JsonlError` naming it.
+    """
     path = Path(path)
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            # Only the last line can be torn (a crash mid-write); anything else is corruption.
-            if lineno != len(lines):
-                raise ValueError(f"{path}:{lineno}: not valid JSON") from None
-    return rows
+    return read_jsonl(path) if path.exists() else []
 
 
 def _jsonable(value: Any) -> Any:
@@ -134,8 +131,6 @@ _REMOTE = {"swanlab": _SwanlabSink, "wandb": _WandbSink, "tensorboard": _Tensorb
 
 def check_sinks(sinks: tuple[str, ...]) -> None:
     """Raise before training if a sink is unknown or its package is missing."""
-    import importlib.util
-
     for sink in sinks:
         if sink not in SINKS:
             raise ValueError(f"unknown metric sink {sink!r}; choose from {', '.join(SINKS)}")
@@ -180,9 +175,6 @@ class StepProgress:
     """
 
     def __init__(self, total: int, *, start: int = 0, description: str = "train"):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.console = Console(stderr=True)
         self.total, self.start, self.t0 = total, start, time.monotonic()
         self.live = self.console.is_terminal

@@ -159,6 +159,7 @@ class ToolCallFormat(str, enum.Enum):
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
+THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 
@@ -196,23 +197,35 @@ _FUNCTION_RE = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.DOTAL
 _PARAMETER_RE = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 
 
-def parse_assistant(text: str, fmt: ToolCallFormat) -> ParsedTurn:
+def parse_assistant(text: str, fmt: ToolCallFormat, *, in_thinking: bool = False) -> ParsedTurn:
     """Split one assistant turn into its text and its tool call, if it attempted one.
 
-    A call attempt is any ``<tool_call>`` after the first ``</think>`` (reasoning is
-    not searched; it ends at the first ``</think>``, so the text ``</think>`` inside a
-    call's code never hides the call). Exactly one closed call with nothing but whitespace after it, naming
+    A call attempt is any ``<tool_call>`` outside the turn's reasoning, which is not
+    searched. The turn has reasoning only when it starts inside a thinking block:
+    ``in_thinking`` (the generation prompt left a ``<think>`` open, which
+    :attr:`retool.render.Renderer.opens_thinking` knows from the template), or the turn
+    itself opens with ``<think>``. That block ends at the first ``</think>``; in a turn
+    without one, ``</think>`` is plain text (inside a call's code, say) and never hides
+    the call. Exactly one closed call with nothing but whitespace after it, naming
     ``code_interpreter`` with a single non-empty ``code`` argument, is a
     :class:`~retool.types.ToolCall`; anything else that attempted a call is an
     :class:`~retool.types.InvalidToolCall` with a reason tag and a message for the
     model. ``text`` is the decoded turn without its end-of-turn token.
     """
-    search_from = text.find(THINK_CLOSE)
-    search_from = 0 if search_from < 0 else search_from + len(THINK_CLOSE)
-    start = text.find(CALL_OPEN, search_from)
+    start = text.find(CALL_OPEN, _reasoning_end(text, in_thinking))
     if start < 0:
         return ParsedTurn(content=text)
     return ParsedTurn(content=text[:start].rstrip(), call=_parse_call(text[start:], fmt))
+
+
+def _reasoning_end(text: str, in_thinking: bool) -> int:
+    """Where the reasoning of a turn ends: after its first ``</think>`` when the turn starts
+    inside a thinking block, else 0; also 0 when the block never closes (the whole turn is
+    then searched, as a turn without reasoning is)."""
+    if not (in_thinking or text.lstrip().startswith(THINK_OPEN)):
+        return 0
+    end = text.find(THINK_CLOSE)
+    return 0 if end < 0 else end + len(THINK_CLOSE)
 
 
 def _parse_call(raw: str, fmt: ToolCallFormat) -> ToolCall | InvalidToolCall:

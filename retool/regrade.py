@@ -42,10 +42,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.atomic import UnwritableOutputError, atomic_open, writable_folder
-from retool.report import ReportInputError, read_jsonl
+from retool.atomic import atomic_open
+from retool.data import DataError, problems_fingerprint, read_problems
+from retool.flag_checks import UnwritableOutputError, output_file, output_folder
+from retool.grader_pool import GraderPool
 from retool.results import ProblemResult, ResultsFileError, is_results_file, read_results, summarize
-from retool.serialize import to_jsonable, trajectory_from_jsonable
+from retool.reward import GoldAnswerError, try_grade_many
+from retool.runs import data_fingerprint
+from retool.trajectory_log import TrajectoryLogError, TrajectoryLogRow, read_trajectory_log, write_trajectory_log
 from retool.types import Grade, Trajectory
 
 
@@ -128,8 +132,6 @@ def final_text(trajectory: Trajectory) -> str:
 def grade_again(trajectories: Sequence[Trajectory], golds: Sequence[str], where: Sequence[str],
                 pool=None) -> list[Grade]:
     """The current grader's grade of each trajectory's final text against its gold."""
-    from retool.reward import GoldAnswerError, try_grade_many
-
     outcomes = try_grade_many([final_text(t) for t in trajectories], list(golds), pool=pool)
     for outcome, place in zip(outcomes, where):
         if isinstance(outcome, GoldAnswerError):
@@ -198,7 +200,10 @@ def regrade_run(run_dir: Path, output_dir: Path, data: str | None = None, pool=N
     written = []
     for path, (rows, _) in zip(files, staged):
         written.append(output_dir / path.name)
-        _write_jsonl(written[-1], rows)
+        try:
+            write_trajectory_log(written[-1], rows)
+        except OSError as err:
+            raise RegradeError(f"cannot write {written[-1]}: {err}") from None
     items = tuple(item for _, found in staged for item in found)
     return RegradeReport(run_dir, tuple(written), items, tuple(notes))
 
@@ -214,8 +219,6 @@ def _run_data(run_dir: Path, data: str | None) -> tuple[str, list[str]]:
     data, notes = str(config["train_data"]), []
     record = run_dir / "train_data.json"
     if record.is_file() and Path(data).is_file():
-        from retool.runs import data_fingerprint
-
         if _json_file(record).get("sha256") != data_fingerprint(Path(data))["sha256"]:
             notes.append(f"note: {data} changed since the run started (its sha256 differs from train_data.json)")
     return data, notes
@@ -232,8 +235,6 @@ def _json_file(path: Path) -> dict:
 
 
 def _read_golds(data: str) -> Golds:
-    from retool.data import DataError, problems_fingerprint, read_problems
-
     try:
         found = read_problems(data)
         return Golds(str(found.path), {p.id: p.answer for p in found.problems}, problems_fingerprint(found.problems))
@@ -241,22 +242,18 @@ def _read_golds(data: str) -> Golds:
         raise RegradeError(f"gold answers from {data}: {err}") from None
 
 
-def _regrade_file(path: Path, golds: Golds, pool) -> tuple[list[dict], list[Regraded]]:
+def _regrade_file(path: Path, golds: Golds, pool) -> tuple[list[TrajectoryLogRow], list[Regraded]]:
     try:
-        rows = read_jsonl(path)
-        trajectories = [trajectory_from_jsonable(row["trajectory"]) for row in rows]
-    except ReportInputError as err:
+        rows = read_trajectory_log(path)
+    except TrajectoryLogError as err:
         raise RegradeError(str(err)) from None
-    except (KeyError, TypeError, ValueError) as err:
-        raise RegradeError(f"{path}: not a trajectory log ({err!r})") from None
-    where = [f"step {r.get('step')} · group {r.get('group')} · #{r.get('index')}" for r in rows]
-    answers = [_gold(golds, t.problem_id, "") for t in trajectories]
-    grades = grade_again(trajectories, answers, where, pool)
-    out = [{**row, "trajectory": to_jsonable(dataclasses.replace(t, grade=g)),
-            "original_grade": to_jsonable(t.grade), "regraded_from": str(path.resolve())}
-           for row, t, g in zip(rows, trajectories, grades)]
-    items = [Regraded(f"{w} (problem {t.problem_id})", f"{r.get('step')}/{r.get('group')}", t.grade, g, gold)
-             for w, r, t, g, gold in zip(where, rows, trajectories, grades, answers)]
+    answers = [_gold(golds, r.trajectory.problem_id, "") for r in rows]
+    grades = grade_again([r.trajectory for r in rows], answers, [r.where for r in rows], pool)
+    out = [dataclasses.replace(r, trajectory=dataclasses.replace(r.trajectory, grade=g),
+                               original_grade=r.trajectory.grade, regraded_from=str(path.resolve()))
+           for r, g in zip(rows, grades)]
+    items = [Regraded(f"{r.where} (problem {r.trajectory.problem_id})", f"{r.step}/{r.group}", r.trajectory.grade,
+                      g, gold) for r, g, gold in zip(rows, grades, answers)]
     return out, items
 
 
@@ -293,7 +290,7 @@ def print_report(report: RegradeReport, out=None) -> None:
 def register(subparsers) -> None:
     """Add ``retool regrade``."""
     parser = subparsers.add_parser(
-        "regrade", help="grade recorded answers again with the current grader (eval file or run folder)",
+        "regrade",
         description="Grade every recorded final answer of an eval results file or of a run's saved "
                     "trajectories again with the current grader, write the result to a NEW file (the "
                     "original is never changed) and print what changed.")
@@ -327,14 +324,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _regrade(args: argparse.Namespace) -> RegradeReport:
-    from retool.grader_pool import GraderPool
-
     source: Path = args.source
     if source.is_dir():
         if args.output is not None:
             raise RegradeError("--output is for an eval results file; a run folder takes --output-dir")
         output_dir = args.output_dir or source / "regraded"
-        writable_folder(output_dir, "--output-dir")
+        output_folder(output_dir, "--output-dir")
         with GraderPool() as pool:
             return regrade_run(source, output_dir, args.data, pool)
     if not source.is_file():
@@ -346,7 +341,7 @@ def _regrade(args: argparse.Namespace) -> RegradeReport:
     output = args.output or default_output(source)
     if output.resolve() == source.resolve():
         raise RegradeError(f"--output {output} is the original file: regrade never changes it; choose another")
-    writable_folder(output.parent, "--output")
+    output_file(output, "--output")
     golds = _read_golds(args.data) if args.data else None
     with GraderPool() as pool:
         return regrade_results(source, output, golds, pool)

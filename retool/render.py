@@ -39,6 +39,8 @@ from typing import Any, NoReturn
 import jinja2
 
 from retool.protocol import (
+    THINK_CLOSE,
+    THINK_OPEN,
     TOOL_NAME,
     TemplateError,
     ToolCallFormat,
@@ -92,6 +94,8 @@ class _Deltas:
     """Follows the tool content, through the next generation prompt."""
     trims_tool_content: bool = False
     append_only: bool = True
+    opens_thinking: bool = False
+    """The generation prompt leaves a ``<think>`` open: a sampled turn starts in reasoning."""
 
 
 def load_chat_template(spec: str | Path | None, tokenizer: Any = None) -> str:
@@ -158,6 +162,12 @@ class Renderer:
         """True when incremental tokens equal the template's render of the whole conversation."""
         return self._deltas.append_only
 
+    @property
+    def opens_thinking(self) -> bool:
+        """True when the template's generation prompt opens a thinking block (QwQ; Qwen3.5
+        with thinking on), so every sampled turn starts inside the model's reasoning."""
+        return self._deltas.opens_thinking
+
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         """The template's text for ``messages`` (with the tool declared in tool mode)."""
         try:
@@ -192,7 +202,7 @@ class Renderer:
         """Decode a sampled turn and parse its tool call in this template's format."""
         if self.tool_format is None:
             return ParsedTurn(content=self.decode_turn(sampled_tokens))
-        return parse_assistant(self.decode_turn(sampled_tokens), self.tool_format)
+        return parse_assistant(self.decode_turn(sampled_tokens), self.tool_format, in_thinking=self.opens_thinking)
 
     def tool_turn(self, sampled_tokens: Sequence[int], sampled_logprobs: Sequence[float],
                   tool_text: str) -> Segment:
@@ -251,7 +261,8 @@ class Renderer:
                         (_ASSISTANT[0], _TOOL[0], _ASSISTANT[1]))
         if one[-1] != two[-1]:
             self._fail("the closing of the final assistant turn depends on the turns before it")
-        deltas = _Deltas(generation_prompt, final_closing=one[-1], append_only=one[0] == prompt)
+        deltas = _Deltas(generation_prompt, final_closing=one[-1], append_only=one[0] == prompt,
+                         opens_thinking=generation_prompt.rfind(THINK_OPEN) > generation_prompt.rfind(THINK_CLOSE))
         return self._probe_tool_turns(base, prompt, deltas) if self.tools else deltas
 
     def _probe_tool_turns(self, base: list[dict[str, Any]], prompt: str, deltas: _Deltas) -> _Deltas:

@@ -37,9 +37,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.report import ReportInputError, read_eval_results, read_jsonl
+from retool.report import ReportInputError, read_eval_results
 from retool.results import is_results_file
-from retool.serialize import trajectory_from_jsonable
+from retool.sandbox import Sandbox, SandboxConfig
+from retool.trajectory_log import NotATrajectoryLog, TrajectoryLogError, read_trajectory_log
 from retool.types import ExecutionResult, ToolCall, Trajectory
 
 SHOWN_FAILURES = 20
@@ -127,17 +128,11 @@ def load_source(source: Path) -> tuple[list[Recorded], Limits]:
 
 def _run_file(path: Path) -> list[Recorded]:
     try:
-        rows = read_jsonl(path)
-        if not rows or not all(isinstance(row.get("trajectory"), dict) for row in rows):
-            raise ReplayError(f"{path}: neither an eval results file nor a trajectory log")
-        return [Recorded(f"step {r.get('step')} · group {r.get('group')} · #{r.get('index')}",
-                         trajectory_from_jsonable(r["trajectory"])) for r in rows]
-    except ReportInputError as err:
+        return [Recorded(row.where, row.trajectory) for row in read_trajectory_log(path)]
+    except NotATrajectoryLog:
+        raise ReplayError(f"{path}: neither an eval results file nor a trajectory log") from None
+    except TrajectoryLogError as err:
         raise ReplayError(str(err)) from None
-    except (KeyError, TypeError, ValueError) as err:
-        if isinstance(err, ReplayError):
-            raise
-        raise ReplayError(f"{path}: not a valid trajectory log ({err!r})") from None
 
 
 def _run_limits(run_dir: Path) -> Limits:
@@ -189,16 +184,12 @@ async def replay(items: list[Recorded], sandbox, limits: Limits) -> list[CallRep
 
 def sandbox_config(limits: Limits, **overrides):
     """The sandbox of a replay: the recorded limits, defaults for the rest."""
-    from retool.sandbox import SandboxConfig
-
     recorded = {k: v for k, v in (("timeout_s", limits.timeout_s), ("memory_mb", limits.memory_mb)) if v is not None}
     return SandboxConfig(**{**recorded, **overrides})
 
 
 def run_replay(items: list[Recorded], limits: Limits, **config_overrides) -> list[CallReplay]:
     """Start a sandbox with the recorded limits, replay ``items``' calls, stop it."""
-    from retool.sandbox import Sandbox
-
     async def main() -> list[CallReplay]:
         async with Sandbox(sandbox_config(limits, **config_overrides)) as sandbox:
             return await replay(items, sandbox, limits)
@@ -255,7 +246,7 @@ def print_summary(source: Path, calls: list[CallReplay], trajectories: int, out=
 def register(subparsers) -> None:
     """Add ``retool replay``."""
     parser = subparsers.add_parser(
-        "replay", help="run recorded code calls again in the current sandbox and check they reproduce",
+        "replay",
         description="Re-execute the code calls recorded in an eval results file or a run's trajectory "
                     "file/folder in the current sandbox (the recorded timeout and memory limit where the "
                     "source has them) and compare status and output call by call. Exit code 0 when every "

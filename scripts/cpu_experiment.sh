@@ -57,6 +57,6 @@ fi
 timed eval-rl "$RETOOL" eval --checkpoint "$OUT/rl" --label "after RL" "${EVAL[@]}" --output "$OUT/eval/rl.jsonl"
 
 "$RETOOL" compare "$OUT/eval/sft.jsonl" "$OUT/eval/rl.jsonl" | tee "$OUT/compare.md"
-"$RETOOL" plot training "$OUT/rl" --out "$OUT/plots"
-"$RETOOL" plot checkpoints "$OUT/eval" --out "$OUT/plots"
+"$RETOOL" plot training "$OUT/rl" --output-dir "$OUT/plots"
+"$RETOOL" plot checkpoints "$OUT/eval" --output-dir "$OUT/plots"
 log "all done; results in $OUT"

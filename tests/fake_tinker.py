@@ -575,8 +575,10 @@ class TinkerServiceClient:
 
     def close(self, status, detail=None):
         type(self).closed_with = status
-        self.service.closed.append(status)
-        return self.service.future(None)
+        def finish():
+            self.service.check("close")  # fail("close", ...) makes it fail
+            self.service.closed.append(status)
+        return self._later(finish)
 
 
 class PytrioTrainingClient:

@@ -452,6 +452,40 @@ def test_the_reference_runs_unembedding_and_adam_eps_are_available(flavour, tmp_
     assert [p.eps for kind, p in service.requests if kind == "optim_step"] == [1e-12]
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_closing_the_training_client_ends_the_session_once(flavour, tmp_path, monkeypatch, caplog):
+    """``close_training_client`` passes how the run ended to ``close(status)``: Tinker's
+    session is closed with it (PyTRIO's SDK has no close), the thread pools stop, and a
+    second close sends nothing."""
+    from retool.engines import close_training_client
+
+    service = FakeService(tmp_path / "service", flavour)
+    install(service, monkeypatch)
+    client = adapter.create_training_client(flavour, model=model(), lora_rank=4, seed=3)
+    with caplog.at_level("WARNING", logger="retool.engines"):
+        close_training_client(client, KeyboardInterrupt())
+        close_training_client(client)
+    assert client._sample_pool._shutdown and client._result_pool._shutdown
+    assert service.calls["close"] == (1 if flavour == "tinker" else 0)
+    if flavour == "tinker":
+        assert client.service.closed_with == "interrupted"
+    assert not caplog.records
+
+
+def test_a_tinker_session_that_cannot_be_closed_is_logged_once(tmp_path, monkeypatch, caplog):
+    from retool.engines import close_training_client
+
+    service = FakeService(tmp_path / "service", "tinker")
+    install(service, monkeypatch)
+    client = adapter.create_training_client("tinker", model=model(), lora_rank=4, seed=3)
+    service.fail("close", 500)
+    with caplog.at_level("WARNING", logger="retool.engines"):
+        close_training_client(client, RuntimeError("the step failed"))
+    [record] = caplog.records
+    assert "closing the tinker session (errored) failed" in record.getMessage()
+    assert "InternalServerError" in record.getMessage()
+
+
 def test_an_unknown_model_stops_with_one_clear_line(tmp_path, monkeypatch, capsys):
     install(FakeService(tmp_path / "service", "tinker"), monkeypatch)
     args = train_args(tmp_path, tmp_path / "run", "tinker")
@@ -734,7 +768,7 @@ def test_export_downloads_a_peft_folder_the_local_engine_loads(flavour, tmp_path
     assert cli_main(train_args(tmp_path, run, flavour, steps=1)) == 0, capsys.readouterr().err
     out = tmp_path / "adapter"
     service.closed.clear()
-    assert cli_main(["export", str(run), "--output", str(out)]) == 0, capsys.readouterr().err
+    assert cli_main(["export", str(run), "--output-dir", str(out)]) == 0, capsys.readouterr().err
     assert (out / "adapter_config.json").is_file()
     if flavour == "tinker":  # the SDK's own route: a temporary external-weights export, deleted afterwards
         assert [p.split("/")[-2] for p in service.deleted] == ["external_weights"]
@@ -747,4 +781,4 @@ def test_export_downloads_a_peft_folder_the_local_engine_loads(flavour, tmp_path
     assert len(exported) == len(trained.params)
     for a, b in zip(local.params, trained.params):
         torch.testing.assert_close(a, b)
-    assert cli_main(["export", str(run), "--output", str(out)]) == 2  # never overwrites
+    assert cli_main(["export", str(run), "--output-dir", str(out)]) == 2  # never overwrites

@@ -157,6 +157,28 @@ def test_the_server_stops_when_retool_is_interrupted_or_killed(how, tmp_path):
     assert not _alive(server_pid)
 
 
+def test_closing_the_training_client_stops_the_server_it_started(tmp_path, caplog):
+    """``close_training_client`` (what train and sft call when they end) reaches the vLLM
+    client's ``close(status)``: the server it started (a stand-in process) stops and its
+    adapter folder goes; a second close is harmless, and nothing is logged as failed."""
+    from retool.engines import close_training_client
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    from retool.engines.vllm import Server, VLLMTrainingClient
+    from tests.tiny import boxed_digit_model_dir
+
+    venv = _fake_venv(tmp_path, "exec sleep 300\n")
+    server = Server(VLLMSettings(venv=str(venv)), vserver.ServerOptions(model_dir="/m", venv=str(venv)))
+    trainer = LocalTrainingClient(LocalEngineConfig(model=str(boxed_digit_model_dir()), lora_rank=4, seed=0))
+    client = VLLMTrainingClient(trainer, server, mode="raw_logprobs", seed=0, stop_token_ids=[2], timeout_s=5.0)
+    pid, adapters = server.managed.process.pid, server.adapter_dir
+    assert _alive(pid) and adapters.is_dir()
+    with caplog.at_level("WARNING", logger="retool.engines"):
+        close_training_client(client)
+        close_training_client(client, RuntimeError("closed again after a failure"))
+    assert not _alive(pid) and not adapters.exists()
+    assert not caplog.records
+
+
 def _fake_venv(tmp_path: Path, body: str) -> Path:
     """A venv whose `python` is a shell script running ``body`` (a stand-in server)."""
     venv = tmp_path / "venv"

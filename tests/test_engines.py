@@ -164,3 +164,54 @@ def test_only_transient_sampler_failures_are_retried(monkeypatch):
     with pytest.raises(train.StepError, match="step 3: rollout failed: a bug"):
         train._rollout_with_retries(trainer([RolloutError("a bug")]), [problem], 3, 0)
     assert len(calls) == 1
+
+
+# ---------------------------------------------------------------- closing a training client
+
+
+def test_close_with_a_status_is_part_of_every_engines_training_client():
+    """``close(status)`` is in the protocol and every engine's client takes it, so
+    ``close_training_client`` never calls one with an argument it does not take."""
+    import inspect
+
+    from retool.engines.base import CLOSE_STATUSES, TrainingClient
+    from retool.engines.local import LocalTrainingClient
+    from retool.engines.tinker import ServiceTrainingClient
+    from retool.engines.vllm import VLLMTrainingClient
+
+    assert "close" in TrainingClient.__dict__ and CLOSE_STATUSES == ("success", "errored", "interrupted")
+    for cls in (LocalTrainingClient, VLLMTrainingClient, ServiceTrainingClient):
+        status = inspect.signature(cls.close).parameters["status"]
+        assert status.default == "success", cls
+
+
+def test_closing_the_local_engine_frees_its_kv_caches_and_a_second_close_is_harmless(caplog):
+    import asyncio
+
+    from retool.engines.base import SamplingParams
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    from tests.tiny import boxed_digit_model_dir
+
+    client = LocalTrainingClient(LocalEngineConfig(model=str(boxed_digit_model_dir()), lora_rank=4, seed=0))
+    prompt = client.get_tokenizer().encode("What is 2 + 3? Answer with one digit. " * 4)  # >= 16 tokens: stored
+    asyncio.run(client.sampler.sample(prompt, 2, SamplingParams(max_tokens=4, temperature=1.0)))
+    assert client.sampler.kv_store.size > 0  # the prompt's KV cache is stored for the next request
+    with caplog.at_level("WARNING", logger="retool.engines"):
+        engines.close_training_client(client)
+        engines.close_training_client(client, KeyboardInterrupt())
+    assert client.sampler.kv_store.size == 0 and not caplog.records
+
+
+class _RefusesToClose:
+    """A training client whose close fails (a service that is already gone)."""
+
+    def close(self, status: str = "success") -> None:
+        raise ConnectionError(f"cannot report {status}: connection refused")
+
+
+def test_a_failing_close_is_logged_once_and_the_run_goes_on(caplog):
+    with caplog.at_level("WARNING", logger="retool.engines"):
+        engines.close_training_client(_RefusesToClose(), RuntimeError("the step failed"))
+    [record] = caplog.records
+    assert "_RefusesToClose" in record.getMessage() and "errored" in record.getMessage()
+    assert "ConnectionError: cannot report errored" in record.getMessage()

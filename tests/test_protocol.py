@@ -188,6 +188,29 @@ def test_think_close_inside_code_does_not_hide_the_call(fmt, make):
         assert turn.attempted_call and turn.call.code == code, text
 
 
+@pytest.mark.parametrize("fmt, make", [(HERMES, hermes_call), (XML, xml_call)])
+def test_think_close_in_the_code_of_a_turn_without_reasoning_is_code(fmt, make):
+    """No ``<think>`` opened the turn and the generation prompt opened none: a ``</think>``
+    in the code is text, and the call before it is found (it used to be dropped)."""
+    for code in ('print("</think>")', 's = "a</think>b"\nprint(s.split("</think>"))'):
+        turn = parse_assistant(f"I will check.\n{make(code)}", fmt)
+        assert isinstance(turn.call, ToolCall) and turn.call.code == code, code
+        assert turn.content == "I will check."
+
+
+@pytest.mark.parametrize("fmt, make", [(HERMES, hermes_call), (XML, xml_call)])
+def test_a_turn_that_starts_in_thinking_is_split_at_its_first_think_close(fmt, make):
+    """``in_thinking``: the generation prompt left ``<think>`` open (QwQ, Qwen3.5 thinking),
+    so a call before the first ``</think>`` is reasoning; without it, the same text is a
+    turn with no reasoning, and the call is an attempt (with text after it)."""
+    text = f"maybe {make('print(1)')} later\n</think>\n\nThe answer is \\boxed{{1}}."
+    assert parse_assistant(text, fmt, in_thinking=True).call is None
+    assert invalid_reason(text, fmt) == "text_after_call"
+    code = 'print("</think>")'
+    turn = parse_assistant(f"plan\n</think>\n\n{make(code)}", fmt, in_thinking=True)
+    assert isinstance(turn.call, ToolCall) and turn.call.code == code
+
+
 # ---------------------------------------------------------------- parsing: adversarial
 
 ADVERSARIAL = {

@@ -325,3 +325,33 @@ def test_smollm2_with_hermes_override_is_token_exact(n_calls):
     full = renderer.encode(renderer.render(structured_conversation(n_calls), add_generation_prompt=False))
     for with_stop in (True, False):
         assert incremental(renderer, n_calls, with_stop=with_stop)[0] == full
+
+
+@pytest.mark.parametrize("template, enable_thinking, opens", [
+    ("qwen2.5", False, False), ("qwen3", False, False), ("qwen3", True, False), ("qwen3-coder", False, False),
+    ("qwq", False, True), ("qwen3.5", False, False), ("qwen3.5", True, True)])
+def test_opens_thinking_is_read_from_the_generation_prompt(template, enable_thinking, opens):
+    tokenizer = qwen35_tokenizer() if template == "qwen3.5" else qwen3_tokenizer()
+    renderer = Renderer(tokenizer, chat_template=official_template(template), enable_thinking=enable_thinking)
+    assert renderer.opens_thinking is opens
+
+
+@pytest.mark.parametrize("template", ["qwen2.5", "qwen3"])
+def test_a_hermes_call_with_think_close_in_its_code_is_run(template):
+    """Hermes templates whose turns start outside reasoning: ``</think>`` in code is code."""
+    renderer = Renderer(qwen3_tokenizer(), chat_template=official_template(template))
+    code = 'tags = "<think>x</think>"\nprint(tags.count("</think>"))'
+    call = renderer.parse_turn(renderer.encode(model_text(ToolCallFormat.HERMES, "Count the tags.", code))).call
+    assert isinstance(call, ToolCall) and call.code == code
+
+
+def test_qwq_reasoning_is_not_searched_for_calls():
+    """QwQ's generation prompt opens ``<think>``: a call written while thinking is not run,
+    one after the first ``</think>`` is, even when its code contains ``</think>``."""
+    renderer = Renderer(qwen3_tokenizer(), chat_template=official_template("qwq"))
+    code = 'print("</think>")'
+    thinking = renderer.encode(f"try {model_text(ToolCallFormat.HERMES, 'a', 'print(1)')} or not\n</think>\n\nno call")
+    assert renderer.parse_turn(thinking).call is None
+    after = renderer.encode("plan\n</think>\n\n" + model_text(ToolCallFormat.HERMES, "Run it.", code))
+    call = renderer.parse_turn(after).call
+    assert isinstance(call, ToolCall) and call.code == code

@@ -517,15 +517,14 @@ def test_train_and_eval_refuse_unbounded_sandbox_timeouts(value, tmp_path, capsy
 
 
 def test_cli_strict_flags_are_wired():
-    from retool.cli import build_parser
+    from retool.cli import parse_args
 
-    parser = build_parser()
-    assert parser.parse_args(["sandbox", "serve", "--sandbox-strict"]).strict is True
-    assert parser.parse_args(["sandbox", "serve"]).workers == DEFAULT_WORKERS
+    assert parse_args(["sandbox", "serve", "--sandbox-strict"]).strict is True
+    assert parse_args(["sandbox", "serve"]).workers == DEFAULT_WORKERS
     from retool.config import config_from_args
     from retool.train import TrainConfig
 
-    cfg = config_from_args(TrainConfig, parser.parse_args(["train", "--sandbox-strict"]))
+    cfg = config_from_args(TrainConfig, parse_args(["train", "--sandbox-strict"]))
     assert cfg.sandbox_config().strict is True
 
 
@@ -665,19 +664,18 @@ def test_cli_run_stateful_files_share_one_interpreter(session_server, tmp_path, 
 
 
 def test_cli_interpreter_flags_are_wired(capsys):
-    from retool.cli import build_parser
+    from retool.cli import parse_args
     from retool.config import config_from_args
     from retool.evaluate import EvalConfig
     from retool.train import TrainConfig
 
-    parser = build_parser()
-    assert config_from_args(TrainConfig, parser.parse_args(["train"])).interpreter == "stateless"
-    assert config_from_args(TrainConfig, parser.parse_args(["train", "--interpreter", "stateful"])).interpreter \
+    assert config_from_args(TrainConfig, parse_args(["train"])).interpreter == "stateless"
+    assert config_from_args(TrainConfig, parse_args(["train", "--interpreter", "stateful"])).interpreter \
         == "stateful"
-    assert config_from_args(EvalConfig, parser.parse_args(["eval", "--interpreter", "stateful"])).interpreter \
+    assert config_from_args(EvalConfig, parse_args(["eval", "--interpreter", "stateful"])).interpreter \
         == "stateful"
     with pytest.raises(SystemExit):
-        parser.parse_args(["train", "--interpreter", "jupyter"])
+        parse_args(["train", "--interpreter", "jupyter"])
     assert "invalid choice: 'jupyter'" in capsys.readouterr().err
 
 

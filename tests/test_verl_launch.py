@@ -37,7 +37,7 @@ def test_retool_imports_without_verl():
 
 def test_command_writes_the_launch_folder(tmp_path, capsys):
     out = tmp_path / "launch"
-    assert main(["verl-config", "--train-data", tiny_train(tmp_path), "--out", str(out), "--nnodes", "2"]) == 0
+    assert main(["verl-config", "--train-data", tiny_train(tmp_path), "--output-dir", str(out), "--nnodes", "2"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["agent_loop.yaml", "reward_fn.py", "run.sh", "train.parquet",
                                                      "val.parquet"]
     train, val = pq.read_table(out / "train.parquet").to_pylist(), pq.read_table(out / "val.parquet").to_pylist()
@@ -61,6 +61,7 @@ def test_command_writes_the_launch_folder(tmp_path, capsys):
     (["--mode", "text"], "retool mode only"),
     (["--loss", "importance_sampling"], "PPO-clip"),
     (["--refill-rounds", "2"], "dynamic sampling"),
+    (["--curriculum", "difficulty"], "difficulty curriculum has no verl equivalent"),
     (["--overlong", "soft"], "not mapped to verl"),
     (["--behaviour-is", "token-tis"], "not mapped to verl"),
     (["--advantage", "passk"], "not mapped to verl"),
@@ -70,13 +71,13 @@ def test_command_writes_the_launch_folder(tmp_path, capsys):
     (["--interpreter", "stateful"], "stateless interpreter only"),
 ])
 def test_settings_verl_would_run_differently_are_refused(tmp_path, capsys, flags, message):
-    assert main(["verl-config", "--train-data", tiny_train(tmp_path), "--out", str(tmp_path / "o"), *flags]) == 2
+    assert main(["verl-config", "--train-data", tiny_train(tmp_path), "--output-dir", str(tmp_path / "o"), *flags]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
 def test_missing_training_data_is_one_error_line(tmp_path, capsys):
-    assert main(["verl-config", "--train-data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert main(["verl-config", "--train-data", str(tmp_path / "nope.jsonl"), "--output-dir", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
 
 

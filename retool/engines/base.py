@@ -254,6 +254,10 @@ class SamplingClient(Protocol):
         ...
 
 
+CLOSE_STATUSES = ("success", "errored", "interrupted")
+"""How a run ended, as ``TrainingClient.close`` is told (Tinker's session statuses)."""
+
+
 @runtime_checkable
 class TrainingClient(Protocol):
     """Holds trainable weights and their optimiser state."""
@@ -294,4 +298,11 @@ class TrainingClient(Protocol):
 
     def save_weights_for_sampler(self, name: str | None = None) -> SamplingClient:
         """A sampling client that samples with the weights as they are now."""
+        ...
+
+    def close(self, status: str = "success") -> None:
+        """End the run's use of the client and release what it holds (a server it started,
+        an SDK session, caches); ``status`` is one of :data:`CLOSE_STATUSES`, which a
+        service records with its session. A second call does nothing. A failure raises;
+        :func:`retool.engines.close_training_client` reports it once."""
         ...

@@ -80,6 +80,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import logging
 import math
 import os
 import sys
@@ -108,6 +109,8 @@ from retool.engines.base import (
 from retool.engines.sdk_retries import RetryCounter, close_pytrio, unwatch_tinker, watch_pytrio, watch_tinker
 from retool.seeding import derive_seed
 from retool.types import Datum, StopReason
+
+log = logging.getLogger(__name__)
 
 IGNORE_TARGET = -100
 """PyTRIO's target id for a position that is neither trained nor counted."""
@@ -434,6 +437,7 @@ class ServiceTrainingClient:
         self._sample_pool = ThreadPoolExecutor(sample_concurrency, thread_name_prefix=f"{flavour.name}-sample")
         self._result_pool = ThreadPoolExecutor(2, thread_name_prefix=f"{flavour.name}-result")
         self._pending_gradient = False
+        self._closed = False
         self.adam_eps: float | None = None
         """Adam's epsilon for the service, replacing the trainer's (``--tinker-adam-eps``)."""
 
@@ -567,7 +571,11 @@ class ServiceTrainingClient:
 
     def close(self, status: str = "success") -> None:
         """End the run's use of the service: stop counting SDK retries for it, release
-        the thread pools and close the SDK's session (:func:`close_service`)."""
+        the thread pools and close the SDK's session (:func:`close_service`). A second
+        call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         unwatch_tinker(self.counters.sdk)
         self._sample_pool.shutdown(wait=False, cancel_futures=True)
         self._result_pool.shutdown(wait=False, cancel_futures=True)
@@ -655,8 +663,8 @@ def close_service(flavour: Flavour, service: Any, status: str = "success") -> No
     gone) until the process exits; it waits at most :data:`CLOSE_WAIT_S`. PyTRIO 0.2.9
     has no public ``close``: :func:`retool.engines.sdk_retries.close_pytrio` ends its
     service session (``ENDED``/``CANCELLED``) and stops the heartbeats of the training and
-    sampling runs made from it. A failure to close is said once on stderr; the run's
-    outcome stands."""
+    sampling runs made from it. A failure to close is logged once as a warning (secrets
+    scrubbed); the run's outcome stands."""
     try:
         if flavour is PYTRIO:
             close_pytrio(service, status)
@@ -665,8 +673,8 @@ def close_service(flavour: Flavour, service: Any, status: str = "success") -> No
         if close is not None:
             close(status).result(timeout=CLOSE_WAIT_S)
     except Exception as err:  # noqa: BLE001 - a session that cannot be finished expires on the service
-        print(_scrub(flavour, f"engine {flavour.name}: could not close the service session "
-                              f"({type(err).__name__}: {err}); it expires on the service"), file=sys.stderr)
+        log.warning("closing the %s session (%s) failed: %s: %s; it expires on the service",
+                    flavour.name, status, type(err).__name__, _scrub(flavour, str(err)))
 
 
 def _engine_json(path: str | Path) -> dict[str, Any]:

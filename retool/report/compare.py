@@ -222,7 +222,7 @@ def format_table(result: Comparison) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "compare", help="compare two evals of the same problems: difference and paired standard error",
+        "compare",
         description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("before", type=Path, help="eval results file of the earlier model (e.g. after SFT)")
     p.add_argument("after", type=Path, help="eval results file of the later model (e.g. after RL)")

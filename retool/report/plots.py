@@ -31,8 +31,11 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from pathlib import Path
 
-from retool.atomic import UnwritableOutputError, atomic_open, writable_folder
-from retool.report import ReportInputError, read_eval_results, read_jsonl
+from retool.atomic import atomic_open
+from retool.flag_checks import output_folder, refuse_renamed
+from retool.jsonl import JsonlError
+from retool.log import read_metrics
+from retool.report import ReportInputError, read_eval_results
 from retool.results import EvalResults, is_results_file, summarize
 from retool.stats import BEHAVIOUR_FIGURES, COUNT_FIGURES
 
@@ -158,7 +161,7 @@ def plot_checkpoints(results_dir: str | Path, out_dir: str | Path, *, dataset: s
 
 
 def _checkpoint_figure(points: list[CheckpointPoint], title: str):
-    import numpy as np
+    import numpy as np  # numpy and matplotlib (heavy): only drawing needs them
     from matplotlib.figure import Figure
 
     ks = sorted({p.k for p in points})
@@ -217,13 +220,22 @@ def _behaviour_figure(points: list[CheckpointPoint], title: str):
 # ---------------------------------------------------------------- training curves
 
 
-def read_metrics(path: str | Path) -> dict[int, dict]:
-    """Rows of ``metrics.jsonl`` by step; a later row for the same step replaces an earlier one.
+def metrics_by_step(path: str | Path) -> dict[int, dict]:
+    """Rows of ``metrics.jsonl`` (read by :func:`retool.log.read_metrics`) by step; a later
+    row for the same step replaces an earlier one (a resumed run rewrites its last steps).
 
-    Raises :class:`ReportInputError` for a row without an integer ``step``.
+    Raises :class:`ReportInputError` for a missing or damaged file and a row without an
+    integer ``step``.
     """
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{path}: cannot read: no such file")
+    try:
+        rows = read_metrics(path)
+    except JsonlError as err:
+        raise ReportInputError(str(err)) from None
     by_step = {}
-    for lineno, row in enumerate(read_jsonl(path), start=1):
+    for lineno, row in enumerate(rows, start=1):
         step = row.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             raise ReportInputError(f"{path}: row {lineno} has no integer 'step' (got {step!r})")
@@ -252,7 +264,7 @@ def plot_training(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     metrics_path = Path(metrics_path)
     if metrics_path.is_dir():
         metrics_path = metrics_path / "metrics.jsonl"
-    rows = read_metrics(metrics_path)
+    rows = metrics_by_step(metrics_path)
     panels = [(title, panel_series(rows, patterns)) for title, patterns in TRAINING_PANELS]
     panels = [(title, series) for title, series in panels if series]
     if not panels:
@@ -262,7 +274,7 @@ def plot_training(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
 
 
 def _training_figure(panels, title: str):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: only drawing needs it
 
     cols = 3
     nrows = math.ceil(len(panels) / cols)
@@ -288,7 +300,7 @@ def _training_figure(panels, title: str):
 
 def _save(fig, stem: Path) -> list[Path]:
     """Write ``stem.png`` and ``stem.svg`` (SVG text stays text: searchable, smaller)."""
-    import matplotlib
+    import matplotlib  # heavy: only saving a figure needs it
 
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -319,7 +331,7 @@ def _slug(text: str) -> str:
 def register(subparsers) -> None:
     """Add ``retool plot`` with its ``checkpoints`` and ``training`` subcommands."""
     parser = subparsers.add_parser(
-        "plot", help="draw the checkpoint comparison or a run's training curves (PNG + SVG)",
+        "plot",
         description="Draw figures from what retool wrote. `retool plot checkpoints DIR`: "
                     "Average@k / Pass@k bars and a Format line per checkpoint from a folder of "
                     "eval results. `retool plot training RUN_DIR`: training curves from metrics.jsonl.")
@@ -329,7 +341,8 @@ def register(subparsers) -> None:
                                         "then checkpoints by step.")
     ckpt.add_argument("results_dir", type=Path, metavar="RESULTS_DIR",
                       help="folder holding eval results files (*.jsonl or *.jsonl.gz)")
-    ckpt.add_argument("--out", type=Path, help="output folder (default: RESULTS_DIR/plots)")
+    ckpt.add_argument("--output-dir", type=Path, help="output folder (default: RESULTS_DIR/plots)")
+    refuse_renamed(ckpt, "--out", "--output-dir")
     ckpt.add_argument("--dataset", help="only eval results of this dataset (e.g. aime25)")
     ckpt.add_argument("--mode", choices=("retool", "text"), help="only eval results of this mode")
     ckpt.set_defaults(func=_run_checkpoints)
@@ -337,27 +350,24 @@ def register(subparsers) -> None:
                              description="A grid of panels from RUN_DIR/metrics.jsonl; absent metrics "
                                          "are skipped.")
     train.add_argument("run", type=Path, metavar="RUN_DIR", help="run folder, or its metrics.jsonl")
-    train.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/plots)")
+    train.add_argument("--output-dir", type=Path, help="output folder (default: RUN_DIR/plots)")
+    refuse_renamed(train, "--out", "--output-dir")
     train.set_defaults(func=_run_training)
 
 
 def _run_checkpoints(args: argparse.Namespace) -> int:
-    out = args.out or args.results_dir / "plots"
+    out = args.output_dir or args.results_dir / "plots"
     return _report(out, lambda: plot_checkpoints(args.results_dir, out, dataset=args.dataset, mode=args.mode))
 
 
 def _run_training(args: argparse.Namespace) -> int:
     run_dir = args.run if args.run.is_dir() else args.run.parent
-    out = args.out or run_dir / "plots"
+    out = args.output_dir or run_dir / "plots"
     return _report(out, lambda: plot_training(args.run, out))
 
 
 def _report(out: Path, draw) -> int:
-    try:
-        writable_folder(out, "--out")
-    except UnwritableOutputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    output_folder(out, "--output-dir")
     try:
         paths = draw()
     except ReportInputError as err:

@@ -1,7 +1,6 @@
 """``retool view``: one self-contained HTML page of trajectories, for humans.
 
-Reads a run's trajectory logs (rows ``{"step", "group", "index", "advantage",
-"trajectory"}``) or eval results files (docs/formats.md), plain or gzipped, and writes a
+Reads a run's trajectory logs (:mod:`retool.trajectory_log`) or eval results files (docs/formats.md), plain or gzipped, and writes a
 single HTML file that opens offline: inline CSS and JavaScript, a Content-Security-Policy
 that forbids every network request, and the data embedded once as gzip + base64 JSON
 that the page decodes and renders (each trajectory's body only when it is opened, so
@@ -40,11 +39,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.atomic import UnwritableOutputError, atomic_write_text, writable_folder
-from retool.report import ReportInputError, read_eval_results, read_jsonl
+from retool.atomic import atomic_write_text
+from retool.bundled import resolve_model_name
+from retool.flag_checks import output_file, refuse_renamed
+from retool.report import ReportInputError, read_eval_results
 from retool.results import EvalResults, is_results_file
-from retool.serialize import trajectory_from_jsonable
 from retool.stats import trajectory_stats
+from retool.trajectory_log import NotATrajectoryLog, TrajectoryLogError, TrajectoryLogRow, read_trajectory_log
 from retool.types import Grade, ToolCall, Trajectory, Turn
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "view"
@@ -101,11 +102,13 @@ def _folder_files(folder: Path) -> list[Path]:
 def _load_file(path: Path, strict: bool) -> list[ViewItem] | None:
     if is_results_file(path):
         return _eval_items(read_eval_results(path))
-    rows = read_jsonl(path)
-    if rows and all("trajectory" in row for row in rows):
-        return [_training_item(path, n, row) for n, row in enumerate(rows, start=1)]
-    if strict:
-        raise ReportInputError(f"{path}: neither a trajectory log nor an eval results file")
+    try:
+        return [_training_item(row) for row in read_trajectory_log(path)]
+    except NotATrajectoryLog:
+        if strict:
+            raise ReportInputError(f"{path}: neither a trajectory log nor an eval results file") from None
+    except TrajectoryLogError as err:
+        raise ReportInputError(str(err)) from None
     print(f"skipped {path}: neither a trajectory log nor an eval results file", file=sys.stderr)
     return None
 
@@ -132,22 +135,9 @@ def _original_grades(results: EvalResults) -> dict[tuple[str, int], Grade]:
     return {(p.problem_id, n): t.grade for p in before.problems for n, t in enumerate(p.samples, start=1)}
 
 
-def _training_item(path: Path, lineno: int, row: dict) -> ViewItem:
-    trajectory = _parse(path, f"row {lineno}", row["trajectory"])
-    source = f"step {row.get('step')} · group {row.get('group')} · #{row.get('index')}"
-    original = row.get("original_grade")
-    try:
-        original = Grade(**original) if isinstance(original, dict) else None
-    except TypeError as err:
-        raise ReportInputError(f"{path}: row {lineno}: not a valid original_grade: {err}") from None
-    return ViewItem(source=source, trajectory=trajectory, advantage=_finite(row.get("advantage")), original=original)
-
-
-def _parse(path: Path, where: str, data) -> Trajectory:
-    try:
-        return trajectory_from_jsonable(data)
-    except (KeyError, TypeError, ValueError) as err:
-        raise ReportInputError(f"{path}: {where}: not a valid trajectory: {err!r}") from err
+def _training_item(row: TrajectoryLogRow) -> ViewItem:
+    return ViewItem(source=row.where, trajectory=row.trajectory, advantage=_finite(row.advantage),
+                    original=row.original_grade)
 
 
 # ---------------------------------------------------------------- checks
@@ -181,9 +171,8 @@ def mask_warnings(trajectory: Trajectory) -> list[str]:
 
 def load_tokenizer(name: str):
     """A Hugging Face tokenizer from a name, a folder, or ``bundled:smollm2``."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only --tokenizer needs it
 
-    from retool.bundled import resolve_model_name
 
     try:
         return AutoTokenizer.from_pretrained(resolve_model_name(name))
@@ -290,7 +279,7 @@ def _finite(value) -> float | None:
 
 def _rounded(values: tuple[float, ...]) -> list[float | None]:
     """Values to 3 decimals (they only feed tooltips), non-finite ones as ``None``."""
-    import numpy as np
+    import numpy as np  # numpy: only writing a page needs it
 
     array = np.round(np.asarray(values, dtype=np.float64), 3)
     finite = np.isfinite(array)
@@ -309,15 +298,16 @@ def _str_or_none(value) -> str | None:
 def register(subparsers) -> None:
     """Add ``retool view``."""
     parser = subparsers.add_parser(
-        "view", help="write a self-contained HTML page of trajectories (runs or eval results)",
+        "view",
         description="Write one HTML file (opens offline) showing each trajectory's problem, reasoning, "
                     "code calls with interpreter output, final answer, reward, and a token view that "
                     "colours policy tokens by advantage and masked tokens grey.")
     parser.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",
                         help="trajectory logs (RUN_DIR/trajectories/step_*.jsonl.gz), eval results "
                              "files, or folders holding them (a run folder works)")
-    parser.add_argument("--out", "-o", type=Path,
+    parser.add_argument("--output", "-o", type=Path,
                         help="HTML file to write (default: next to the first input, ending .html)")
+    refuse_renamed(parser, "--out", "--output")
     parser.add_argument("--tokenizer", metavar="NAME_OR_PATH",
                         help="decode token ids with this Hugging Face tokenizer (or bundled:smollm2); "
                              "without it the token view shows ids")
@@ -338,12 +328,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         print("error: --limit must be at least 1", file=sys.stderr)
         return 2
-    out = args.out or default_out(args.inputs[0])
-    try:
-        writable_folder(out.parent, "--out")
-    except UnwritableOutputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    out = output_file(args.output or default_out(args.inputs[0]), "--output")
     try:
         out = write_view(args.inputs, out, tokenizer_name=args.tokenizer, limit=args.limit, title=args.title)
     except ReportInputError as err:

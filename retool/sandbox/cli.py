@@ -13,28 +13,34 @@
 Timeouts are bounded: a number of seconds in (0, ``MAX_TIMEOUT_S``]; ``0``, negative
 values, ``inf`` and ``nan`` are refused by argparse with one line naming the flag.
 
-Heavy imports happen inside the command functions so ``retool --help`` stays fast.
+The HTTP server and client (aiohttp, pydantic) are imported only by the subcommand
+that uses them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+from retool.flag_checks import listen_address
+from retool.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
+from retool.sandbox.executor import MAX_TIMEOUT_S
+
 DEFAULT_WORKERS = 64
 """``retool sandbox serve``'s pool size (= ``retool.sandbox.server.DEFAULT_WORKERS``,
-repeated so that ``retool --help`` imports no server code)."""
+repeated so that ``retool sandbox run`` imports no server code)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "sandbox",
-        help="serve the code sandbox over HTTP (SandboxFusion API) or run one snippet",
         description="The local Python sandbox: a SandboxFusion-compatible HTTP server, "
         "and a one-shot runner for trying snippets.",
     )
@@ -45,8 +51,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def timeout_seconds(text: str) -> float:
     """argparse type of a timeout: seconds in (0, MAX_TIMEOUT_S]."""
-    from retool.sandbox.executor import MAX_TIMEOUT_S
-
     try:
         value = float(text)
     except ValueError:
@@ -142,12 +146,9 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
+    from retool.sandbox.server import ServerConfig, serve  # aiohttp and pydantic: only serve needs them
 
-    from retool.sandbox import SandboxUnavailableError
-    from retool.sandbox.server import ServerConfig, serve
-
+    listen_address(args.host, args.port)  # before the sandbox starts: a bad --host/--port is one line
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
         host=args.host,
@@ -165,16 +166,14 @@ def _serve(args: argparse.Namespace) -> int:
     except SandboxUnavailableError as e:
         print(f"retool sandbox serve: the sandbox could not start: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # port in use, bad address: a clear line, not a traceback
-        print(f"retool sandbox serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:  # taken since the check: a clear line, not a traceback
+        print(f"error: --port {args.port}: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _sandbox_config(args: argparse.Namespace, **extra: Any):
     """A SandboxConfig with only the flags the user gave overriding its defaults."""
-    from retool.sandbox import SandboxConfig
-
     given = {"timeout_s": args.timeout, "memory_mb": args.memory_mb, **extra}
     return SandboxConfig(**{k: v for k, v in given.items() if v is not None})
 
@@ -197,7 +196,6 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     kwargs = {"auto_print": args.auto_print} if stateful else dict(
         stdin=stdin, files=files or None, fetch_files=tuple(args.fetch), auto_print=args.auto_print)
-    from retool.sandbox import SandboxUnavailableError
 
     try:
         run = _run_remote if args.endpoint else _run_local
@@ -216,8 +214,6 @@ def _read_put(spec: str) -> tuple[str, bytes]:
 
 
 def _run_local(args: argparse.Namespace, codes: list[str], kwargs: dict[str, Any], stateful: bool) -> list:
-    from retool.sandbox import Sandbox
-
     sandbox = Sandbox(_sandbox_config(args, workers=1))
     try:
         if not stateful:
@@ -229,9 +225,7 @@ def _run_local(args: argparse.Namespace, codes: list[str], kwargs: dict[str, Any
 
 
 def _run_remote(args: argparse.Namespace, codes: list[str], kwargs: dict[str, Any], stateful: bool) -> list:
-    import asyncio
-
-    from retool.sandbox.client import SandboxClient
+    from retool.sandbox.client import SandboxClient  # aiohttp: only --endpoint needs it
 
     client = SandboxClient(args.endpoint, auto_print=kwargs.pop("auto_print"))
     limits = {"timeout_s": args.timeout, "memory_mb": args.memory_mb}

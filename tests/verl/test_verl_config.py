@@ -72,7 +72,7 @@ def compose_verl(overrides: list[str]):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
-    cfg = make_config(VerlConfig, train_data=tiny_train(tmp), out=str(tmp / "out"), nnodes=2, gpus_per_node=8,
+    cfg = make_config(VerlConfig, train_data=tiny_train(tmp), output_dir=str(tmp / "out"), nnodes=2, gpus_per_node=8,
                       tensor_parallel=2)
     folder = write_launch_folder(cfg)
     return cfg, folder, compose_verl(run_sh_overrides(folder))
@@ -170,7 +170,7 @@ def test_parquet_loads_with_verls_dataset_and_carries_agent_name(launched):
 
 
 def test_seed_preset_and_full_finetune_sglang(tmp_path):
-    cfg = make_config(VerlConfig, train_data=tiny_train(tmp_path), out=str(tmp_path / "out"), full_finetune=True,
+    cfg = make_config(VerlConfig, train_data=tiny_train(tmp_path), output_dir=str(tmp_path / "out"), full_finetune=True,
                       rollout_engine="sglang", max_steps=20, save_every=5, gradient_checkpointing=True,
                       val_temperature=0.0)
     c = compose_verl(run_sh_overrides(write_launch_folder(cfg)))
@@ -187,7 +187,7 @@ def test_command_line_with_the_repos_preset(tmp_path):
 
     out = tmp_path / "out"
     assert main(["verl-config", "--config", str(REPO / "configs" / "qwen35-4b-step20.toml"),
-                 "--train-data", tiny_train(tmp_path), "--out", str(out)]) == 0
+                 "--train-data", tiny_train(tmp_path), "--output-dir", str(out)]) == 0
     c = compose_verl(run_sh_overrides(out))
     assert c.trainer.total_training_steps == 20 and c.trainer.save_freq == 5
     assert c.actor_rollout_ref.model.path == "Qwen/Qwen3.5-4B"

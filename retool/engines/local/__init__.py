@@ -46,8 +46,10 @@ Modules, each using only the ones listed after it:
 
 - ``trainer``: ``LocalTrainingClient`` (forward/backward, micro-batches, packing, Adam,
   checkpoints) and ``create_training_client``.
-- ``sampler``: ``LocalSamplingClient`` (request batching into ``generate``).
-- ``decoding``: logits processors, stopping criterion, per-row seeding.
+- ``sampler``: ``LocalSamplingClient`` (request batching, layouts, the choice of loop).
+- ``decode_loop``: the sampler's own decode loop (one forward per token, finished rows dropped).
+- ``decoding``: the row sampler (logprobs, top-k/top-p, draws), stopping criterion, per-row seeding.
+- ``memory``: glibc arena cap and ``malloc_trim`` after every batch.
 - ``kv_cache``: shared-prefix cache and the LRU store of earlier sequences' KV.
 - ``hf_compat``: everything that touches transformers' cache internals, version check.
 - ``model``: loading, device/dtype, LoRA, neutral generation config.
@@ -86,7 +88,7 @@ def _settings_options(settings: LocalSettings | None) -> dict[str, Any]:
     settings = settings or LocalSettings()
     return {"sample_window_s": settings.sample_window_s, "max_sample_rows": settings.max_sample_rows,
             "sample_prefix_cache": settings.prefix_cache, "sample_kv_cache_mb": settings.kv_cache_mb,
-            "fast_sampling": settings.fast_sampling}
+            "fast_sampling": settings.fast_sampling, "decode_loop": settings.decode_loop}
 
 
 def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> LocalTrainingClient:
@@ -115,7 +117,8 @@ def sampler(request: SamplerRequest) -> EngineSampler:
     client = LocalSamplingClient(model, tokenizer, threading.Lock(), seed=request.seed,
                                  window_s=options["sample_window_s"], max_rows=options["max_sample_rows"],
                                  prefix_cache=options["sample_prefix_cache"],
-                                 kv_cache_mb=options["sample_kv_cache_mb"], fast=options["fast_sampling"])
+                                 kv_cache_mb=options["sample_kv_cache_mb"], fast=options["fast_sampling"],
+                                 decode_loop=options["decode_loop"])
     return EngineSampler(tokenizer, client)
 
 

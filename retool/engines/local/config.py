@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LocalEngineConfig:
-    """Everything the local engine needs; defaults run the bundled model on the CPU."""
+    """Everything the local engine needs; defaults run on the CPU."""
 
-    model: str = "bundled:smollm2"
-    """A Hugging Face hub id, a local model folder, or ``bundled:smollm2``."""
+    model: str
+    """A Hugging Face hub id, a local model folder, or ``bundled:smollm2`` (no default here:
+    commands pass theirs, ``retool.engines.DEFAULT_MODEL`` unless told otherwise)."""
     full_finetune: bool = False
     """Train every parameter instead of a LoRA adapter."""
     lora_rank: int = 32
@@ -57,10 +58,14 @@ class LocalEngineConfig:
     """Memory for the KV caches of earlier sequences that later turns continue (see
     ``LocalSamplingClient``); 0 turns the reuse off. Pure-attention models only."""
     fast_sampling: bool = True
-    """Let the sampler use its prefix cache, KV store and reserved decode room, which
-    reach into transformers' cache internals (``hf_compat``); it uses them only on a
-    tested transformers release and unless ``RETOOL_FAST_SAMPLING=0``. Off: plain
-    ``generate``, the same tokens, slower."""
+    """Let the sampler use its prefix cache, KV store, reserved decode room and own decode
+    loop, which reach into transformers' cache internals (``hf_compat``); it uses them
+    only on a tested transformers release and unless ``RETOOL_FAST_SAMPLING=0``. Off:
+    plain ``generate``, the same tokens, slower."""
+    decode_loop: str = "own"
+    """``own``: the sampler's own decode loop, which calls the model once per token and
+    drops finished rows from the batch; ``generate``: one HF ``generate`` call per batch
+    (the earlier path; same tokens up to float rounding). See ``LocalSamplingClient``."""
     seed: int = 42
     """Seeds the adapter initialisation and the sampling stream."""
     init_from: str | None = None

@@ -90,23 +90,31 @@ class RowSampler:
             self._taken.append(self._previous.gather(1, input_ids[:, -1:]).squeeze(1))
         scaled = scores.float() / self.temperature if self.temperature > 0 else scores.float()
         self._previous = scaled.log_softmax(-1)
-        chosen_R = self._draw(input_ids, scaled)
+        chosen_R = self._draw(scaled, self.generators_R)
         forced = scores.new_full(scores.shape, float("-inf"))
         return forced.scatter(1, chosen_R[:, None], 0.0)
 
-    def _draw(self, input_ids: Any, scaled: Any) -> Any:
+    def draw(self, scores_B: Any, rows: Sequence[int]) -> tuple[Any, Any]:
+        """Tokens and their logprobs for the batch rows ``rows`` (indices into the
+        generators) from their last-position logits ``scores_B``: what ``__call__``
+        draws, for a decode loop that calls the model itself."""
+        scaled = scores_B.float() / self.temperature if self.temperature > 0 else scores_B.float()
+        chosen_B = self._draw(scaled, [self.generators_R[r] for r in rows])
+        return chosen_B, scaled.log_softmax(-1).gather(1, chosen_B[:, None]).squeeze(1)
+
+    def _draw(self, scaled: Any, generators: Sequence[Any]) -> Any:
         import torch
 
         if self.temperature == 0:
             return scaled.argmax(-1)
         for warp in self.filters:
-            scaled = warp(input_ids, scaled)
+            scaled = warp(None, scaled)
         # Inverse-CDF draw, one uniform per row from the row's generator (per-row
         # torch.multinomial is ~20x slower on a 50k vocabulary). Zero-probability
         # tokens never satisfy cdf > u, so filtered tokens cannot be drawn.
         cdf_RV = scaled.softmax(-1).double().cumsum(-1)
         u_R = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=cdf_RV.device)
-                         for g in self.generators_R])
+                         for g in generators])
         chosen_R = torch.searchsorted(cdf_RV, (u_R * cdf_RV[:, -1]).unsqueeze(1), right=True)
         return chosen_R.squeeze(1).clamp_max(cdf_RV.shape[1] - 1)
 

@@ -139,6 +139,21 @@ def with_reserved_room(cache: Any, model_config: Any, reserve: int) -> Any:
     return candidate
 
 
+def keep_rows(cache: Any, index: Any) -> None:
+    """Keep only the batch rows ``index`` of ``cache`` (a decode loop dropping finished rows)."""
+    for layer in cache.layers:
+        if hasattr(layer, "keep_rows"):
+            layer.keep_rows(index)
+        else:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+
+
+def forward_cache_kwargs(cache: Any) -> dict[str, Any]:
+    """The keyword arguments that hand ``cache`` to a model's forward pass (``cache`` or
+    ``past_key_values``, as for ``generate``); an empty cache is still passed."""
+    return {_generate_cache_keyword(): cache}
+
+
 def generate_cache_kwargs(cache: Any) -> dict[str, Any]:
     """The keyword arguments that hand ``cache`` to ``generate`` (none for ``None``)."""
     return {} if cache is None else {_generate_cache_keyword(): cache}
@@ -186,5 +201,15 @@ def reserved_layer_class() -> Any:
             buffers[1][..., have:end, :] = value_states
             self.keys, self.values = buffers[0][..., :end, :], buffers[1][..., :end, :]
             return self.keys, self.values
+
+        def keep_rows(self, index: Any) -> None:
+            """Keep only the batch rows ``index`` (copying their filled part, with new room)."""
+            have = self.keys.shape[-2]
+            keys, values = self.keys[index], self.values[index]
+            shape = (*keys.shape[:-2], have + self.reserve, keys.shape[-1])
+            self._buffers = (keys.new_empty(shape), values.new_empty(shape))
+            self._buffers[0][..., :have, :] = keys
+            self._buffers[1][..., :have, :] = values
+            self.keys, self.values = self._buffers[0][..., :have, :], self._buffers[1][..., :have, :]
 
     return _ReservedLayer

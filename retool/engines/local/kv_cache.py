@@ -167,3 +167,19 @@ def store_rows(store: KVStore, cache: Any, attention_mask: Any, prompts: list[tu
                                torch.arange(width, width + kept, device=attention_mask.device)])
         store.remember(prompt + tokens[:kept], hf_compat.row_kv(cache, k, positions))
     return True
+
+
+def store_row(store: KVStore, cache: Any, batch_row: int, prompt_mask: Any, prompt: tuple[int, ...],
+              tokens: tuple[int, ...]) -> bool:
+    """Keep the KV of one row of a decode loop's batch (prompt + its tokens but the last),
+    laid out as ``prompt_mask`` (the prompt's columns) followed by one column per step;
+    ``False`` (nothing stored) when the cache is not pure attention."""
+    import torch
+
+    if not hf_compat.pure_attention(cache):
+        return False
+    width, kept = prompt_mask.shape[0], len(tokens) - 1
+    positions = torch.cat([prompt_mask.nonzero().squeeze(1),
+                           torch.arange(width, width + kept, device=prompt_mask.device)])
+    store.remember(prompt + tokens[:kept], hf_compat.row_kv(cache, batch_row, positions))
+    return True

@@ -1,11 +1,14 @@
-"""``LocalSamplingClient``: concurrent ``sample`` calls merged into batched HF ``generate`` calls.
+"""``LocalSamplingClient``: concurrent ``sample`` calls merged into batched decode calls.
 
 Requests that arrive within a short window are grouped by sampling settings
-(``max_tokens`` and ``seed`` may differ) and run as one ``generate`` call per group of
-at most ``max_rows`` rows, in a worker thread so that other trajectories' sandbox calls
-proceed meanwhile. Each call picks a layout for its rows (plain left padding, a shared
-prefix computed once, or stored KV of earlier turns; ``kv_cache``), draws tokens with
-``decoding``'s processors and cuts rows at stop tokens and budgets.
+(``max_tokens`` and ``seed`` may differ) and run as one batch per group of at most
+``max_rows`` rows, in a worker thread so that other trajectories' sandbox calls proceed
+meanwhile. Each batch picks a layout for its rows (plain left padding, a shared prefix
+computed once, or stored KV of earlier turns; ``kv_cache``), then decodes them with the
+sampler's own loop (``decode_loop``, the default: finished rows leave the batch) or one
+HF ``generate`` call (``decode_loop="generate"``), draws tokens with ``decoding``'s
+sampler and cuts rows at stop tokens and budgets. After every batch the freed memory
+goes back to the system (``memory``).
 
 Not covered: how tokens are drawn and seeded (``decoding``), the KV layouts
 (``kv_cache``), anything touching HF cache internals (``hf_compat``), new weights (the
@@ -21,8 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams
-from retool.engines.local import decoding, hf_compat, kv_cache
+from retool.engines.local import decoding, hf_compat, kv_cache, memory
+from retool.engines.local.decode_loop import decode
 from retool.engines.local.model import default_stop_token_ids, model_mode
+
+
+DECODE_LOOPS = ("own", "generate")
+"""``own``: the sampler's decode loop (``decode_loop.decode``; drops finished rows);
+``generate``: one HF ``generate`` call per batch (the earlier path, kept as a switch)."""
 
 
 @dataclass(eq=False)
@@ -69,17 +78,32 @@ class LocalSamplingClient:
     the same samples as the plain HF path; ``bench/sampling.py --tool-prompts --decode``
     measures them.
 
-    Fast path: the prefix cache, the KV store and reserved room reach into transformers'
-    cache internals (``hf_compat``). With ``fast=False``, or on a transformers release
-    outside ``hf_compat.TESTED_TRANSFORMERS``, all three are off and every call is a
-    plain left-padded ``generate``: the same tokens, slower.
+    Decode loop (``decode_loop``): ``own`` (default) prefills once and calls the model
+    once per token itself (``decode_loop.decode``), dropping rows that hit a stop token or
+    their budget from the batch, so that a batch's late steps cost only the rows still
+    running; ``generate`` is one HF ``generate`` call per batch, which computes every row
+    until the last one finishes. Both draw the same tokens with the same logprobs (up to
+    float rounding); ``bench/sampling.py --loops`` compares them.
+
+    Fast path: the prefix cache, the KV store, reserved room and the own decode loop
+    reach into transformers' cache internals (``hf_compat``). With ``fast=False``, or on
+    a transformers release outside ``hf_compat.TESTED_TRANSFORMERS``, all of them are off
+    and every call is a plain left-padded ``generate``: the same tokens, slower.
+
+    Memory: glibc keeps the memory that a batch's KV caches and logits free in per-thread
+    arenas, and the process can grow by about a batch's KV at every batch (measured in
+    one run of two: 2.3 -> 5.0 GB over three batches of 32 rows, the KV store at its
+    1 GB). The sampler caps the arenas at two and trims them after every batch
+    (``memory``); then it stayed at 2.0 GB.
     """
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
                  window_s: float = 0.01, max_rows: int = 64, prefix_cache: bool = True,
-                 kv_cache_mb: int = 1024, fast: bool = True) -> None:
+                 kv_cache_mb: int = 1024, fast: bool = True, decode_loop: str = "own") -> None:
         if max_rows < 1 or window_s < 0 or kv_cache_mb < 0:
             raise ValueError("max_rows must be >= 1, window_s >= 0 and kv_cache_mb >= 0")
+        if decode_loop not in DECODE_LOOPS:
+            raise ValueError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, got {decode_loop!r}")
         self.model, self.tokenizer, self._lock = model, tokenizer, lock
         self.seed, self.window_s, self.max_rows = seed, window_s, max_rows
         self.fast = hf_compat.fast_path_enabled(fast)
@@ -87,10 +111,12 @@ class LocalSamplingClient:
         self.prefix_cached_tokens = 0
         self.kv_store = kv_cache.KVStore(kv_cache_mb * 2**20 if self.fast else 0)
         self.reserve_kv = self.fast
+        self.decode_loop = decode_loop if self.fast else "generate"
         self.nucleus_candidates = 256
         self.kv_reused_tokens = 0
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.default_stop_ids = tuple(sorted(default_stop_token_ids(model, tokenizer)))
+        memory.limit_arenas()
         self.calls = 0
         self.rows = 0
         self.prompt_tokens = 0
@@ -154,6 +180,7 @@ class LocalSamplingClient:
             for start in range(0, len(rows), self.max_rows):
                 chunk = rows[start:start + self.max_rows]
                 sequences = await asyncio.to_thread(self._generate, chunk)
+                await asyncio.to_thread(memory.release_free_memory)  # the batch's KV and logits are gone now
                 for (request, _), sequence in zip(chunk, sequences):
                     request.sequences.append(sequence)
             for r in group:
@@ -163,7 +190,6 @@ class LocalSamplingClient:
     def _generate(self, rows: list[tuple[_Request, int]]) -> list[SampledSequence]:
         """One ``generate`` call for rows (request, sample index) that share sampling settings."""
         import torch
-        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         params = rows[0][0].params
         stop_ids = params.stop_token_ids or self.default_stop_ids
@@ -172,28 +198,55 @@ class LocalSamplingClient:
         max_tokens_R = [r.params.max_tokens for r, _ in rows]
         seeds = decoding.row_seeds(self.seed, self.calls, [(r.params.seed, i) for r, i in rows])
         sampler = decoding.RowSampler(params, decoding.row_generators(seeds, device), self.nucleus_candidates)
-        config = decoding.generation_config(max(max_tokens_R), stop_ids, self.tokenizer.pad_token_id)
         with self._lock, torch.no_grad(), model_mode(self.model, train=False):
             cache, input_ids, attention_mask, prefix_saved, reused = self._layout(prompts)
             if self.reserve_kv:
                 cache = hf_compat.with_reserved_room(cache, self.model.config, max(max_tokens_R))
-            width = input_ids.shape[1]
-            out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                logits_processor=LogitsProcessorList([sampler]),
-                stopping_criteria=StoppingCriteriaList([decoding.RowBudget(width, max_tokens_R, device)]),
-                **hf_compat.generate_cache_kwargs(cache))
+            if self.decode_loop == "own":
+                sequences = self._decode(cache, input_ids, attention_mask, prompts, sampler, max_tokens_R,
+                                         set(stop_ids))
+            else:
+                sequences = self._generate_call(cache, input_ids, attention_mask, prompts, sampler, max_tokens_R,
+                                                stop_ids)
             self.calls += 1
             self.prefix_cached_tokens += prefix_saved
             self.kv_reused_tokens += reused
-            new_tokens = out.sequences[:, width:]
-            logprobs = sampler.taken_logprobs(new_tokens)
-            sequences = [decoding.finish_row(new_tokens[k].tolist(), logprobs[k].tolist(), max_tokens_R[k],
-                                             set(stop_ids)) for k in range(len(rows))]
-            self._store_rows(out, attention_mask, prompts, sequences)
         self.rows += len(rows)
         self.prompt_tokens += sum(len(p) for p in prompts)
         self.sampled_tokens += sum(len(s.tokens) for s in sequences)
+        return sequences
+
+    def _decode(self, cache: Any, input_ids: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
+                sampler: decoding.RowSampler, max_tokens_R: list[int], stop_ids: set[int]) -> list[SampledSequence]:
+        """The rows sampled by the sampler's own decode loop; each finished row's KV goes to the store."""
+        def keep_kv(cache: Any, b: int, row: int, tokens: list[int]) -> None:
+            if self.kv_cache_bytes and not kv_cache.store_row(self.kv_store, cache, b, attention_mask[row],
+                                                              prompts[row], tuple(tokens)):
+                self.kv_cache_bytes = 0
+
+        rows_R = decode(self.model, cache, input_ids, attention_mask, sampler, max_tokens_R, stop_ids,
+                                    on_finished=keep_kv)
+        return [decoding.finish_row(tokens, logprobs, budget, stop_ids)
+                for (tokens, logprobs), budget in zip(rows_R, max_tokens_R)]
+
+    def _generate_call(self, cache: Any, input_ids: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
+                       sampler: decoding.RowSampler, max_tokens_R: list[int],
+                       stop_ids: Sequence[int]) -> list[SampledSequence]:
+        """The rows sampled by one HF ``generate`` call (``decode_loop="generate"``)."""
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        width = input_ids.shape[1]
+        config = decoding.generation_config(max(max_tokens_R), stop_ids, self.tokenizer.pad_token_id)
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+            logits_processor=LogitsProcessorList([sampler]),
+            stopping_criteria=StoppingCriteriaList([decoding.RowBudget(width, max_tokens_R, input_ids.device)]),
+            **hf_compat.generate_cache_kwargs(cache))
+        new_tokens = out.sequences[:, width:]
+        logprobs = sampler.taken_logprobs(new_tokens)
+        sequences = [decoding.finish_row(new_tokens[k].tolist(), logprobs[k].tolist(), max_tokens_R[k],
+                                         set(stop_ids)) for k in range(len(prompts))]
+        self._store_rows(out, attention_mask, prompts, sequences)
         return sequences
 
     def _layout(self, prompts: list[tuple[int, ...]]) -> tuple[Any, Any, Any, int, int]:

@@ -63,7 +63,7 @@ class LocalTrainingClient:
     :class:`LocalSamplingClient` that shares the model.
     """
 
-    def __init__(self, config: LocalEngineConfig = LocalEngineConfig()) -> None:
+    def __init__(self, config: LocalEngineConfig) -> None:
         import torch
 
         if config.packing not in algo.PACKINGS:
@@ -95,7 +95,7 @@ class LocalTrainingClient:
                                            max_rows=config.max_sample_rows,
                                            prefix_cache=config.sample_prefix_cache,
                                            kv_cache_mb=config.sample_kv_cache_mb,
-                                           fast=config.fast_sampling)
+                                           fast=config.fast_sampling, decode_loop=config.decode_loop)
         if config.logprob_chunk_tokens:
             check_chunkable(self.model)
         if config.packing != "bucketed":
@@ -436,6 +436,13 @@ class LocalTrainingClient:
         ``optim_step`` calls change what the returned sampler samples with.
         """
         return self.sampler
+
+    def close(self, status: str = "success") -> None:
+        """End the run's use of the client: the local engine holds no process or session,
+        so this frees the sampler's stored KV caches (up to ``sample_kv_cache_mb``); the
+        model and optimiser go with the client. ``status`` is not recorded anywhere.
+        Harmless to call twice; the client still works afterwards (caches refill)."""
+        self.sampler.clear_kv_cache()
 
 
 def create_training_client(**options: Any) -> LocalTrainingClient:

@@ -191,9 +191,14 @@ class VLLMTrainingClient:
         if self.server.managed is not None:
             self.server.managed.check_alive(grace_s)
 
-    def close(self) -> None:
+    def close(self, status: str = "success") -> None:
+        """Stop the vLLM server this client started (one at ``--vllm-url`` keeps running)
+        and remove its adapter folder, then close the local trainer. ``status`` is not
+        recorded anywhere. A second call does nothing."""
         if self.server is not None:
-            self.server.close()
+            self.server.close()  # safe twice: the process is stopped once, the folder removed once
+        self._client = None
+        self.trainer.close(status)
 
 
 # ---------------------------------------------------------------- registry entry points

@@ -19,7 +19,7 @@ config and checks each value.
 
 Refused, because the verl run would silently differ: text mode (the agent loop always
 declares the tool), the ``importance_sampling`` loss, dynamic sampling
-(``refill_rounds``), dropping degenerate groups, and retool's ``--advantage passk``,
+(``refill_rounds``), dropping degenerate groups, the difficulty curriculum, and retool's ``--advantage passk``,
 ``--overlong`` and ``--behaviour-is`` (not mapped to verl's own options).
 
 Not covered: Megatron (FSDP only), verl's reference-model and critic settings (GRPO
@@ -29,15 +29,19 @@ without KL uses neither).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from retool.config import ConfigError, add_config_args, config_from_args, option, require
+from retool.data import DataError, load_problems
+from retool.flag_checks import output_folder
+from retool.protocol import build_messages
 from retool.rollout import RolloutBudgets
 from retool.train import TrainConfig
 
@@ -51,7 +55,10 @@ class VerlSettings:
     """Where and how verl runs a ReTool run (the flags ``retool verl-config`` adds to
     ``retool train``'s; ``docs/verl.md`` lists them)."""
 
-    out: str = option("verl-launch", "launch folder to write")
+    RENAMED: ClassVar[dict[str, str]] = {"out": "output_dir"}
+    """Old names of settings, refused with a pointer to the new (``retool.config``)."""
+
+    output_dir: str = option("verl-launch", "launch folder to write")
     val_data: str = option("aime25", "validation problems (bundled set or file)")
     val_samples: int = option(12, "samples per validation problem")
     val_temperature: float = option(1.0, "validation sampling temperature")
@@ -77,16 +84,12 @@ class VerlConfig(VerlSettings, TrainConfig):
     whole sequence)."""
 
     def validate(self) -> None:
-        for name in ("batch_size", "group_size", "max_steps", "save_every", "val_samples", "test_every", "nnodes",
-                     "gpus_per_node", "tensor_parallel", "max_prompt_tokens", "agent_workers"):
+        """``retool train``'s own rules (:meth:`TrainConfig.validate_settings`; the sinks,
+        engine and price table are verl's business), then what verl adds or cannot map."""
+        self.validate_settings()
+        for name in ("val_samples", "test_every", "nnodes", "gpus_per_node", "tensor_parallel", "max_prompt_tokens",
+                     "agent_workers"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        self.validate_model()
-        self.validate_budgets()
-        require(self.group_size >= 2, f"group_size must be >= 2 for group-centred advantages, got {self.group_size}")
-        require(0 < self.clip_low <= 1 <= self.clip_high, "need 0 < clip_low <= 1 <= clip_high")
-        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 (or none)")
-        require(self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "invalid Adam settings")
-        require(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
         require(self.val_temperature >= 0 and 0 < self.val_top_p <= 1,
                 "val_temperature must be >= 0 (0 = greedy) and val_top_p in (0, 1]")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
@@ -97,6 +100,8 @@ class VerlConfig(VerlSettings, TrainConfig):
         require(self.loss == "ppo", "verl-config writes the PPO-clip loss only (loss = ppo)")
         require(self.refill_rounds == 0 and not self.drop_degenerate_groups,
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
+        require(self.curriculum == "none", "the difficulty curriculum has no verl equivalent here (verl's "
+                "dataloader draws the batches); drop --curriculum")
         require(self.advantage == "grpo" and self.overlong == "none" and self.behaviour_is == "off",
                 "--advantage passk, --overlong and --behaviour-is are not mapped to verl's settings here; "
                 "leave them at grpo / none / off")
@@ -244,8 +249,6 @@ def _shell_word(text: str) -> str:
 
 def verl_rows(problems: Sequence[Any], split: str) -> list[dict[str, Any]]:
     """Problems in verl's RLHFDataset row layout, with ``agent_name`` = ``retool``."""
-    from retool.protocol import build_messages
-
     return [{"data_source": p.data_source or split, "prompt": build_messages(p.question, tools=True),
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": p.answer},
              "extra_info": {"id": p.id, "question": p.question, "index": i, "split": split},
@@ -254,12 +257,11 @@ def verl_rows(problems: Sequence[Any], split: str) -> list[dict[str, Any]]:
 
 def write_launch_folder(cfg: VerlConfig) -> Path:
     """Write the launch folder for ``cfg`` and return its path."""
-    import pyarrow as pa
+    import pyarrow as pa  # heavy: only writing the launch folder needs it
     import pyarrow.parquet as pq
 
-    from retool.data import load_problems
 
-    out = Path(cfg.out)
+    out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, val = load_problems(cfg.train_data), load_problems(cfg.val_data)
     for name, problems, split in (("train", train, "train"), ("val", val, "test")):
@@ -274,8 +276,6 @@ def write_launch_folder(cfg: VerlConfig) -> Path:
 
 
 def agent_loop_yaml(cfg: VerlConfig) -> str:
-    import json
-
     entry = {"name": "retool", "_target_": "retool.integrations.verl.agent_loop.RetoolAgentLoop",
              **agent_loop_settings(cfg)}
     # JSON values are valid YAML flow scalars (null, true, numbers, quoted strings).
@@ -288,7 +288,7 @@ def agent_loop_yaml(cfg: VerlConfig) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "verl-config", help="write a verl launch folder (data, agent loop, reward hook, run.sh) for multi-node runs",
+        "verl-config",
         description=__doc__.split("\n\n")[0] + " Flags override a --config TOML preset; defaults are the seed's run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(p, VerlConfig)
@@ -296,10 +296,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from retool.data import DataError
-
     try:
         cfg = config_from_args(VerlConfig, args)
+        output_folder(cfg.output_dir, "--output-dir")
         out = write_launch_folder(cfg)
     except (ConfigError, DataError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
