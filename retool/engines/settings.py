@@ -11,6 +11,7 @@ validated with the rest. :class:`ModelConfig` adds the model and its adapter, sh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from retool.algo import PACKINGS
@@ -61,9 +62,14 @@ class ServiceSettings:
                                         "MLP only")
     adam_eps: float | None = option(None, "Adam epsilon sent to the service; none = retool's 1e-8 (the SDKs' "
                                           "default and the reference run's: 1e-12)")
+    tokenizer: str | None = option(None, "local tokenizer folder (tokenizer.json + chat template) to load instead "
+                                         "of the model's from the Hugging Face hub; the service is still asked "
+                                         "for the model by name")
 
     def validate(self) -> None:
         require(self.adam_eps is None or self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
+        require(self.tokenizer is None or Path(self.tokenizer).is_dir(),
+                f"tokenizer must be a folder of tokenizer files, got {self.tokenizer!r}")
         require(self.sample_concurrency >= 1, f"sample_concurrency must be >= 1, got {self.sample_concurrency}")
         require(self.retry_timeout_s is None or self.retry_timeout_s > 0,
                 f"retry_timeout_s must be > 0, got {self.retry_timeout_s}")
