@@ -10,8 +10,9 @@ mechanism costs: p50 of (a) with everything on minus p50 with that one left out
 filesystem) are entered once at start-up and cost nothing per call.
 
 Then the hardening mechanisms (clean template, control groups, per-call and per-session
-tmpfs, per-session network namespace): before (none of them) and after (all of them) in
-one run, and what each costs, for stateless calls and for sessions (first and later calls).
+tmpfs, per-session network namespace) and the children forked ahead of their work that
+pay for them (prefork): before (none of them) and after (all of them) in one run, and
+what each costs, for stateless calls and for sessions (first and later calls).
 
 Last, the stateful interpreter against the stateless one (the baseline of that table),
 in the same sandbox, rounds interleaved so machine load hits both alike: per-call
@@ -19,6 +20,9 @@ latency of trajectories of ``--session-calls`` calls (each a session opened at i
 call and closed after its last), at 1 and 8 trajectories at once; p50/p95 of all calls,
 p50 of first calls (they fork the session's interpreter) and of later calls, the ratio
 stateless/stateful, and the load average before and after.
+
+Then why a child is born in its control group rather than moved there (``--only
+cgroup-join``, as root): what joining a group costs, back to back and 100 ms apart.
 
 Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--rounds 30] [--only hardening]``.
 Needs Linux; the isolation columns need root or unprivileged user namespaces.
@@ -146,17 +150,27 @@ def mechanism_costs(calls: int) -> None:
         print(f"  {label:28} p50 {p50:6.1f} ms{cost}")
 
 
-HARDENING = ("template", "cgroups", "scratch_quota", "session_netns")
+HARDENING = ("template", "cgroups", "scratch_quota", "session_netns", "prefork")
 """The mechanisms that close the structural attack classes: a clean template to fork
 children from, a control group per call and session, a tmpfs per call and session, a
-network namespace per session."""
+network namespace per session; and what pays for them: children forked ahead of their
+work (``prefork``; "without prefork" shows what it saves)."""
+
+
+SESSION_CALLS = 6
+"""Calls per session in the hardening table: its first forks the interpreter, the five
+later ones (back to back) give enough samples for a stable p50 of a ~1 ms call on a
+loaded machine. A second session per round makes 3 calls ``GAP_S`` apart."""
+GAP_S = 0.02
+"""Time between a session's calls in the "later, apart" column: in training a model
+writes its next call in between (far longer than this)."""
 
 
 def hardening_costs(rounds: int) -> None:
     """Before/after the hardening mechanisms, in one run: one sandbox with none of them
     ("before"), one with all ("after") and one without each, rounds interleaved so that
     machine load hits every variant alike. Per round and variant: one stateless call and
-    one session of three calls (its first call forks the interpreter)."""
+    one session of ``SESSION_CALLS`` calls (its first call forks the interpreter)."""
     print(f"\nhardening mechanisms: before/after and the cost of each ({rounds} rounds, variants interleaved); "
           "load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     variants = {"before (none of them)": HARDENING, "after (all of them)": (),
@@ -164,7 +178,7 @@ def hardening_costs(rounds: int) -> None:
     logging.getLogger("retool.sandbox").setLevel(logging.ERROR)  # the variants are degraded on purpose
     boxes = {label: Sandbox(SandboxConfig(timeout_s=30, workers=8, max_sessions=8, benchmark_skip=skip))
              for label, skip in variants.items()}
-    samples = {label: {"stateless": [], "first": [], "later": []} for label in variants}
+    samples = {label: {"stateless": [], "first": [], "later": [], "apart": []} for label in variants}
     try:
         for sb in boxes.values():
             sb.start()
@@ -174,9 +188,12 @@ def hardening_costs(rounds: int) -> None:
                 t = time.perf_counter()
                 assert sb.run_sync(SNIPPETS["a_print"]).ok
                 samples[label]["stateless"].append(time.perf_counter() - t)
-                session = trajectory_latencies(sb, SNIPPETS["a_print"], 3, stateful=True)
+                session = trajectory_latencies(sb, SNIPPETS["a_print"], SESSION_CALLS, stateful=True)
                 samples[label]["first"].append(session[0])
                 samples[label]["later"] += session[1:]
+                session = trajectory_latencies(sb, SNIPPETS["a_print"], 3, stateful=True, gap_s=GAP_S)
+                samples[label]["first"].append(session[0])
+                samples[label]["apart"] += session[1:]
         rates = {label: summary(*measure_sandbox(boxes[label], SNIPPETS["a_print"], 4 * rounds, 8))[2]
                  for label in ("before (none of them)", "after (all of them)")}
     finally:
@@ -184,31 +201,77 @@ def hardening_costs(rounds: int) -> None:
             sb.close()
     p50 = {label: {k: percentile(sorted(v), 50) * 1e3 for k, v in kinds.items()} for label, kinds in samples.items()}
     after = p50["after (all of them)"]
-    header = f"  {'variant':28} {'stateless p50':>13} {'session 1st p50':>15} {'later p50':>9}"
+    header = (f"  {'variant':28} {'stateless p50':>13} {'session 1st p50':>15} {'later p50':>9} "
+              f"{'later, ' + str(int(GAP_S * 1e3)) + ' ms apart':>19}")
     print(header + "\n  " + "-" * (len(header) - 2))
     for label, row in p50.items():
-        print(f"  {label:28} {row['stateless']:10.1f} ms {row['first']:12.1f} ms {row['later']:6.1f} ms")
-    print("  cost of each mechanism (all on minus all on but that one), stateless / session 1st / later:")
+        print(f"  {label:28} {row['stateless']:10.1f} ms {row['first']:12.1f} ms {row['later']:6.1f} ms "
+              f"{row['apart']:16.1f} ms")
+    print("  cost of each mechanism (all on minus all on but that one), stateless / session 1st / later / apart:")
     for m in HARDENING:
         row = p50[f"after, without {m}"]
         print(f"    {m:16} {after['stateless'] - row['stateless']:+6.1f} ms {after['first'] - row['first']:+6.1f} ms "
-              f"{after['later'] - row['later']:+6.1f} ms")
+              f"{after['later'] - row['later']:+6.1f} ms {after['apart'] - row['apart']:+6.1f} ms")
     before = p50["before (none of them)"]
     print(f"  after/before p50 ratio: stateless {after['stateless'] / before['stateless']:.2f}x, "
-          f"session 1st {after['first'] / before['first']:.2f}x, later {after['later'] / before['later']:.2f}x; "
+          f"session 1st {after['first'] / before['first']:.2f}x, later {after['later'] / before['later']:.2f}x, "
+          f"apart {after['apart'] / before['apart']:.2f}x; "
           f"calls/s at concurrency 8: before {rates['before (none of them)']:.1f}, "
           f"after {rates['after (all of them)']:.1f}")
     print("  load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
-def trajectory_latencies(sb: Sandbox, code: str, calls: int, stateful: bool) -> list[float]:
+def cgroup_join_cost(joins: int = 15) -> None:
+    """Why a child born in its control group matters: a process that joins a group by
+    writing ``cgroup.procs`` waits for an RCU grace period (the kernel's
+    ``cgroup_threadgroup_rwsem`` write side) unless another join happened just before.
+    Joins back to back vs 100 ms apart, in a v1 pids group and a v2 group (as root)."""
+    print("\njoining a control group (a fresh child writes cgroup.procs): load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    own = next((line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":pids:" in line), None)
+    trees = {"v1 pids": f"/sys/fs/cgroup/pids{(own or '').rstrip('/')}" if own is not None else None,
+             "v2": next((t for t in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+                         if os.path.exists(f"{t}/cgroup.procs") and os.path.exists(f"{t}/cgroup.controllers")), None)}
+    for label, tree in trees.items():
+        if tree is None or os.geteuid() != 0:
+            print(f"  {label}: not measured (no such tree, or not root)")
+            continue
+        group = tempfile.mkdtemp(prefix="retool-bench-", dir=tree)
+        try:
+            row = {gap: percentile(sorted(_join_once(group, gap) for _ in range(joins)), 50) * 1e3 for gap in (0.0, 0.1)}
+        finally:
+            os.rmdir(group)
+        print(f"  {label:8} p50 back to back {row[0.0]:6.2f} ms, 100 ms apart {row[0.1]:6.2f} ms")
+
+
+def _join_once(group: str, gap: float) -> float:
+    time.sleep(gap)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        t = time.perf_counter()
+        with open(f"{group}/cgroup.procs", "w") as f:
+            f.write("0")
+        os.write(write, str(time.perf_counter() - t).encode())
+        os._exit(0)
+    os.close(write)
+    seconds = float(os.read(read, 64))
+    os.close(read)
+    os.waitpid(pid, 0)
+    return seconds
+
+
+def trajectory_latencies(sb: Sandbox, code: str, calls: int, stateful: bool, gap_s: float = 0.0) -> list[float]:
     """Per-call latencies of one trajectory of ``calls`` calls (one session when ``stateful``;
-    its opening is in the first call, its closing in no call)."""
+    its opening is in the first call, its closing in no call), ``gap_s`` apart (the time
+    a model would take to write the next call; not counted)."""
     async def main() -> list[float]:
         latencies = []
         session = sb.session() if stateful else None
         try:
-            for _ in range(calls):
+            for i in range(calls):
+                if i and gap_s:
+                    await asyncio.sleep(gap_s)
                 t = time.perf_counter()
                 res = await (session.run(code) if stateful else sb.run(code))
                 assert res.ok, res
@@ -265,8 +328,8 @@ def main() -> int:
                         help="calls per trajectory in the stateful comparison (the rollout's default budget)")
     parser.add_argument("--rounds", type=int, default=30,
                         help="interleaved rounds in the before/after table of the hardening mechanisms")
-    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "stateful"),
-                        help="run one part only (default: all four)")
+    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "cgroup-join", "stateful"),
+                        help="run one part only (default: all five)")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, uid {os.geteuid()}\n")
     if args.only in (None, "baseline"):
@@ -275,6 +338,8 @@ def main() -> int:
         mechanism_costs(args.calls)
     if args.only in (None, "hardening"):
         hardening_costs(args.rounds)
+    if args.only in (None, "cgroup-join"):
+        cgroup_join_cost()
     if args.only in (None, "stateful"):
         stateful_vs_stateless(args.trajectories, args.session_calls)
     return 0

@@ -43,7 +43,8 @@ from pathlib import Path
 
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 from retool.render import Renderer
-from retool.sft import build_sft_data, parse_dialogue
+from retool.dialogues import parse_dialogue
+from retool.sft import build_sft_data
 from retool.tasks import make_sft_conversations
 
 

@@ -170,7 +170,7 @@ def run(samplers: dict, tokenizer, args, out: Path) -> None:
         for name, sampler in samplers.items():
             report = held_out_eval(sampler, tokenizer, out, name)
             rows[name]["eval s"] = report.seconds
-            print(f"{name}: held-out eval in {report.seconds:.1f} s ({report.sampled_tokens} tokens), "
+            print(f"{name}: held-out eval in {report.seconds:.1f} s ({report.usage.sampled} tokens), "
                   f"Average@{report.summary.k} {report.summary.average_at_k:.3f}", flush=True)
     print(f"\n{args.requests} tool prompts of {mean_prompt:.0f} tokens, {args.max_tokens} new tokens each")
     print(f"{'':14}{'local':>10}{'vllm':>10}{'vllm/local':>12}")

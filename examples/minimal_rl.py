@@ -175,7 +175,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 metrics = {"step": float(step), **rollout_metrics([t for g in groups_B for t in g.trajectories_G]),
                            **sandbox.metrics(reset=True), **update_metrics,
                            "rollout/degenerate_group_rate": degenerate_rate(groups_B),
-                           **{f"tokens/{k}": float(v) for k, v in rollout.take_usage().items()},
+                           **dataclasses.replace(rollout.take_usage(),
+                                                 trained=sum(d.num_trained for d in datums_D)).metrics(),
                            "time/rollout": t_rollout, "time/train": t_update, "time/step": time.monotonic() - t0}
                 log(metrics, cfg.output)
                 history.append(metrics)

@@ -2,7 +2,7 @@
 
 The trajectory is a cold-start dialogue of the demo's arithmetic task (``retool/tasks.py``;
 its tool message is the real output of the sandbox), laid out in tokens by the same
-renderer and code the rollout uses (:func:`retool.sft.dialogue_tokens`) with the bundled
+renderer and code the rollout uses (:func:`retool.dialogues.dialogue_tokens`) with the bundled
 SmolLM2 tokenizer and the Hermes chat template. Mask 1 marks the tokens the policy writes
 (trained, with the trajectory's advantage); mask 0 the prompt, the template's glue and
 the interpreter's answer (in the context, never trained).
@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from retool.bundled import smollm2_path
 from retool.render import Renderer
 from retool.sandbox import Sandbox, SandboxConfig
-from retool.sft import AssistantFormatter, dialogue_tokens, parse_dialogue
+from retool.dialogues import AssistantFormatter, dialogue_tokens, parse_dialogue
 from retool.tasks import make_sft_conversations
 
 

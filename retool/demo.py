@@ -8,7 +8,9 @@ Stages (each one resumes if the demo is re-run with the same output folder):
 2. eval *before SFT* — the bundled SmolLM2-135M-Instruct zero-shot, tool on;
 3. cold-start SFT (:mod:`retool.sft`) — LoRA on the tool dialogues;
 4. eval *after SFT*;
-5. RL (:mod:`retool.train`) — GRPO/PPO from the SFT adapter, code calls in the sandbox;
+5. RL (:mod:`retool.train`) — GRPO/PPO from the SFT adapter, code calls in the sandbox,
+   problems drawn from the difficulty pool (``--curriculum difficulty``: fewer of the kinds
+   and problems whose recent groups were all right or all wrong);
 6. eval *after RL*;
 7. report — checkpoint comparison and training-curve plots (PNG + SVG), an HTML page of
    the after-RL trajectories, ``summary.json``/``summary.md`` and a printed table.
@@ -18,12 +20,16 @@ folder holds every stage's own run folder, so anything can be inspected or re-pl
 
 The printed table and ``summary.md`` compare after RL with after SFT on the same held-out
 problems, as ``retool compare`` does (difference, paired standard error, z, and whether
-the gain exceeds two standard errors), so the reader can judge what RL bought.
+the gain exceeds two standard errors), so the reader can judge what RL bought. It also
+gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
+ones that teach — as "N of M groups informative".
 
-Sized for about 37 minutes on two idle cores; with the default sizes RL's gain over the
-cold start exceeded two paired standard errors for both seeds measured end to end (seed 7:
-+10.9 points, z 2.6, 37.2 min; seed 11: +9.9, z 3.5, 36.2 min; docs/demo.md) — measured,
-not guaranteed for every seed. Not covered: hub models (use ``retool train``/``retool
+Sized for about 37 minutes on two idle cores. At the previous defaults (before the RL
+stage drew from the difficulty pool, the sampler ran its own decode loop and evals used
+position-based seeds) RL's gain over the cold start exceeded two paired standard errors
+for seeds 7 and 11 (+10.9 points, z 2.6; +9.9, z 3.5; docs/demo.md) and not for the
+default seed 42 in an outside review (+3.6, z 1.26, 8 of 63 RL groups informative). The
+current defaults are not yet measured end to end: measured, never guaranteed. Not covered: hub models (use ``retool train``/``retool
 eval`` with a preset).
 """
 
@@ -46,8 +52,10 @@ from retool.algo import PACKINGS
 from retool.atomic import atomic_write_text
 from retool.bundled import BundledModelMissing, resolve_model_name
 from retool.config import ConfigError, add_config_args, config_from_args, make_config, option, require
+from retool.curriculum import CURRICULA
 from retool.evaluate import EvalConfig, evaluate, format_behaviour
 from retool.flag_checks import output_folder
+from retool.log import read_metrics
 from retool.protocol import INTERPRETERS, TemplateError
 from retool.report import ReportInputError, plots, view
 from retool.report.compare import compare, format_table
@@ -100,6 +108,13 @@ class DemoConfig:
     rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
     rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
                                       "have mixed rewards (see retool train --help)")
+    rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = fewer of the kinds and "
+                                              "problems whose recent groups were all right or all wrong; none = "
+                                              "a seeded shuffle (see retool train --curriculum)",
+                                choices=CURRICULA)
+    rl_difficulty: str = option("", "harder RL problems per kind, kind=level,... or one level for all (0-2, each "
+                                    "adds a digit to the operands; empty: level 0, the calibrated task; see "
+                                    "retool task-data --difficulty)")
     interpreter: str = option("stateless", "stateless: every code call starts a fresh Python (the SFT dialogues "
                                            "make one call); stateful: one interpreter per trajectory keeps its "
                                            "variables (two-call dialogues that reuse them) — for every stage",
@@ -116,6 +131,13 @@ class DemoConfig:
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
+        require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
+        from retool.tasks import parse_difficulty
+
+        try:
+            parse_difficulty(self.rl_difficulty)
+        except ValueError as err:
+            raise ConfigError(f"--rl-difficulty: {err}") from None
 
     def shrunk(self) -> "DemoConfig":
         """The ``--quick`` sizes."""
@@ -135,7 +157,8 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
-IDENTITY = ("model", "seed", "interpreter")  # what the stored stages were made with; a change needs a new folder
+IDENTITY = ("model", "seed", "interpreter", "rl_difficulty")
+"""What the stored stages were made with; a change needs a new folder."""
 
 
 def check_identity(cfg: DemoConfig, out: Path) -> None:
@@ -153,8 +176,9 @@ def check_identity(cfg: DemoConfig, out: Path) -> None:
         stored = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"{path} is unreadable ({err}); use another --output-dir") from None
-    changed = [f"--{name.replace('_', '-')} {stored.get(name)!r} → {mine[name]!r}" for name in IDENTITY
-               if stored.get(name) != mine[name]]
+    defaults = {f.name: f.default for f in dataclasses.fields(DemoConfig)}  # a folder made before a name was added
+    changed = [f"--{name.replace('_', '-')} {stored.get(name, defaults[name])!r} → {mine[name]!r}"
+               for name in IDENTITY if stored.get(name, defaults[name]) != mine[name]]
     require(not changed, f"{out} holds a demo made with other settings ({', '.join(changed)}); its stages would "
                          "be resumed, not redone: use another --output-dir")
 
@@ -165,7 +189,9 @@ def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     data.mkdir(parents=True, exist_ok=True)
     paths = {"sft": data / "sft.jsonl", "rl": data / "rl.jsonl", "test": data / "test.jsonl"}
     if not paths["rl"].exists():
-        tasks.write_jsonl(paths["rl"], map(to_jsonable, tasks.make_problems(cfg.rl_problems, cfg.seed, "rl")))
+        problems = tasks.make_problems(cfg.rl_problems, cfg.seed, "rl",
+                                       difficulty=tasks.parse_difficulty(cfg.rl_difficulty))
+        tasks.write_jsonl(paths["rl"], map(to_jsonable, problems))
     if not paths["test"].exists():
         tasks.write_jsonl(paths["test"], map(to_jsonable, tasks.make_problems(cfg.eval_problems, cfg.seed, "test")))
     if not paths["sft"].exists():
@@ -218,7 +244,8 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p,
-        refill_rounds=cfg.rl_refill_rounds, interpreter=cfg.interpreter, sandbox_workers=4, run_dir=str(run_dir),
+        refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
+        sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
         dtype=cfg.dtype)
     return train(train_cfg, resume=(run_dir / "config.json").exists())
@@ -232,6 +259,40 @@ def eval_path(out: Path, label: str) -> Path:
 def rl_gain(out: Path) -> Comparison:
     """After RL against after SFT on the same held-out problems, as ``retool compare`` computes it."""
     return compare(eval_path(out, STAGES[1]), eval_path(out, STAGES[2]))
+
+
+@dataclass(frozen=True)
+class RolloutShare:
+    """How many of the RL stage's rolled-out groups (refills included) had mixed rewards: the
+    demo's efficiency figure — an all-right or all-wrong group is rolled out and teaches nothing."""
+
+    steps: int
+    groups: int
+    informative: int
+
+    @property
+    def share(self) -> float:
+        return self.informative / self.groups if self.groups else 0.0
+
+    def sentence(self) -> str:
+        return (f"RL rollouts: {self.informative} of {self.groups} groups informative ({self.share:.0%}, mixed "
+                f"rewards) over {self.steps} step{'s' if self.steps != 1 else ''}")
+
+    def to_json(self) -> dict[str, float]:
+        return {"steps": self.steps, "groups": self.groups, "informative_groups": self.informative,
+                "informative_share": self.share}
+
+
+def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
+    """The informative share of an RL run folder's steps (``None`` without ``metrics.jsonl``)."""
+    path = Path(rl_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = read_metrics(path)
+    groups = [round(r["rollout/groups"]) for r in rows]
+    rates = [r["rollout/informative_group_rate"] if "rollout/informative_group_rate" in r
+             else 1 - r["rollout/degenerate_group_rate"] for r in rows]  # a run from before the rate
+    return RolloutShare(len(rows), sum(groups), sum(round(g * rate) for g, rate in zip(groups, rates)))
 
 
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
@@ -248,9 +309,12 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
                              "significant": accuracy.significant},
                "peak_rss_mb": round(peak_rss_bytes / 2**20)}
+    rollouts = rl_rollouts(rl_dir)
+    if rollouts is not None:
+        summary["rl_rollouts"] = rollouts.to_json()
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "summary.md", summary_markdown(summaries, gain, quick=cfg.quick,
-                                                                      interpreter=cfg.interpreter))
+                                                           interpreter=cfg.interpreter, rollouts=rollouts))
     return written
 
 
@@ -271,7 +335,7 @@ QUICK_NOTE = "--quick is a smoke run of every stage: far too small to show learn
 
 
 def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, quick: bool = False,
-                     interpreter: str = "stateless") -> str:
+                     interpreter: str = "stateless", rollouts: RolloutShare | None = None) -> str:
     """The demo's tables as Markdown (the same numbers the console shows)."""
     rows = [STATEFUL_NOTE, ""] if interpreter == "stateful" else []
     rows += ["| stage | problems × k | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
@@ -283,13 +347,15 @@ def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, qui
     rows += [f"- {stage}: {format_behaviour(s.behaviour)}" for stage, s in summaries.items() if s.behaviour]
     rows += ["", f"**{gain_sentence(gain)}.**", "", "After RL against after SFT (`retool compare`: per-problem "
              "differences, so each problem's difficulty cancels):", "", format_table(gain)]
+    if rollouts is not None:
+        rows += ["", rollouts.sentence() + "."]
     if quick:
         rows += ["", QUICK_NOTE]
     return "\n".join(rows) + "\n"
 
 
 def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, seconds: float,
-                quick: bool, interpreter: str = "stateless") -> None:
+                quick: bool, interpreter: str = "stateless", rollouts: RolloutShare | None = None) -> None:
     mode = "" if interpreter == "stateless" else f", {interpreter} interpreter"
     table = Table(title=f"retool demo — held-out arithmetic, tool on{mode} ({seconds / 60:.1f} min)")
     for column in ("stage", "problems × k", "accuracy", "± s.e.", "Pass@k", "format", "used the tool", "code calls"):
@@ -300,6 +366,8 @@ def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, 
     console = Console()
     console.print(table)
     console.print(gain_sentence(gain), markup=False)
+    if rollouts is not None:
+        console.print(rollouts.sentence(), markup=False)
     if quick:
         console.print(QUICK_NOTE, markup=False)
     console.print(f"output folder: {out}  (summary.md, plots/, view.html, sft/, rl/, eval/)", markup=False)
@@ -322,7 +390,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
         summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
     report(cfg, out, summaries, gain, rl_dir, memory.peak_bytes)
-    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter)
+    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir))
     print(memory.sentence())
     return summaries
 

@@ -23,10 +23,14 @@ the old summary, and samples only the problems that are missing — a finished p
 is never sampled twice.
 
 Reproducibility: with ``seeded`` (the default) every sampler request gets a seed
-derived from (seed, problem id, the request's context tokens, how often that context
-was asked before), so a problem's samples depend on nothing else — not on
-concurrency, timing, order or an interruption — and a killed-and-resumed eval ends
-with the summary an uninterrupted one writes. The local engine draws every row with
+derived from (seed, problem id, the request's place: the group fork, or trajectory *i*'s
+turn *t*) — :meth:`retool.rollout.Rollout.group`'s scheme, the one ``retool train``
+uses, recorded in the header as ``seeding: position`` — so a problem's samples depend
+on nothing else — not on concurrency, timing, order or an interruption — and a
+killed-and-resumed eval ends with the summary an uninterrupted one writes. A file
+written before (no ``seeding`` in its header) was seeded from each request's context
+tokens and how often that context was asked (:class:`ProblemSampler`); it resumes
+under that scheme, so its resume stays exact too. The local engine draws every row with
 its own seeded generator, so seeded requests of different problems still share one
 batched ``generate`` call. ``--no-seeded`` leaves seeding to the engine's stream; the
 samples then depend on how requests happened to meet.
@@ -57,6 +61,7 @@ from retool.config import ConfigError, add_config_args, config_from_args, option
 from retool.cost import PriceTableOption, cost_meter
 from retool.data import BUNDLED, DataError, problems_fingerprint, read_problems, require_usable_golds
 from retool.engines import (
+    DEFAULT_MODEL,
     EngineCheckpoint,
     EngineChoice,
     EngineSampler,
@@ -84,9 +89,12 @@ from retool.rollout import Rollout, RolloutBudgets, RolloutError
 from retool.runs import resolve_checkpoint
 from retool.sandbox import SandboxUnavailableError
 from retool.seeding import context_digest, derive_seed
+from retool.types import TokenUsage
 
-DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
 MODES = ("retool", "text")
+SEEDING = "position"
+"""How a new seeded eval seeds its requests: :meth:`retool.rollout.Rollout.group`'s scheme,
+the one ``retool train`` uses (the header records it; older files resume under theirs)."""
 
 
 @dataclass
@@ -126,8 +134,9 @@ class EvalConfig(PriceTableOption, RolloutBudgets, EngineChoice):
     top_p: float = option(0.7, "nucleus sampling")
     top_k: int = option(0, "top-k sampling; 0 = off")
     seed: int = option(42, "seed of every problem's sampling")
-    seeded: bool = option(True, "seed every request from (seed, problem, context): results independent of "
-                                "batching and resume; --no-seeded uses the engine's stream (not reproducible)")
+    seeded: bool = option(True, "seed every request from (seed, problem, its place in the group): results "
+                                "independent of batching and resume; --no-seeded uses the engine's stream "
+                                "(not reproducible)")
 
     # ---- running and output
     concurrency: int = option(4, "problems rolled out at the same time")
@@ -237,14 +246,15 @@ class ProblemSampler:
     With ``seed`` set, a request gets ``hash(seed, context tokens, occurrence)`` as its
     ``SamplingParams.seed``, where occurrence counts earlier requests with the same
     context (two trajectories that reached the same state still draw independently).
-    With ``seed=None`` requests pass through unchanged. ``requests``, ``sequences``,
-    ``prefill`` (prompt tokens sent) and ``tokens`` (sampled) count what was asked and
-    returned.
+    With ``seed=None`` requests pass through unchanged. ``requests``, ``sequences`` and
+    ``usage`` (a :class:`~retool.types.TokenUsage`: prompt tokens sent, tokens sampled)
+    count what was asked and returned.
     """
 
     def __init__(self, inner: Any, seed: int | None) -> None:
         self.inner, self.seed = inner, seed
-        self.requests = self.sequences = self.tokens = self.prefill = 0
+        self.requests = self.sequences = 0
+        self.usage = TokenUsage()
         self._seen: Counter = Counter()
 
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int, sampling_params: Any) -> Any:
@@ -256,11 +266,24 @@ class ProblemSampler:
             request_seed = derive_seed(str(self.seed).encode(), context, str(occurrence).encode())
             params = dataclasses.replace(sampling_params, seed=request_seed)
         self.requests += 1
-        self.prefill += len(prompt_tokens)
         result = await self.inner.sample(prompt_tokens, num_samples, params)
         self.sequences += len(result.sequences)
-        self.tokens += sum(len(s.tokens) for s in result.sequences)
+        self.usage += TokenUsage(prefill=len(prompt_tokens), sampled=sum(len(s.tokens) for s in result.sequences))
         return result
+
+
+@dataclass
+class EvalCounts:
+    """What the problems sampled by one call asked of the sampler, added up."""
+
+    requests: int = 0
+    sequences: int = 0
+    usage: TokenUsage = TokenUsage()
+
+    def add(self, sampler: ProblemSampler) -> None:
+        self.requests += sampler.requests
+        self.sequences += sampler.sequences
+        self.usage += sampler.usage
 
 
 # ---------------------------------------------------------------- dataset and header
@@ -293,14 +316,13 @@ def load_dataset(cfg: EvalConfig) -> Dataset:
 def build_header(cfg: EvalConfig, choice: ModelChoice, dataset: Dataset) -> ResultsHeader:
     """The first line of a results file (docs/formats.md): what was evaluated, and how."""
     tools = cfg.mode == "retool"
-    sampling = SamplingSettings(
-        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_trajectory_tokens=cfg.max_trajectory_tokens,
-        max_turn_tokens=cfg.max_turn_tokens, max_assistant_turns=cfg.max_assistant_turns,
-        max_code_calls=cfg.max_code_calls if tools else 0, max_tool_response_tokens=cfg.max_tool_response_tokens)
+    sampling = SamplingSettings(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                **{**cfg.budgets(), "max_code_calls": cfg.max_code_calls if tools else 0})
     return ResultsHeader(
         model=choice.model, checkpoint=choice.checkpoint, step=choice.step, label=choice.label,
         dataset=dataset.name, dataset_path=dataset.path, dataset_fingerprint=dataset.fingerprint,
         dataset_problems=dataset.total, mode=cfg.mode, val_n=cfg.val_n, seed=cfg.seed, seeded=cfg.seeded,
+        seeding=SEEDING if cfg.seeded else None,
         chat_template=choice.chat_template, dtype=cfg.dtype, sampling=sampling,
         sandbox=SandboxSettings(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
                                 interpreter=None if cfg.interpreter == "stateless" else cfg.interpreter)
@@ -340,10 +362,9 @@ class EvalReport:
     """Problems found finished in the file and not sampled again."""
     sampler_requests: int
     sampled_sequences: int
-    sampled_tokens: int
+    usage: TokenUsage
+    """Tokens this call sent to the sampler (one prompt per request) and got back."""
     seconds: float
-    prefill_tokens: int = 0
-    """Prompt tokens this call sent to the sampler (one prompt per request)."""
     sandbox_cpu_s: float = 0.0
     """CPU seconds this call's code calls used in the sandbox."""
     cost: float | None = None
@@ -368,7 +389,7 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
     if resumed:
         print(f"resuming {results.path}: {resumed} of {len(dataset.problems)} problems already done",
               file=sys.stderr)
-    counts, cpu_s = Counter(), 0.0
+    counts, cpu_s = EvalCounts(), 0.0
     if pending:
         require_usable_golds(dataset.path, [p for _, p in pending])
         sandbox = cfg.start_sandbox() if cfg.mode == "retool" else None  # before the model: strict refuses early
@@ -383,10 +404,9 @@ def evaluate(cfg: EvalConfig, model: EvalModel | None = None) -> EvalReport:
                 cpu_s = sandbox.metrics(reset=False)["sandbox/cpu_s"]
                 sandbox.close()
     summary = results.finish()
-    cost = None if meter is None else meter.prices.step_cost(
-        {"tokens/prefill": counts["prefill"], "tokens/sampled": counts["tokens"], "sandbox/cpu_s": cpu_s})
-    return EvalReport(results.path, results.header, summary, len(pending), resumed, counts["requests"],
-                      counts["sequences"], counts["tokens"], time.monotonic() - t0, counts["prefill"], cpu_s, cost)
+    cost = None if meter is None else meter.prices.step_cost({**counts.usage.metrics(), "sandbox/cpu_s": cpu_s})
+    return EvalReport(results.path, results.header, summary, len(pending), resumed, counts.requests,
+                      counts.sequences, counts.usage, time.monotonic() - t0, cpu_s, cost)
 
 
 def _open_results(cfg: EvalConfig, path: Path, header: ResultsHeader, dataset: Dataset) -> ResultsFile:
@@ -400,19 +420,19 @@ def _open_results(cfg: EvalConfig, path: Path, header: ResultsHeader, dataset: D
 
 
 async def _sample_pending(cfg: EvalConfig, model: EvalModel, sandbox: Any, pending: list,
-                          results: ResultsFile) -> Counter:
+                          results: ResultsFile) -> EvalCounts:
     """Roll out every pending problem, ``concurrency`` at a time; append each as it finishes."""
     renderer, rollout_config = _rollout_parts(cfg, model)
-    semaphore, counts = asyncio.Semaphore(cfg.concurrency), Counter()
+    semaphore, counts = asyncio.Semaphore(cfg.concurrency), EvalCounts()
 
     async def one(index: int, problem: Any) -> None:
         async with semaphore:
-            result, sampler = await _sample_problem(cfg, model, renderer, rollout_config, sandbox, index, problem)
+            result, sampler = await _sample_problem(cfg, model, renderer, rollout_config, sandbox, index, problem,
+                                                    seeding=results.header.seeding)
         results.append(result)
-        counts.update(requests=sampler.requests, sequences=sampler.sequences, tokens=sampler.tokens,
-                      prefill=sampler.prefill)
+        counts.add(sampler)
         progress.update(len(results.done), average=results.running_average(),
-                        tok_s=counts["tokens"] / max(time.monotonic() - t0, 1e-9))
+                        tok_s=counts.usage.sampled / max(time.monotonic() - t0, 1e-9))
 
     t0 = time.monotonic()
     results.prepare()  # only now that the model, the template and the sandbox work
@@ -437,14 +457,16 @@ def _rollout_parts(cfg: EvalConfig, model: EvalModel) -> tuple[Any, Any]:
 
 
 async def _sample_problem(cfg: EvalConfig, model: EvalModel, renderer: Any, rollout_config: Any, sandbox: Any,
-                          index: int, problem: Any) -> tuple[ProblemResult, ProblemSampler]:
-    """``val_n`` trajectories of one problem and its results line."""
+                          index: int, problem: Any, *, seeding: str | None) -> tuple[ProblemResult, ProblemSampler]:
+    """``val_n`` trajectories of one problem and its results line, seeded by the file's
+    ``seeding`` (``position``; ``None`` with ``seeded``: the context scheme of older files)."""
     seed = problem_seed(cfg.seed, problem.id)
-    sampler = ProblemSampler(model.sampler, seed if cfg.seeded else None)
+    by_context = cfg.seeded and seeding is None
+    sampler = ProblemSampler(model.sampler, seed if by_context else None)
     rollout = Rollout(renderer, sampler, sandbox, agrade, rollout_config)
     start = time.monotonic()
     try:
-        trajectories = await rollout.group(problem, cfg.val_n)
+        trajectories = await rollout.group(problem, cfg.val_n, seed=seed if seeding == SEEDING else None)
     except RolloutError as err:
         raise EvalError(str(err)) from err
     result = ProblemResult(problem_id=problem.id, question=problem.question, answer=problem.answer,
@@ -515,8 +537,8 @@ def format_summary(report: EvalReport) -> str:
     k = s.k
     unbiased = "  ".join(f"pass@{j} {100 * v:.2f}%" for j, v in s.pass_at_k_unbiased.items())
     cost = [] if report.cost is None else [
-        f"  cost of this run: {report.cost:.4g} USD ({report.prefill_tokens} prompt tokens, "
-        f"{report.sampled_tokens} sampled tokens, {report.sandbox_cpu_s:.1f} sandbox CPU-s)"]
+        f"  cost of this run: {report.cost:.4g} USD ({report.usage.prefill} prompt tokens, "
+        f"{report.usage.sampled} sampled tokens, {report.sandbox_cpu_s:.1f} sandbox CPU-s)"]
     return "\n".join([
         f"{h.label} on {h.dataset} ({h.mode} mode), {s.num_problems} problems × {k} samples",
         f"  Average@{k} {100 * s.average_at_k:.2f}% ± {100 * s.average_at_k_stderr:.2f}  "
@@ -526,7 +548,7 @@ def format_summary(report: EvalReport) -> str:
         f"correct {s.num_correct}/{s.num_samples}  solved {s.num_solved}/{s.num_problems}",
         *([f"  behaviour: {format_behaviour(s.behaviour)}"] if s.behaviour else []),
         f"  this run: sampled {report.sampled_problems} problems ({report.sampler_requests} sampler requests, "
-        f"{report.sampled_tokens} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
+        f"{report.usage.sampled} tokens), {report.resumed_problems} already done, {report.seconds:.1f} s",
         *cost,
         f"  results: {report.path}",
     ])

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from retool.atomic import atomic_write_text
+from retool.jsonl import read_jsonl
 
 SINKS = ("jsonl", "swanlab", "wandb", "tensorboard")
 _PIP_NAME = {"swanlab": "swanlab", "wandb": "wandb", "tensorboard": "tensorboard"}
@@ -39,23 +40,15 @@ class SinkUnavailable(RuntimeError):
     """A chosen metric sink's package is not installed."""
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All rows of a ``metrics.jsonl`` (an empty list when the file does not exist)."""
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a ``metrics.jsonl`` in file order (an empty list when the file does not exist).
+
+    The one metrics reader (``retool plot`` keeps the last row per step of what it returns).
+    Read by the one JSON Lines rule (:mod:`retool.jsonl`): a cut-off last line is dropped
+    with a warning; any other bad line raises :class:`~retool.jsonl.JsonlError` naming it.
+    """
     path = Path(path)
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            # Only the last line can be torn (a crash mid-write); anything else is corruption.
-            if lineno != len(lines):
-                raise ValueError(f"{path}:{lineno}: not valid JSON") from None
-    return rows
+    return read_jsonl(path) if path.exists() else []
 
 
 def _jsonable(value: Any) -> Any:

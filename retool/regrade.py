@@ -46,11 +46,10 @@ from retool.atomic import atomic_open
 from retool.data import DataError, problems_fingerprint, read_problems
 from retool.flag_checks import UnwritableOutputError, output_file, output_folder
 from retool.grader_pool import GraderPool
-from retool.report import ReportInputError, read_jsonl
 from retool.results import ProblemResult, ResultsFileError, is_results_file, read_results, summarize
 from retool.reward import GoldAnswerError, try_grade_many
 from retool.runs import data_fingerprint
-from retool.serialize import to_jsonable, trajectory_from_jsonable
+from retool.trajectory_log import TrajectoryLogError, TrajectoryLogRow, read_trajectory_log, write_trajectory_log
 from retool.types import Grade, Trajectory
 
 
@@ -201,7 +200,10 @@ def regrade_run(run_dir: Path, output_dir: Path, data: str | None = None, pool=N
     written = []
     for path, (rows, _) in zip(files, staged):
         written.append(output_dir / path.name)
-        _write_jsonl(written[-1], rows)
+        try:
+            write_trajectory_log(written[-1], rows)
+        except OSError as err:
+            raise RegradeError(f"cannot write {written[-1]}: {err}") from None
     items = tuple(item for _, found in staged for item in found)
     return RegradeReport(run_dir, tuple(written), items, tuple(notes))
 
@@ -240,22 +242,18 @@ def _read_golds(data: str) -> Golds:
         raise RegradeError(f"gold answers from {data}: {err}") from None
 
 
-def _regrade_file(path: Path, golds: Golds, pool) -> tuple[list[dict], list[Regraded]]:
+def _regrade_file(path: Path, golds: Golds, pool) -> tuple[list[TrajectoryLogRow], list[Regraded]]:
     try:
-        rows = read_jsonl(path)
-        trajectories = [trajectory_from_jsonable(row["trajectory"]) for row in rows]
-    except ReportInputError as err:
+        rows = read_trajectory_log(path)
+    except TrajectoryLogError as err:
         raise RegradeError(str(err)) from None
-    except (KeyError, TypeError, ValueError) as err:
-        raise RegradeError(f"{path}: not a trajectory log ({err!r})") from None
-    where = [f"step {r.get('step')} · group {r.get('group')} · #{r.get('index')}" for r in rows]
-    answers = [_gold(golds, t.problem_id, "") for t in trajectories]
-    grades = grade_again(trajectories, answers, where, pool)
-    out = [{**row, "trajectory": to_jsonable(dataclasses.replace(t, grade=g)),
-            "original_grade": to_jsonable(t.grade), "regraded_from": str(path.resolve())}
-           for row, t, g in zip(rows, trajectories, grades)]
-    items = [Regraded(f"{w} (problem {t.problem_id})", f"{r.get('step')}/{r.get('group')}", t.grade, g, gold)
-             for w, r, t, g, gold in zip(where, rows, trajectories, grades, answers)]
+    answers = [_gold(golds, r.trajectory.problem_id, "") for r in rows]
+    grades = grade_again([r.trajectory for r in rows], answers, [r.where for r in rows], pool)
+    out = [dataclasses.replace(r, trajectory=dataclasses.replace(r.trajectory, grade=g),
+                               original_grade=r.trajectory.grade, regraded_from=str(path.resolve()))
+           for r, g in zip(rows, grades)]
+    items = [Regraded(f"{r.where} (problem {r.trajectory.problem_id})", f"{r.step}/{r.group}", r.trajectory.grade,
+                      g, gold) for r, g, gold in zip(rows, grades, answers)]
     return out, items
 
 

@@ -37,10 +37,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.report import ReportInputError, read_eval_results, read_jsonl
+from retool.report import ReportInputError, read_eval_results
 from retool.results import is_results_file
 from retool.sandbox import Sandbox, SandboxConfig
-from retool.serialize import trajectory_from_jsonable
+from retool.trajectory_log import NotATrajectoryLog, TrajectoryLogError, read_trajectory_log
 from retool.types import ExecutionResult, ToolCall, Trajectory
 
 SHOWN_FAILURES = 20
@@ -128,17 +128,11 @@ def load_source(source: Path) -> tuple[list[Recorded], Limits]:
 
 def _run_file(path: Path) -> list[Recorded]:
     try:
-        rows = read_jsonl(path)
-        if not rows or not all(isinstance(row.get("trajectory"), dict) for row in rows):
-            raise ReplayError(f"{path}: neither an eval results file nor a trajectory log")
-        return [Recorded(f"step {r.get('step')} · group {r.get('group')} · #{r.get('index')}",
-                         trajectory_from_jsonable(r["trajectory"])) for r in rows]
-    except ReportInputError as err:
+        return [Recorded(row.where, row.trajectory) for row in read_trajectory_log(path)]
+    except NotATrajectoryLog:
+        raise ReplayError(f"{path}: neither an eval results file nor a trajectory log") from None
+    except TrajectoryLogError as err:
         raise ReplayError(str(err)) from None
-    except (KeyError, TypeError, ValueError) as err:
-        if isinstance(err, ReplayError):
-            raise
-        raise ReplayError(f"{path}: not a valid trajectory log ({err!r})") from None
 
 
 def _run_limits(run_dir: Path) -> Limits:

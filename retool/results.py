@@ -15,8 +15,9 @@ A results file (``docs/formats.md``) is JSON Lines, written by ``retool eval``:
 Each record's ``to_json``/``from_json`` keeps the file's keys as they are. The reader
 (:func:`read_results`, :func:`iter_results`) is shared by ``retool eval`` (resume),
 ``retool compare``, ``retool plot``, ``retool view`` and the demo; a damaged line raises
-:class:`ResultsFileError` naming the file and the line. A last line without its newline
-is a write torn by a kill: it is dropped with a note on stderr. The appender
+:class:`ResultsFileError` naming the file and the line. Lines are read by the one JSON
+Lines reader (:mod:`retool.jsonl`): a last line cut off by a kill is dropped with a
+warning on stderr. The appender
 (:class:`ResultsFile`) resumes a file only when its header matches the run's, cuts the
 torn line and the old summary, and keeps one :class:`~retool.stats.TrajectoryStats`
 per finished problem — not its trajectories — so a large eval's summary costs little
@@ -30,16 +31,15 @@ rewriting or merging results files.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import os
-import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from retool.config import ConfigError
+from retool.jsonl import JsonlError, iter_jsonl
 from retool.serialize import to_jsonable, trajectory_from_jsonable
 from retool.stats import (
     TrajectoryStats,
@@ -56,7 +56,7 @@ from retool.types import Trajectory
 MATCHED_HEADER_KEYS = ("model", "checkpoint", "step", "dataset_fingerprint", "mode", "val_n", "seed", "seeded",
                        "chat_template", "dtype", "sampling", "sandbox", "engine")
 """Header fields that must be equal for a run to resume (append to) an existing file."""
-COMPARED_SETTINGS = ("model", "mode", "seed", "seeded", "chat_template", "dtype", "sampling", "sandbox")
+COMPARED_SETTINGS = ("model", "mode", "seed", "seeded", "seeding", "chat_template", "dtype", "sampling", "sandbox")
 """Header fields two evals that ``retool compare`` pairs may differ in (tool vs text on the same
 problems is the central comparison); each difference is printed above the table. The problem
 set and the samples per problem (``val_n``) must be equal instead."""
@@ -112,6 +112,11 @@ class ResultsHeader:
     val_n: int | None = None
     seed: int | None = None
     seeded: bool | None = None
+    seeding: str | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
+    """How a seeded eval derived its request seeds: ``position`` (from the problem's seed and
+    each request's place — the group fork, trajectory *i*'s turn *t* — as ``retool train``
+    does). Left out for unseeded evals and for files written before it was recorded, whose
+    requests were seeded from their context (``context``); a resumed file keeps its own."""
     chat_template: str | None = None
     dtype: str | None = None
     sampling: SamplingSettings | None = None
@@ -357,6 +362,8 @@ class ResultsLine:
     lineno: int
     end: int
     record: ResultsHeader | ProblemResult | EvalSummary
+    terminated: bool = True
+    """Whether the line ends with its newline (a complete last line may not)."""
 
 
 def read_results(path: str | Path) -> EvalResults:
@@ -385,7 +392,7 @@ def iter_results(path: str | Path) -> Iterator[ResultsLine]:
     path = Path(path)
     seen: set[str] = set()
     header_read, summary_at = False, None
-    for lineno, end, row in _json_lines(path):
+    for lineno, end, row, terminated in _json_lines(path):
         if summary_at is not None:
             raise ResultsFileError(f"{path}:{summary_at}: a summary line before the end of the file")
         kind = row.get("type")
@@ -400,7 +407,7 @@ def iter_results(path: str | Path) -> Iterator[ResultsLine]:
                 raise ResultsFileError(f"{path}:{lineno}: problem {record.problem_id!r} appears twice")
             seen.add(record.problem_id)
         header_read, summary_at = True, lineno if kind == "summary" else None
-        yield ResultsLine(lineno, end, record)
+        yield ResultsLine(lineno, end, record, terminated)
 
 
 _PARSERS = {"problem": ProblemResult.from_json, "summary": EvalSummary.from_json}
@@ -415,48 +422,22 @@ def _parsed(path: Path, lineno: int, kind: str, parse: Any, row: dict) -> Any:
         raise ResultsFileError(f"{path}:{lineno}: not a valid {kind} line: {detail}") from None
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, int, dict]]:
-    """``(line number, byte offset after the line, object)`` of each complete, non-blank line."""
-    end = 0
+def _json_lines(path: Path) -> Iterator[tuple[int, int, dict, bool]]:
+    """``(line number, byte offset after the line, object, has its newline)`` of each complete line."""
     try:
-        with _open(path) as f:
-            for lineno, raw in enumerate(f, start=1):
-                end += len(raw)
-                if not raw.endswith(b"\n"):
-                    print(f"note: {path}:{lineno}: dropped a torn last line (a writer killed mid-write)",
-                          file=sys.stderr)
-                    return
-                if raw.strip():
-                    yield lineno, end, _json_object(path, lineno, raw)
-    except (OSError, EOFError) as err:
-        raise ResultsFileError(f"{path}: cannot read: {err}") from err
-
-
-def _open(path: Path) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
-
-
-def _json_object(path: Path, lineno: int, raw: bytes) -> dict:
-    try:
-        row = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ResultsFileError(f"{path}:{lineno}: not valid JSON ({err}); the file is damaged") from None
-    if not isinstance(row, dict):
-        raise ResultsFileError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-    return row
+        for line in iter_jsonl(path):
+            yield line.lineno, line.end, line.row, line.terminated
+    except JsonlError as err:
+        raise ResultsFileError(str(err)) from None
 
 
 def is_results_file(path: str | Path) -> bool:
-    """Whether the first non-blank line of ``path`` is a results header (``False`` if unreadable)."""
+    """Whether the first complete line of ``path`` is a results header (``False`` if unreadable)."""
     try:
-        with _open(Path(path)) as f:
-            for raw in f:
-                if raw.strip():
-                    row = json.loads(raw)
-                    return isinstance(row, dict) and row.get("type") == "header"
-    except (OSError, EOFError, ValueError):
-        pass
-    return False
+        first = next(iter_jsonl(path), None)
+    except JsonlError:
+        return False
+    return first is not None and first.row.get("type") == "header"
 
 
 # ---------------------------------------------------------------- appending
@@ -480,9 +461,9 @@ class ResultsFile:
     """
 
     def __init__(self, path: Path, header: ResultsHeader, done: dict[str, _Done], *, fresh: bool,
-                 keep: int) -> None:
+                 keep: int, end_line: bool = False) -> None:
         self.path, self.header, self.done = path, header, done
-        self._fresh, self._keep = fresh, keep
+        self._fresh, self._keep, self._end_line = fresh, keep, end_line
         self._prepared = False
 
     @classmethod
@@ -496,7 +477,7 @@ class ResultsFile:
         """
         path = Path(path)
         lines = iter_results(path) if path.exists() and not overwrite else iter(())
-        old, done, keep = None, {}, 0
+        old, done, keep, end_line = None, {}, 0, False
         for line in lines:
             if isinstance(line.record, ResultsHeader):
                 old = line.record
@@ -504,10 +485,10 @@ class ResultsFile:
             elif isinstance(line.record, ProblemResult):
                 done[line.record.problem_id] = _done(path, line, index_of, header.val_n)
             if not isinstance(line.record, EvalSummary):
-                keep = line.end
+                keep, end_line = line.end, not line.terminated
         if old is None:
             return cls(path, header, {}, fresh=True, keep=0)
-        return cls(path, old, done, fresh=False, keep=keep)
+        return cls(path, old, done, fresh=False, keep=keep, end_line=end_line)
 
     def prepare(self) -> None:
         """Start a new file with its header, or cut an old one after its last problem line."""
@@ -518,6 +499,9 @@ class ResultsFile:
             _write_line(self.path, self.header.to_json(), mode="wb")
         elif self.path.stat().st_size != self._keep:
             os.truncate(self.path, self._keep)
+        if self._end_line:  # a complete last line written without its newline
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
         self._prepared = True
 
     def append(self, problem: ProblemResult) -> None:

@@ -42,12 +42,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from retool.config import option, require
+from retool.config import ConfigError, option, require
 from retool.engines.base import SampledSequence, SamplingClient, SamplingParams, TransientEngineError
 from retool.protocol import (
     INTERPRETERS,
@@ -68,6 +67,7 @@ from retool.types import (
     Problem,
     StopReason,
     ToolCall,
+    TokenUsage,
     ToolExchange,
     Trajectory,
     Turn,
@@ -113,11 +113,24 @@ class RolloutConfig:
     """Seed of the first (group-fork) request; later turns draw from the engine's stream."""
 
     def __post_init__(self) -> None:
-        for name in ("max_assistant_turns", "max_trajectory_tokens", "max_turn_tokens", "max_tool_response_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_code_calls < 0:
-            raise ValueError(f"max_code_calls must be >= 0, got {self.max_code_calls}")
+        problems = budget_problems(self)
+        if problems:
+            raise ValueError(problems[0])
+
+
+BUDGET_FIELDS = ("max_code_calls", "max_assistant_turns", "max_trajectory_tokens", "max_turn_tokens",
+                 "max_tool_response_tokens")
+"""The rollout budgets. Their defaults and rules are :class:`RolloutConfig`'s; the command
+line's :class:`RolloutBudgets` takes both from it and hands them on by these names."""
+
+
+def budget_problems(budgets: Any) -> list[str]:
+    """What is wrong with the budgets of ``budgets`` (anything with :data:`BUDGET_FIELDS`)."""
+    problems = [f"{name} must be >= 1, got {getattr(budgets, name)}" for name in BUDGET_FIELDS[1:]
+                if getattr(budgets, name) < 1]
+    if budgets.max_code_calls < 0:
+        problems.append(f"max_code_calls must be >= 0, got {budgets.max_code_calls}")
+    return problems
 
 
 @dataclass
@@ -125,11 +138,12 @@ class RolloutBudgets:
     """The rollout and sandbox budgets, declared once for every command that rolls out
     (``retool train`` and ``retool eval`` configs subclass it)."""
 
-    max_code_calls: int = option(4, "code executions per trajectory")
-    max_assistant_turns: int = option(6, "assistant turns per trajectory")
-    max_trajectory_tokens: int = option(8192, "tokens per trajectory, prompt included")
-    max_turn_tokens: int = option(1024, "tokens per assistant turn")
-    max_tool_response_tokens: int = option(512, "tokens per tool response (head+tail kept)")
+    max_code_calls: int = option(RolloutConfig.max_code_calls, "code executions per trajectory")
+    max_assistant_turns: int = option(RolloutConfig.max_assistant_turns, "assistant turns per trajectory")
+    max_trajectory_tokens: int = option(RolloutConfig.max_trajectory_tokens, "tokens per trajectory, prompt included")
+    max_turn_tokens: int = option(RolloutConfig.max_turn_tokens, "tokens per assistant turn")
+    max_tool_response_tokens: int = option(RolloutConfig.max_tool_response_tokens,
+                                           "tokens per tool response (head+tail kept)")
     sandbox_workers: int = option(8, "concurrent sandbox executions")
     sandbox_timeout_s: float = option(30.0, f"wall-clock limit of one code execution (at most {MAX_TIMEOUT_S:g} s)")
     sandbox_memory_mb: int = option(2048, "memory one code execution may allocate (MiB, on top of the preloaded modules)")
@@ -139,10 +153,10 @@ class RolloutBudgets:
                               "(the system prompt says which)", choices=INTERPRETERS)
 
     def validate_budgets(self) -> None:
-        for name in ("max_assistant_turns", "max_trajectory_tokens", "max_turn_tokens", "max_tool_response_tokens",
-                     "sandbox_workers", "sandbox_memory_mb"):
+        for problem in budget_problems(self)[:1]:
+            raise ConfigError(problem)
+        for name in ("sandbox_workers", "sandbox_memory_mb"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        require(self.max_code_calls >= 0, f"max_code_calls must be >= 0, got {self.max_code_calls}")
         require(self.interpreter in INTERPRETERS,
                 f"interpreter must be one of {', '.join(INTERPRETERS)}, got {self.interpreter!r}")
         require(0 < self.sandbox_timeout_s <= MAX_TIMEOUT_S,  # false for nan
@@ -151,11 +165,12 @@ class RolloutBudgets:
 
     def rollout_config(self, *, temperature: float, top_p: float, top_k: int = 0) -> RolloutConfig:
         """The rollout's budgets and sampling settings."""
-        return RolloutConfig(
-            max_code_calls=self.max_code_calls, max_assistant_turns=self.max_assistant_turns,
-            max_trajectory_tokens=self.max_trajectory_tokens, max_turn_tokens=self.max_turn_tokens,
-            max_tool_response_tokens=self.max_tool_response_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, sandbox_timeout_s=self.sandbox_timeout_s)
+        return RolloutConfig(**self.budgets(), temperature=temperature, top_p=top_p, top_k=top_k,
+                             sandbox_timeout_s=self.sandbox_timeout_s)
+
+    def budgets(self) -> dict[str, int]:
+        """The :data:`BUDGET_FIELDS` of this config, by name."""
+        return {name: getattr(self, name) for name in BUDGET_FIELDS}
 
     def start_sandbox(self) -> Sandbox:
         """The sandbox, started now: its isolation line goes to stderr, and with
@@ -190,11 +205,26 @@ class CodeRunner:
 
 @dataclass(frozen=True)
 class _Group:
-    """What every request of one group shares: its problem, seed and usage counter."""
+    """What every request of one group shares: its problem, seed and usage meter."""
 
     problem: Problem
     seed: int | None
-    usage: Counter | None
+    usage: UsageMeter | None
+
+
+@dataclass
+class UsageMeter:
+    """A running :class:`~retool.types.TokenUsage` (a rollout's, or one group's)."""
+
+    total: TokenUsage = TokenUsage()
+
+    def add(self, usage: TokenUsage) -> None:
+        self.total = self.total + usage
+
+    def take(self) -> TokenUsage:
+        """Return the usage so far and start again from zero."""
+        total, self.total = self.total, TokenUsage()
+        return total
 
 
 @dataclass
@@ -226,9 +256,8 @@ class Rollout:
     sandbox: CodeRunner | None
     grader: Grader
     config: RolloutConfig = field(default_factory=RolloutConfig)
-    usage: Counter = field(default_factory=Counter, init=False)
-    """Token accounting since the last :meth:`take_usage`: ``prefill`` (context tokens
-    sent to the sampler, once per request) and ``sampled`` (tokens it returned)."""
+    usage: UsageMeter = field(default_factory=UsageMeter, init=False)
+    """Token usage (``prefill``, ``sampled``) since the last :meth:`take_usage`."""
 
     @property
     def tools(self) -> bool:
@@ -243,16 +272,14 @@ class Rollout:
     def stateful(self) -> bool:
         return self.tools and self.renderer.interpreter == "stateful"
 
-    def take_usage(self) -> dict[str, int]:
-        """Return the token counts since the last call and reset them."""
-        usage = {"prefill": self.usage["prefill"], "sampled": self.usage["sampled"]}
-        self.usage.clear()
-        return usage
+    def take_usage(self) -> TokenUsage:
+        """Return the token usage since the last call and reset it."""
+        return self.usage.take()
 
     # ------------------------------------------------------------ groups
 
     async def group(self, problem: Problem, group_size: int, *, seed: int | None = None,
-                    usage: Counter | None = None) -> list[Trajectory]:
+                    usage: UsageMeter | None = None) -> list[Trajectory]:
         """Roll out ``group_size`` trajectories for ``problem`` (first turn forked).
 
         With ``seed``, every request of the group carries a seed derived from it and the
@@ -261,7 +288,7 @@ class Rollout:
         are rolled out with it (a resumed step re-rolls only its unfinished groups and
         gets what the uninterrupted step got). Without it, the fork uses
         ``config.seed`` and later turns draw from the engine's stream. ``usage``, when
-        given, also receives this group's token counts (as :attr:`usage` does).
+        given, also receives this group's token usage (as :attr:`usage` does).
         """
         ctx = _Group(problem, seed, usage)
         prompt = self.renderer.prompt_tokens(self.renderer.messages(problem.question))
@@ -397,10 +424,10 @@ class Rollout:
         if len(result.sequences) != n:
             raise RolloutError(f"problem {problem.id}: asked the sampler for {n} sequences, "
                                f"got {len(result.sequences)}")
-        counts = {"prefill": len(tokens), "sampled": sum(len(s.tokens) for s in result.sequences)}
-        self.usage.update(counts)
+        counts = TokenUsage(prefill=len(tokens), sampled=sum(len(s.tokens) for s in result.sequences))
+        self.usage.add(counts)
         if ctx.usage is not None:
-            ctx.usage.update(counts)
+            ctx.usage.add(counts)
         return result.sequences
 
 

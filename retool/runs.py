@@ -51,6 +51,8 @@ from retool.config import ConfigError, config_to_dict, save_config
 from retool.engines import ModelConfig, TrainingClient, load_training_client
 from retool.log import MetricsLogger, StepProgress
 from retool.serialize import to_jsonable, trajectory_from_jsonable
+from retool.trajectory_log import TrajectoryLogRow, write_trajectory_log
+from retool.types import TokenUsage
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -179,16 +181,11 @@ def check_same_data(run_dir: Path, record: str, fingerprint: dict[str, str]) -> 
 
 def save_trajectories(run_dir: Path, step: int, groups_with_advantages: list) -> Path:
     """Write every trajectory of a step to ``trajectories/step_NNNNNN.jsonl.gz``."""
-    folder = run_dir / "trajectories"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{CHECKPOINT_PREFIX}{step:06d}.jsonl.gz"
-    with atomic_open(path, compress=True) as f:
-        for g, (group, advantages) in enumerate(groups_with_advantages):
-            for i, (trajectory, advantage) in enumerate(zip(group, advantages)):
-                row = {"step": step, "group": g, "index": i, "advantage": advantage,
-                       "trajectory": to_jsonable(trajectory)}
-                f.write(json.dumps(row) + "\n")
-    return path
+    path = run_dir / "trajectories" / f"{CHECKPOINT_PREFIX}{step:06d}.jsonl.gz"
+    rows = (TrajectoryLogRow(trajectory, step=step, group=g, index=i, advantage=advantage)
+            for g, (group, advantages) in enumerate(groups_with_advantages)
+            for i, (trajectory, advantage) in enumerate(zip(group, advantages)))
+    return write_trajectory_log(path, rows)
 
 
 # ---------------------------------------------------------------- finished groups of an unfinished step
@@ -210,7 +207,7 @@ class StoredGroup:
     """A finished group of a step that has not finished: its trajectories and token usage."""
 
     trajectories: tuple
-    usage: Mapping[str, int]
+    usage: TokenUsage
 
 
 class GroupStore:
@@ -230,10 +227,10 @@ class GroupStore:
     def _path(self, key: GroupKey) -> Path:
         return self.folder / f"{CHECKPOINT_PREFIX}{key.step:06d}" / f"group_{key.round:02d}_{key.index:04d}.json.gz"
 
-    def save(self, key: GroupKey, trajectories: Any, usage: Mapping[str, int]) -> None:
+    def save(self, key: GroupKey, trajectories: Any, usage: TokenUsage) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        row = {"key": dataclasses.asdict(key), "fingerprint": self.fingerprint, "usage": dict(usage),
+        row = {"key": dataclasses.asdict(key), "fingerprint": self.fingerprint, "usage": usage.to_json(),
                "trajectories": to_jsonable(list(trajectories))}
         with atomic_open(path, compress=True) as f:
             f.write(json.dumps(row))
@@ -250,7 +247,8 @@ class GroupStore:
             return None  # unreadable: roll the group out again
         if row.get("key") != dataclasses.asdict(key) or row.get("fingerprint") != self.fingerprint:
             return None
-        return StoredGroup(tuple(trajectory_from_jsonable(t) for t in row["trajectories"]), row["usage"])
+        return StoredGroup(tuple(trajectory_from_jsonable(t) for t in row["trajectories"]),
+                           TokenUsage.from_json(row["usage"]))
 
     def clear(self, step: int) -> None:
         shutil.rmtree(self.folder / f"{CHECKPOINT_PREFIX}{step:06d}", ignore_errors=True)
@@ -324,12 +322,14 @@ class TrainerState:
     """Problems (or dialogues) consumed so far: ``step * batch_size``."""
     totals: dict[str, float]
     """Running totals logged every step (``tokens/*_total``)."""
+    curriculum: dict[str, Any] | None = None
+    """The difficulty pool's state (:meth:`retool.curriculum.PoolState.to_json`); ``None`` without one."""
 
 
 def read_trainer_state(folder: Path) -> TrainerState:
     """The ``trainer_state.json`` of the checkpoint ``folder``."""
     state = json.loads((folder / "trainer_state.json").read_text())
-    return TrainerState(int(state["step"]), int(state["data_cursor"]), dict(state["totals"]))
+    return TrainerState(int(state["step"]), int(state["data_cursor"]), dict(state["totals"]), state.get("curriculum"))
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

@@ -23,7 +23,10 @@ reworded, in SFT or RL data, whatever the seeds. Draws are deterministic in
 Difficulty (see ``docs/sft.md`` for the measured calibration): the operands are far
 beyond mental arithmetic, so without the tool a small model scores near zero; with the
 tool the work is to set the snippet up from the question — trivial for a bare product,
-error-prone for the word problems, whose numbers must go to the right places.
+error-prone for the word problems, whose numbers must go to the right places. A
+difficulty level per kind (:func:`make_problems`' ``difficulty``, ``retool task-data
+--difficulty``; :data:`MAX_LEVEL`) gives the operands more digits to copy, so an RL split
+can hold problems a cold start fails more often; level 0, the default, is the calibrated task.
 
 Non-goals: problems with non-integer answers, solutions of more than two calls, natural-language
 variety beyond a few paraphrases per operation.
@@ -38,7 +41,7 @@ import json
 import math
 import random
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,16 +103,21 @@ def _snippet(line: str) -> str:
     return PRELUDE + line
 
 
-def _product(rng: random.Random) -> Draw:
-    a, b = rng.randint(100, 99_999), rng.randint(1_000, 99_999)
+def _up(limit: int, level: int) -> int:
+    """An operand's upper bound at difficulty ``level``: ``level`` more digits (level 0: today's bound)."""
+    return limit * 10**level
+
+
+def _product(rng: random.Random, level: int = 0) -> Draw:
+    a, b = rng.randint(100, _up(99_999, level)), rng.randint(1_000, _up(99_999, level))
     question = rng.choice((f"What is {a} × {b}?", f"Compute the product of {a} and {b}.",
                            f"Multiply {a} by {b}. What is the result?"))
     return Draw("product", (a, b), question, _snippet(f"print({a} * {b})"), a * b, _plan(f"{a} * {b}"),
                 f"{a} × {b} = {a * b}.")
 
 
-def _modpow(rng: random.Random) -> Draw:
-    base, exponent, modulus = rng.randint(2, 99), rng.randint(50, 999), rng.randint(7, 9_999)
+def _modpow(rng: random.Random, level: int = 0) -> Draw:
+    base, exponent, modulus = rng.randint(2, _up(99, level)), rng.randint(50, 999), rng.randint(7, _up(9_999, level))
     answer = pow(base, exponent, modulus)
     question = rng.choice((f"What is the remainder when {base}^{exponent} is divided by {modulus}?",
                            f"Find {base}^{exponent} mod {modulus}."))
@@ -117,8 +125,8 @@ def _modpow(rng: random.Random) -> Draw:
                 answer, _plan(f"pow({base}, {exponent}, {modulus})"), f"The remainder is {answer}.")
 
 
-def _digit_sum_power(rng: random.Random) -> Draw:
-    base, exponent = rng.randint(2, 30), rng.randint(20, 300)
+def _digit_sum_power(rng: random.Random, level: int = 0) -> Draw:
+    base, exponent = rng.randint(2, _up(30, level)), rng.randint(20, 300)
     answer = sum(map(int, str(base**exponent)))
     question = rng.choice((f"What is the sum of the digits of {base}^{exponent}?",
                            f"Find the digit sum of {base} raised to the power {exponent}."))
@@ -128,8 +136,8 @@ def _digit_sum_power(rng: random.Random) -> Draw:
                 f"The digit sum of {base}^{exponent} is {answer}.")
 
 
-def _divisors(rng: random.Random) -> Draw:
-    n = rng.randint(1_000, 99_999)
+def _divisors(rng: random.Random, level: int = 0) -> Draw:
+    n = rng.randint(1_000, _up(99_999, min(level, 1)))  # the snippet loops up to n: at most 10^6
     answer = sum(1 if d * d == n else 2 for d in range(1, math.isqrt(n) + 1) if n % d == 0)
     question = rng.choice((f"How many positive divisors does {n} have?",
                            f"Count the positive integers that divide {n}."))
@@ -138,37 +146,37 @@ def _divisors(rng: random.Random) -> Draw:
                 f"{n} has {answer} divisors.")
 
 
-def _range_sum(rng: random.Random) -> Draw:
-    a = rng.randint(10, 9_999)
-    b = a + rng.randint(100, 99_999)
+def _range_sum(rng: random.Random, level: int = 0) -> Draw:
+    a = rng.randint(10, _up(9_999, level))
+    b = a + rng.randint(100, _up(99_999, level))
     question = rng.choice((f"What is the sum of all integers from {a} to {b} inclusive?",
                            f"Add up every whole number from {a} through {b}."))
     return Draw("range_sum", (a, b), question, _snippet(f"print(sum(range({a}, {b} + 1)))"), (a + b) * (b - a + 1) // 2,
                 _plan(f"sum(range({a}, {b} + 1))"), f"The sum is {(a + b) * (b - a + 1) // 2}.")
 
 
-def _gcd_operands(rng: random.Random) -> tuple[int, int]:
+def _gcd_operands(rng: random.Random, level: int) -> tuple[int, int]:
     """Two numbers with a non-trivial common factor."""
     g = rng.randint(2, 400)
-    return g * rng.randint(10, 999), g * rng.randint(10, 999)
+    return g * rng.randint(10, _up(999, level)), g * rng.randint(10, _up(999, level))
 
 
-def _gcd(rng: random.Random) -> Draw:
-    a, b = _gcd_operands(rng)
+def _gcd(rng: random.Random, level: int = 0) -> Draw:
+    a, b = _gcd_operands(rng, level)
     question = rng.choice((f"What is the greatest common divisor of {a} and {b}?", f"Find gcd({a}, {b})."))
     return Draw("gcd", (a, b), question, _snippet(f"print(math.gcd({a}, {b}))"), math.gcd(a, b),
                 _plan(f"math.gcd({a}, {b})"), f"The greatest common divisor is {math.gcd(a, b)}.")
 
 
-def _lcm(rng: random.Random) -> Draw:
-    a, b = _gcd_operands(rng)
+def _lcm(rng: random.Random, level: int = 0) -> Draw:
+    a, b = _gcd_operands(rng, level)
     question = rng.choice((f"What is the least common multiple of {a} and {b}?", f"Find lcm({a}, {b})."))
     return Draw("lcm", (a, b), question, _snippet(f"print(math.lcm({a}, {b}))"), math.lcm(a, b),
                 _plan(f"math.lcm({a}, {b})"), f"The least common multiple is {math.lcm(a, b)}.")
 
 
-def _multiples_sum(rng: random.Random) -> Draw:
-    k, n = rng.randint(3, 97), rng.randint(1_000, 99_999)
+def _multiples_sum(rng: random.Random, level: int = 0) -> Draw:
+    k, n = rng.randint(3, 97), rng.randint(1_000, _up(99_999, min(level, 1)))  # the snippet loops up to n
     answer = sum(range(0, n, k))
     question = rng.choice((f"What is the sum of all positive multiples of {k} that are less than {n}?",
                            f"Add up all the multiples of {k} below {n}."))
@@ -192,17 +200,17 @@ _STORIES = (
 )
 
 
-def _word_problem(rng: random.Random) -> Draw:
+def _word_problem(rng: random.Random, level: int = 0) -> Draw:
     index = rng.randrange(len(_STORIES))
     template, expression, solve = _STORIES[index]
-    a, b, c = rng.randint(100, 9_999), rng.randint(12, 999), rng.randint(13, 999)
+    a, b, c = rng.randint(100, _up(9_999, level)), rng.randint(12, _up(999, level)), rng.randint(13, _up(999, level))
     answer = solve(a, b, c)
     formula = expression.format(a=a, b=b, c=c)
     return Draw("word_problem", (index, a, b, c), template.format(a=a, b=b, c=c), _snippet(f"print({formula})"), answer,
                 _plan(formula), f"The answer is {answer}.")
 
 
-KINDS: dict[str, Callable[[random.Random], Draw]] = {
+KINDS: dict[str, Callable[[random.Random, int], Draw]] = {
     "product": _product,
     "modpow": _modpow,
     "digit_sum_power": _digit_sum_power,
@@ -213,7 +221,14 @@ KINDS: dict[str, Callable[[random.Random], Draw]] = {
     "multiples_sum": _multiples_sum,
     "word_problem": _word_problem,
 }
-"""Problem generators by name; each draws one :class:`Draw` from a seeded ``Random``."""
+"""Problem generators by name; each draws one :class:`Draw` from a seeded ``Random`` at a
+difficulty level (:data:`MAX_LEVEL`)."""
+
+MAX_LEVEL = 2
+"""The highest difficulty level. Level ``L`` gives the operands a model must copy into its
+snippet ``L`` more digits (the same draws as level 0 otherwise; ``divisors`` and
+``multiples_sum``, whose snippets loop up to ``n``, stop at one more digit). Level 0 is the
+calibrated task of ``docs/sft.md`` and the default."""
 
 MIX: dict[str, float] = {
     "product": 1.0,
@@ -283,8 +298,47 @@ def split_of(draw: Draw) -> str:
     return "test" if bucket < 2 else "sft" if bucket < 6 else "rl"
 
 
-def draw_problems(n: int, seed: int, split: str, kinds: Sequence[str] | None = None) -> list[Draw]:
-    """``n`` distinct draws of ``split``, kinds weighted by :data:`MIX` (or uniform over ``kinds``)."""
+def parse_difficulty(text: str) -> dict[str, int]:
+    """``"product=1,word_problem=2"`` → levels by kind; a bare ``"1"`` sets every kind; ``""`` none.
+
+    Raises ``ValueError`` naming the bad entry (an unknown kind, a level outside 0..:data:`MAX_LEVEL`).
+    """
+    text = text.strip()
+    if not text:
+        return {}
+    if "=" not in text:
+        return check_difficulty(dict.fromkeys(KINDS, _level(text, text)))
+    levels = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        kind, sep, value = entry.partition("=")
+        if not sep:
+            raise ValueError(f"difficulty entry {entry!r}: write kind=level (e.g. product=1)")
+        levels[kind.strip()] = _level(value, entry)
+    return check_difficulty(levels)
+
+
+def _level(value: str, entry: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise ValueError(f"difficulty entry {entry!r}: the level must be an integer 0..{MAX_LEVEL}") from None
+
+
+def check_difficulty(levels: Mapping[str, int]) -> dict[str, int]:
+    """``levels`` if every kind is known and every level in 0..:data:`MAX_LEVEL`, else ``ValueError``."""
+    unknown = sorted(set(levels) - set(KINDS))
+    if unknown:
+        raise ValueError(f"difficulty: unknown problem kind(s) {unknown}; choose from {sorted(KINDS)}")
+    bad = {k: v for k, v in levels.items() if not 0 <= v <= MAX_LEVEL}
+    if bad:
+        raise ValueError(f"difficulty: levels must be 0..{MAX_LEVEL}, got {bad}")
+    return dict(levels)
+
+
+def draw_problems(n: int, seed: int, split: str, kinds: Sequence[str] | None = None,
+                  difficulty: Mapping[str, int] | None = None) -> list[Draw]:
+    """``n`` distinct draws of ``split``, kinds weighted by :data:`MIX` (or uniform over ``kinds``),
+    each kind at its level in ``difficulty`` (:data:`MAX_LEVEL`; absent kinds: level 0)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
     if n < 1:
@@ -294,11 +348,13 @@ def draw_problems(n: int, seed: int, split: str, kinds: Sequence[str] | None = N
     if unknown:
         raise ValueError(f"unknown problem kind(s) {unknown}; choose from {sorted(KINDS)}")
     weights = [MIX.get(k, 1.0) if not kinds else 1.0 for k in names]
+    levels = check_difficulty(difficulty or {})
     rng = random.Random(f"retool-arithmetic/{seed}/{split}")
     draws: dict[tuple[str, tuple[int, ...]], Draw] = {}
     misses = 0
     while misses < _MAX_MISSES:
-        draw = KINDS[rng.choices(names, weights)[0]](rng)
+        kind = rng.choices(names, weights)[0]
+        draw = KINDS[kind](rng, levels.get(kind, 0))
         if split_of(draw) != split or (draw.kind, draw.key) in draws:
             misses += 1
             continue
@@ -308,17 +364,21 @@ def draw_problems(n: int, seed: int, split: str, kinds: Sequence[str] | None = N
     raise ValueError(f"could only draw {len(draws)} distinct {split} problems of kinds {names}; ask for fewer")
 
 
-def make_problems(n: int, seed: int = 0, split: str = "test", kinds: Sequence[str] | None = None) -> list[Problem]:
-    """``n`` distinct problems of ``split`` (``rl`` to train on, ``test`` held out).
+def make_problems(n: int, seed: int = 0, split: str = "test", kinds: Sequence[str] | None = None,
+                  difficulty: Mapping[str, int] | None = None) -> list[Problem]:
+    """``n`` distinct problems of ``split`` (``rl`` to train on, ``test`` held out), each kind
+    at its ``difficulty`` level (default 0, see :data:`MAX_LEVEL`).
 
-    Ids are ``arith-<kind>-<hash>``: stable across calls and unique within a split.
+    Ids are ``arith-<kind>-<hash>``: stable across calls and unique within a split. The
+    ``data_source`` names the kind (``synthetic-arithmetic/product``), so a difficulty
+    curriculum (``retool train --curriculum difficulty``) learns per kind.
     """
-    return [_problem(d) for d in draw_problems(n, seed, split, kinds)]
+    return [_problem(d) for d in draw_problems(n, seed, split, kinds, difficulty)]
 
 
 def _problem(draw: Draw) -> Problem:
     digest = hashlib.sha256(f"{draw.kind}:{draw.key}".encode()).hexdigest()[:10]
-    return Problem(f"arith-{draw.kind}-{digest}", draw.question, str(draw.answer), DATA_SOURCE)
+    return Problem(f"arith-{draw.kind}-{digest}", draw.question, str(draw.answer), f"{DATA_SOURCE}/{draw.kind}")
 
 
 # ---------------------------------------------------------------- SFT dialogues
@@ -424,6 +484,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the draw")
     p.add_argument("--kinds", default=None,
                    help=f"comma-separated problem kinds (default: the calibrated mix of {', '.join(KINDS)})")
+    p.add_argument("--difficulty", default="",
+                   help=f"splits 'rl' and 'test': harder operands per kind, kind=level,... or one level for "
+                        f"every kind (0..{MAX_LEVEL}; level L adds L digits; default: level 0, the calibrated task)")
     p.add_argument("--output", type=Path, required=True, help="the JSONL file to write")
     p.add_argument("--interpreter", choices=INTERPRETERS, default="stateless",
                    help="split 'sft' only: 'stateful' writes two-call dialogues whose second call uses the "
@@ -435,11 +498,14 @@ def _run_task_data(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     try:
         output_file(args.output, "--output")
+        if args.split == "sft" and args.difficulty.strip():
+            raise ValueError("--difficulty applies to the 'rl' and 'test' splits; SFT dialogues use level 0")
         if args.split == "sft":
             rows: list[dict[str, Any]] = make_sft_conversations(args.n, args.seed, kinds=kinds,
                                                                 interpreter=args.interpreter)
         else:
-            rows = [_problem_row(p) for p in make_problems(args.n, args.seed, args.split, kinds)]
+            difficulty = parse_difficulty(args.difficulty)
+            rows = [_problem_row(p) for p in make_problems(args.n, args.seed, args.split, kinds, difficulty)]
     except (ValueError, UnwritableOutputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

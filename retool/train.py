@@ -35,18 +35,17 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retool import algo, runs
+from retool import algo, curriculum, runs
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostOptions, cost_meter
 from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
 from retool.flag_checks import output_folder
-from retool.rollout import RolloutBudgets
+from retool.rollout import RolloutBudgets, UsageMeter
 from retool.seeding import derive_seed
 
 LOSSES = ("ppo", "importance_sampling")
@@ -103,6 +102,11 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     drop_degenerate_groups: bool = option(False, "skip groups whose rewards are all equal (zero advantage)")
     refill_rounds: int = option(0, "dynamic sampling (DAPO): up to N extra rollout rounds of fresh problems "
                                    "while fewer than batch_size groups are informative; only those are trained")
+    curriculum: str = option("none", "which problems a step draws: none = a seeded shuffle per epoch; difficulty = "
+                                     "fewer of those whose recent groups were all right or all wrong (an online "
+                                     "difficulty pool, retool/curriculum.py)", choices=curriculum.CURRICULA)
+    curriculum_floor: float = option(0.1, "difficulty curriculum: the lowest draw weight of a problem (a fresh "
+                                          "one weighs 1), so none starves")
     lr: float = option(4e-5, "Adam learning rate")
     beta1: float = option(0.9, "Adam beta1")
     beta2: float = option(0.95, "Adam beta2")
@@ -119,11 +123,23 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     max_retries: int = option(2, "retries of a failed rollout before the run stops")
 
     def validate(self) -> None:
+        self.validate_settings()
+        self.validate_cost()
+        from retool.log import check_sinks
+
+        try:
+            check_sinks(self.sinks)
+        except (ValueError, RuntimeError) as err:
+            raise ConfigError(str(err)) from None
+        check_supported(self.engine, self.requirements())
+
+    def validate_settings(self) -> None:
+        """The rules between the settings themselves (``retool verl-config`` shares them);
+        :meth:`validate` adds what this machine must offer: sinks, engine, price table."""
         for name in ("batch_size", "group_size", "max_steps", "save_every"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         self.validate_model()
         self.validate_budgets()
-        self.validate_cost()
         require(self.group_size >= 2, f"group_size must be >= 2 for group-centred advantages, got {self.group_size}")
         require(self.max_turn_tokens < self.max_trajectory_tokens,
                 "max_turn_tokens must be smaller than max_trajectory_tokens")
@@ -134,18 +150,14 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
         require(self.max_retries >= 0, "max_retries must be >= 0")
         require(self.refill_rounds >= 0, f"refill_rounds must be >= 0, got {self.refill_rounds}")
+        require(self.curriculum in curriculum.CURRICULA,
+                f"curriculum must be one of {', '.join(curriculum.CURRICULA)}, got {self.curriculum!r}")
+        require(0 < self.curriculum_floor <= 1, f"curriculum_floor must be in (0, 1], got {self.curriculum_floor}")
         require(self.advantage != "passk" or 1 <= self.passk < self.group_size,
                 f"--passk must be in [1, group_size) = [1, {self.group_size}), got {self.passk}")
         require(self.overlong_buffer >= 1, f"overlong_buffer must be >= 1, got {self.overlong_buffer}")
         require(self.behaviour_is_cap > 1 and self.behaviour_is_threshold > 1,
                 "behaviour_is_cap and behaviour_is_threshold must be > 1")
-        from retool.log import check_sinks
-
-        try:
-            check_sinks(self.sinks)
-        except (ValueError, RuntimeError) as err:
-            raise ConfigError(str(err)) from None
-        check_supported(self.engine, self.requirements())
 
     def requirements(self) -> Requirements:
         """What this run asks of its engine (checked against the engine's capabilities)."""
@@ -179,10 +191,16 @@ class Trainer:
     store: runs.GroupStore | None = None
     """Finished groups of the step in progress, kept for a mid-step resume (``None``: not kept)."""
     reused_groups: int = 0
+    pool: curriculum.PoolState | None = None
+    """The difficulty pool's state with ``--curriculum difficulty`` (``None``: no curriculum)."""
+
+    def __post_init__(self) -> None:
+        if self.config.curriculum == "difficulty" and self.pool is None:
+            self.pool = curriculum.PoolState()
 
     def reuse(self, stored: runs.StoredGroup) -> None:
         """Count a group an interrupted run finished as if it had been sampled now."""
-        self.rollout.usage.update(stored.usage)
+        self.rollout.usage.add(stored.usage)
         if self.sandbox is not None:
             self.sandbox.record_outcomes([(turn.exchange.result, turn.exchange.latency_s)
                                           for t in stored.trajectories for turn in t.turns
@@ -190,10 +208,23 @@ class Trainer:
         self.reused_groups += 1
 
     def checkpoint_state(self, step: int) -> runs.TrainerState:
-        return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals))
+        pool = self.pool.to_json() if self.pool is not None else None
+        return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals), pool)
 
     def restore_state(self, state: runs.TrainerState) -> None:
         self.totals.update(state.totals)
+        if self.pool is not None and state.curriculum is not None:
+            self.pool = curriculum.PoolState.from_json(state.curriculum)
+
+    def choose(self, step: int, round_: int, count: int, taken: list[int]) -> list[int]:
+        """The problems of rollout round ``round_`` of ``step`` (0 = the batch, then refills)."""
+        cfg, n = self.config, len(self.problems)
+        if self.pool is not None:
+            return curriculum.draw(self.pool, self.problems, count, seed=cfg.seed, step=step, round_=round_,
+                                   floor=cfg.curriculum_floor, exclude=taken)
+        if round_ == 0:
+            return runs.batch_indices(step, cfg.batch_size, n, cfg.seed)
+        return runs.refill_indices(step, round_, count, n, cfg.seed)
 
 
 def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
@@ -203,20 +234,19 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     from retool.stats import behaviour_figures, trajectory_stats
 
     cfg, t0 = trainer.config, time.monotonic()
-    problems = [trainer.problems[i] for i in runs.batch_indices(step, cfg.batch_size, len(trainer.problems), cfg.seed)]
     try:  # a service engine loads the new weights here (e.g. a vLLM server's adapter swap)
         trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
     except (RuntimeError, OSError) as err:
         raise StepError(f"step {step}: the sampler could not get the current weights: {err}") from err
-    groups = _rollout_with_retries(trainer, problems, step, 0)
+    taken: list[int] = []
+    groups = _rollout_round(trainer, step, 0, cfg.batch_size, taken)
     rounds = 0
     while rounds < cfg.refill_rounds:
         missing = cfg.batch_size - len(groups) + algo.count_degenerate_groups(_rewards(groups))
         if missing <= 0:
             break
         rounds += 1
-        extra = runs.refill_indices(step, rounds, missing, len(trainer.problems), cfg.seed)
-        groups += _rollout_with_retries(trainer, [trainer.problems[i] for i in extra], step, rounds)
+        groups += _rollout_round(trainer, step, rounds, missing, taken)
     t_rollout = time.monotonic() - t0
     if trainer.reused_groups:
         print(f"step {step}: reused {trainer.reused_groups} trajectory group(s) that an interrupted run had "
@@ -255,17 +285,32 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     metrics.update(rollout_metrics(flat))
     metrics.update({f"behaviour/{k}": v for k, v in behaviour_figures(trajectory_stats(flat)).items()})
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
-    _add_totals(trainer.totals, usage["prefill"], usage["sampled"], trained, metrics.get("sandbox/cpu_s", 0.0))
+    _add_totals(trainer.totals, usage.prefill, usage.sampled, trained, metrics.get("sandbox/cpu_s", 0.0))
+    if trainer.pool is not None:
+        metrics.update(curriculum.pool_metrics(trainer.pool, trainer.problems, cfg.curriculum_floor))
     metrics.update({
         "rollout/degenerate_group_rate": sum(degenerate_B) / len(groups),
+        "rollout/informative_group_rate": (len(groups) - sum(degenerate_B)) / len(groups),
         "train/datums": float(len(datums)),
         "train/groups": float(len(kept)),
         "rollout/groups": float(len(groups)), "rollout/refill_rounds": float(rounds),
-        "tokens/prefill": float(usage["prefill"]), "tokens/sampled": float(usage["sampled"]),
+        "tokens/prefill": float(usage.prefill), "tokens/sampled": float(usage.sampled),
         "tokens/trained": trained, **trainer.totals,
         "time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0,
     })
     return metrics, list(zip(groups, advantages_BG))
+
+
+def _rollout_round(trainer: Trainer, step: int, round_: int, count: int, taken: list[int]) -> list:
+    """Choose ``count`` problems for this round, roll out a group of each, and record the
+    groups in the difficulty pool (when on); ``taken`` gains the chosen indices."""
+    chosen = trainer.choose(step, round_, count, taken)
+    taken += chosen
+    problems = [trainer.problems[i] for i in chosen]
+    groups = _rollout_with_retries(trainer, problems, step, round_)
+    if trainer.pool is not None:
+        trainer.pool = curriculum.record(trainer.pool, problems, _rewards(groups))
+    return groups
 
 
 def _rewards(groups: list) -> list[list[float]]:
@@ -356,11 +401,11 @@ async def _rollout_groups(trainer: Trainer, problems: list, step: int, round_: i
         if stored is not None:
             trainer.reuse(stored)
             return list(stored.trajectories)
-        usage: Counter = Counter()
+        usage = UsageMeter()
         group = await trainer.rollout.group(problem, cfg.group_size, seed=derive_seed(cfg.seed, step, round_, index),
                                             usage=usage)
         if trainer.store is not None:
-            trainer.store.save(key, group, usage)
+            trainer.store.save(key, group, usage.total)
             runs.failpoint("group_saved", step)
         return group
 
@@ -480,6 +525,7 @@ def _step_with_trajectories(trainer: Trainer, run_dir: Path, step: int) -> dict[
 
 def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
     fields = {"reward": metrics["reward/mean"], "correct": metrics["reward/correct"],
+              "informative": metrics["rollout/informative_group_rate"],
               "tok_s": metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9)}
     if "cost/total" in metrics:
         fields["usd"] = metrics["cost/total"]

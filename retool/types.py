@@ -2,7 +2,7 @@
 
 Small, frozen dataclasses passed between stages: a problem, a parsed tool call,
 the result of executing one snippet, the grade of one answer, one assistant turn,
-one trajectory, one group of trajectories. Nothing here does work; behaviour lives in
+one trajectory, one group of trajectories, token usage. Nothing here does work; behaviour lives in
 the modules that make and consume these records.
 
 Shape suffixes follow the STYLE guide: ``tokens_T`` is one entry per token of a
@@ -222,6 +222,36 @@ class TrajectoryGroup:
     def rewards_G(self) -> tuple[float, ...]:
         """Each trajectory's outcome reward, in order."""
         return tuple(t.grade.reward for t in self.trajectories_G)
+
+
+@dataclass(frozen=True)
+class TokenUsage:
+    """Tokens a run asked of its engines — the one vocabulary of training and eval alike.
+
+    ``prefill``: context tokens sent to the sampler (once per request, however many
+    samples it asks for); ``sampled``: tokens the sampler returned; ``trained``: policy
+    tokens in the update (0 where nothing is trained, as in eval). Logged as
+    ``tokens/prefill``, ``tokens/sampled`` and ``tokens/trained``.
+    """
+
+    prefill: int = 0
+    sampled: int = 0
+    trained: int = 0
+
+    def __add__(self, other: TokenUsage) -> TokenUsage:
+        return TokenUsage(self.prefill + other.prefill, self.sampled + other.sampled, self.trained + other.trained)
+
+    def to_json(self) -> dict[str, int]:
+        return {"prefill": self.prefill, "sampled": self.sampled, "trained": self.trained}
+
+    def metrics(self) -> dict[str, float]:
+        """``tokens/prefill``, ``tokens/sampled`` and ``tokens/trained``, as a step logs them."""
+        return {f"tokens/{name}": float(count) for name, count in self.to_json().items()}
+
+    @classmethod
+    def from_json(cls, row: dict) -> TokenUsage:
+        """Keys a row leaves out read as 0 (files written before ``trained`` was recorded)."""
+        return cls(int(row.get("prefill", 0)), int(row.get("sampled", 0)), int(row.get("trained", 0)))
 
 
 # ---------------------------------------------------------------- training

@@ -120,8 +120,8 @@ def test_eval_reports_what_its_tokens_and_sandbox_cpu_cost(tmp_path):
     table = price_table(tmp_path, "[local]\nprefill = 1.0\nsample = 2.0\nsandbox_cpu_hour = 3600.0\n")
     cfg, model = scripted_eval(tmp_path, price_table=str(table))
     report = evaluate(cfg, model)
-    assert report.prefill_tokens > 0 and report.sampled_tokens > 0 and report.sandbox_cpu_s >= 0
-    assert report.cost == pytest.approx((report.prefill_tokens + 2 * report.sampled_tokens) / 1e6
+    assert report.usage.prefill > 0 and report.usage.sampled > 0 and report.sandbox_cpu_s >= 0
+    assert report.cost == pytest.approx((report.usage.prefill + 2 * report.usage.sampled) / 1e6
                                         + report.sandbox_cpu_s)
     assert "cost of this run" in format_summary(report)
     (tmp_path / "unpriced").mkdir()

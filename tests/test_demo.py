@@ -32,6 +32,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     summaries = json.loads((out / "summary.json").read_text())
     gain = summaries.pop("rl_vs_sft")
     assert summaries.pop("peak_rss_mb") > 100 and "peak memory: " in printed  # the process tree's peak RSS
+    rollouts = summaries.pop("rl_rollouts")
     assert list(summaries) == list(STAGES)
     # the base model is evaluated on the first --base-eval-problems only; SFT and RL on all
     assert [s["num_problems"] for s in summaries.values()] == [1, 2, 2]
@@ -46,6 +47,14 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
         assert (out / name).is_file(), name
     markdown = (out / "summary.md").read_text()
     assert "| after RL |" in markdown and "| accuracy |" in markdown and "paired s.e." in markdown
+    # the informative share: mixed-reward groups of all the RL stage rolled out, refills included
+    rl_metrics = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert rollouts["groups"] == sum(r["rollout/groups"] for r in rl_metrics) >= 2
+    assert rollouts["informative_groups"] == round(sum(r["rollout/groups"] * r["rollout/informative_group_rate"]
+                                                       for r in rl_metrics))
+    sentence = f"{rollouts['informative_groups']} of {rollouts['groups']} groups informative"
+    assert sentence in printed and sentence in markdown
+    assert json.loads((out / "rl" / "config.json").read_text())["curriculum"] == "difficulty"
     rl_rows = (out / "rl" / "metrics.jsonl").read_text().splitlines()
 
     # Re-running resumes every stage: nothing is trained or sampled again.
@@ -83,6 +92,8 @@ def test_a_rerun_with_another_seed_or_interpreter_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--seed 7 → 8" in err and "--interpreter 'stateless' → 'stateful'" in err
     assert "use another --output-dir" in err
+    with pytest.raises(ConfigError, match="--rl-difficulty '' → 'product=1'"):
+        check_identity(DemoConfig(seed=7, rl_difficulty="product=1"), out)  # the stored RL problems are level 0
     (out / "demo.json").write_text("{")
     with pytest.raises(ConfigError, match="unreadable"):
         check_identity(DemoConfig(seed=7), out)
@@ -106,6 +117,8 @@ def test_quick_shrinks_the_defaults():
 def test_bad_sizes_are_rejected(capsys):
     assert cli_main(["demo", "--rl-group-size", "1"]) == 2
     assert "rl_group_size must be >= 2" in capsys.readouterr().err
+    assert cli_main(["demo", "--rl-difficulty", "product=9"]) == 2
+    assert "--rl-difficulty: difficulty: levels must be 0..2" in capsys.readouterr().err
 
 
 def _gain(before: float, after: float, stderr: float | None) -> Comparison:
@@ -133,3 +146,15 @@ def test_summary_shows_the_behaviour_figures_of_every_stage_and_their_paired_dif
     assert text.count("response 40 tokens, calls in 50%, 0.25 self-corrections per sample") == 3
     for name in ("response_tokens", "code_lines_per_call", "call_success_rate", "first_call_position"):
         assert f"| {name} |" in text
+
+
+def test_the_informative_share_counts_every_rolled_out_group(tmp_path):
+    from retool.demo import RolloutShare, rl_rollouts
+
+    assert rl_rollouts(tmp_path) is None  # no RL run yet
+    rows = [{"step": 1, "rollout/groups": 6.0, "rollout/informative_group_rate": 2 / 6},
+            {"step": 2, "rollout/groups": 2.0, "rollout/degenerate_group_rate": 0.5}]  # a row from before the rate
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    share = rl_rollouts(tmp_path)
+    assert share == RolloutShare(steps=2, groups=8, informative=3) and share.share == 3 / 8
+    assert share.sentence() == "RL rollouts: 3 of 8 groups informative (38%, mixed rewards) over 2 steps"

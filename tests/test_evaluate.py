@@ -252,6 +252,26 @@ def test_resume_after_a_torn_line_samples_only_missing_problems(tiny, baseline, 
     assert [r["type"] for r in lines(partial)].count("summary") == 1
 
 
+def test_new_files_seed_by_position_and_old_files_resume_under_their_context_seeds(tiny, baseline, tmp_path):
+    folder, full = baseline
+    assert full.header.seeding == "position" and lines(full.path)[0]["seeding"] == "position"
+    old = dict(lines(full.path)[0])
+    del old["seeding"]  # a header as files written before the scheme was recorded have it
+    path = tmp_path / "old.jsonl"
+    path.write_text(json.dumps(old) + "\n")
+    cfg = tiny_config(folder, "unused.jsonl", output=str(path))
+    context = evaluate(cfg, tiny)
+    assert context.header.seeding is None and context.sampled_problems == 6
+    rows = {r["problem_id"]: comparable(r) for r in lines(path) if r["type"] == "problem"}
+    assert rows != {r["problem_id"]: comparable(r) for r in lines(full.path) if r["type"] == "problem"}
+
+    text = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(text[:4]))  # the header and 3 problems: killed, then re-run
+    resumed = evaluate(cfg, tiny)
+    assert resumed.resumed_problems == 3 and resumed.summary == context.summary
+    assert {r["problem_id"]: comparable(r) for r in lines(path) if r["type"] == "problem"} == rows
+
+
 CLI = """
 import asyncio, sys
 from retool import evaluate

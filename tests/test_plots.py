@@ -141,7 +141,7 @@ def test_training_panels_skip_absent_and_bad_values(tmp_path):
     ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    metrics = plots.read_metrics(path)
+    metrics = plots.metrics_by_step(path)
     assert plots.panel_series(metrics, ("reward/*",)) == {
         "reward/correct": ([1, 3], [0.2, 0.4]), "reward/mean": ([1, 3], [-0.5, 0.1])}
     assert plots.panel_series(metrics, ("sandbox/latency*", "rollout/code_calls")) == {}
@@ -154,9 +154,9 @@ def test_resumed_run_keeps_the_last_row_per_step_and_a_cut_last_line(tmp_path, c
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "reward/mean": 0.0}\n{"step": 2, "reward/mean": 0.5}\n'
                     '{"step": 2, "reward/mean": 0.7}\n{"step": 3, "reward/me')
-    metrics = plots.read_metrics(path)
+    metrics = plots.metrics_by_step(path)
     assert plots.panel_series(metrics, ("reward/mean",)) == {"reward/mean": ([1, 2], [0.0, 0.7])}
-    assert "truncated last line" in capsys.readouterr().err
+    assert "metrics.jsonl:4: dropped a cut-off last line" in capsys.readouterr().err
 
 
 def test_metrics_without_step_or_known_names_fail_clearly(tmp_path):

@@ -141,7 +141,7 @@ def test_reader_drops_a_torn_last_line_and_reads_gzip(tmp_path, capsys):
     path = write(tmp_path / "r.jsonl", rows, tail='{"type": "problem", "problem_id": "c", "sam')
     results = read_results(path)
     assert [p.problem_id for p in results.problems] == ["a", "b"] and results.summary is None
-    assert "r.jsonl:4: dropped a torn last line" in capsys.readouterr().err
+    assert "r.jsonl:4: dropped a cut-off last line" in capsys.readouterr().err
     gz = tmp_path / "r.jsonl.gz"
     gz.write_bytes(gzip.compress(path.read_bytes()))
     assert read_results(gz) == dataclasses.replace(results, path=gz)

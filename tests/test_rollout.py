@@ -17,7 +17,7 @@ from retool.render import Renderer
 from retool.reward import agrade
 from retool.rollout import Rollout, RolloutConfig, RolloutError, rollout_metrics
 from retool.sandbox import Sandbox, SandboxConfig
-from retool.types import ExecStatus, InvalidToolCall, Problem, StopReason, ToolCall
+from retool.types import ExecStatus, InvalidToolCall, Problem, StopReason, TokenUsage, ToolCall
 from tests.scripted import ScriptedSampler
 from tests.tokenizers import qwen25_tokenizer, qwen35_tokenizer
 
@@ -226,9 +226,9 @@ def test_metrics_and_token_accounting(sandbox):
     assert m["rollout/code_calls"] == pytest.approx(1 / 3) and m["rollout/turns"] == pytest.approx(4 / 3)
     assert m["rollout/used_tool_rate"] == pytest.approx(1 / 3)
     usage = rollout.take_usage()
-    assert usage["prefill"] == sum(ctx for ctx, _, _ in sampler.requests)
-    assert usage["sampled"] == sum(sum(t.mask_T) for t in trajs)
-    assert rollout.take_usage() == {"prefill": 0, "sampled": 0}
+    assert usage.prefill == sum(ctx for ctx, _, _ in sampler.requests)
+    assert usage.sampled == sum(sum(t.mask_T) for t in trajs) and usage.trained == 0
+    assert rollout.take_usage() == TokenUsage()
 
 
 def test_a_slow_sandbox_call_does_not_hold_back_the_others(sandbox):

@@ -21,25 +21,14 @@ import torch
 from retool.engines import LocalSettings, base
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 from retool.engines.local.sampler import LocalSamplingClient
-from tests.test_engine_local import build_tiny_model, sample, teacher_forced_logprobs
+from tests.test_engine_local import (  # noqa: F401 - one_torch_thread and tiny_model are fixtures used here
+    build_tiny_model, one_torch_thread, sample, teacher_forced_logprobs, tiny_model)
 
 pytestmark = pytest.mark.timeout(300)
 
 SYSTEM = [2] + [3 + (5 * i) % 40 for i in range(19)]  # a 20-token shared "system prompt"
 STOPS = tuple(range(3, 9))  # ~1 in 10 tokens ends a row: rows finish at different steps
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def engine(tiny_model: str, loop: str, **overrides) -> LocalTrainingClient:

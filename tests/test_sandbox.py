@@ -34,7 +34,7 @@ SECRET = "retool-test-secret-" + uuid.uuid4().hex
 TIMEOUT = 1.5
 CI = os.environ.get("CI", "").lower() == "true"
 ROOT_ISOLATION = ("netns", "pidns", "mountns", "minimal_root", "readonly_fs", "private_proc",
-                  "uid_drop", "no_new_privs", "rlimits", "clean_template", "scratch_quota", "session_netns")
+                  "uid_drop", "no_new_privs", "rlimits", "clean_template", "scratch_quota", "session_netns", "prefork")
 
 
 @pytest.fixture(scope="module")
@@ -462,6 +462,30 @@ def test_bad_arguments_raise(sb):
         run(sb, "1", files={"main.py": b"print(2)"})
     with pytest.raises(TypeError):
         run(sb, "1", files={"a.txt": "not bytes"})
+    with pytest.raises(ValueError, match="prefork must be >= 0"):
+        SandboxConfig(prefork=-1)
+
+
+@pytest.mark.parametrize("prefork", [0, 1])
+def test_children_forked_ahead_or_on_demand_give_the_same_results(prefork):
+    """With one child forked ahead per kind (two slots: the second call in a row and the
+    second session fork on demand) and with none, every call gets its own stdin, files and
+    directory, and sessions their own state; nothing of one call is in the next."""
+    with Sandbox(SandboxConfig(timeout_s=10, workers=2, max_sessions=2, prefork=prefork)) as box:
+        box.start()
+        assert ("prefork" in box.isolation) == (prefork > 0 and "clean_template" in box.isolation)
+        for i in range(4):
+            res = run(box, "import os; print(input(), open('in.txt').read(), sorted(os.listdir('.')))",
+                      stdin=f"call{i}\n", files={"in.txt": f"file{i}".encode()})
+            assert res.stdout == f"call{i} file{i} ['in.txt', 'main.py']\n", res
+
+        async def two_sessions():
+            async with box.session() as a, box.session() as b:
+                await a.run("x = 'a'")
+                await b.run("x = 'b'")
+                return (await a.run("print(x)")).stdout, (await b.run("print(x)")).stdout
+
+        assert asyncio.run(two_sessions()) == ("a\n", "b\n")
 
 
 # ---------------------------------------------------------------- like `python main.py`

@@ -677,3 +677,25 @@ def test_cli_interpreter_flags_are_wired(capsys):
     with pytest.raises(SystemExit):
         parse_args(["train", "--interpreter", "jupyter"])
     assert "invalid choice: 'jupyter'" in capsys.readouterr().err
+
+
+def test_a_request_whose_client_gives_up_is_cancelled_and_counted(server):
+    import concurrent.futures
+
+    before = requests.get(server.url + "/metrics", timeout=10).json()["server/abandoned"]
+    with pytest.raises(requests.exceptions.Timeout):
+        requests.post(server.url + "/run_code", json={"code": "import time\ntime.sleep(8)", "language": "python",
+                                                      "run_timeout": 10}, timeout=1.0)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        metrics = requests.get(server.url + "/metrics", timeout=10).json()
+        if metrics["server/abandoned"] == before + 1:
+            break
+        time.sleep(0.1)
+    assert metrics["server/abandoned"] == before + 1
+    start = time.monotonic()  # the cancelled run freed its worker: four new runs start at once
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: requests.post(server.url + "/run_code", json={
+            "code": "import time\ntime.sleep(3)\nprint('ok')", "language": "python"}, timeout=30).json(), range(4)))
+    assert all(o["run_result"]["stdout"] == "ok\n" for o in outs)
+    assert time.monotonic() - start < 6.5  # not ~10 s: a fourth run waiting for the abandoned sleep(8)

@@ -12,7 +12,7 @@ from retool.data import load_problems
 from retool.protocol import STATEFUL_SYSTEM_PROMPT, SYSTEM_PROMPT, TOOL_NAME
 from retool.reward import boxed, grade
 from retool.sandbox import Sandbox, SandboxConfig
-from retool.sft import parse_dialogue
+from retool.dialogues import parse_dialogue
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_an_exhausted_problem_space_is_an_error(monkeypatch):
     def make(x):
         return tasks.Draw("tiny", (x,), f"What is {x} + 1?", f"print({x} + 1)", x + 1, "Plan.", "Done.")
 
-    monkeypatch.setitem(tasks.KINDS, "tiny", lambda rng: make(rng.randint(1, 20)))  # 20 problems in all
+    monkeypatch.setitem(tasks.KINDS, "tiny", lambda rng, level: make(rng.randint(1, 20)))  # 20 problems in all
     available = sum(tasks.split_of(make(x)) == "test" for x in range(1, 21))
     assert 0 < available < 20
     assert len(tasks.make_problems(available, kinds=["tiny"])) == available
@@ -204,3 +204,53 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# ---------------------------------------------------------------- difficulty levels
+
+
+def test_level_zero_is_the_default_task_and_higher_levels_copy_more_digits():
+    import re
+
+    assert tasks.make_problems(40, 2, "rl", difficulty={k: 0 for k in tasks.KINDS}) == tasks.make_problems(40, 2, "rl")
+    for kind in tasks.KINDS:
+        easy = tasks.draw_problems(30, 4, "rl", kinds=[kind])
+        hard = tasks.draw_problems(30, 4, "rl", kinds=[kind], difficulty={kind: 2})
+        digits = [sum(len(n) for d in draws for n in re.findall(r"\d+", d.code.removeprefix(tasks.PRELUDE)))
+                  / len(draws) for draws in (easy, hard)]
+        assert digits[1] > digits[0] + 0.5, (kind, digits)  # more digits to copy
+
+
+def test_hard_snippets_print_their_answers_in_the_sandbox(sandbox):
+    draws = [d for kind in tasks.KINDS for d in tasks.draw_problems(2, 1, "test", kinds=[kind],
+                                                                    difficulty={kind: tasks.MAX_LEVEL})]
+    for d in draws:
+        result = sandbox.run_sync(d.code)
+        assert result.ok, (d.code, result.observation)
+        assert result.observation.strip() == str(d.answer), d
+
+
+def test_problems_name_their_kind_as_data_source():
+    assert {p.data_source for p in tasks.make_problems(60, 0, "rl")} == {
+        f"{tasks.DATA_SOURCE}/{kind}" for kind in tasks.KINDS}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("product=9", "levels must be 0..2"), ("factorial=1", "unknown problem kind"),
+    ("product", "the level must be an integer"), ("product=x", "the level must be an integer"),
+    ("product=1,gcd", "write kind=level"),
+])
+def test_bad_difficulty_is_one_line(text, message, tmp_path, capsys):
+    from retool.cli import main
+
+    with pytest.raises(ValueError, match=message):
+        tasks.parse_difficulty(text)
+    assert main(["task-data", "--split", "rl", "--difficulty", text, "--output", str(tmp_path / "x.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_difficulty_parses_per_kind_or_for_all():
+    assert tasks.parse_difficulty("") == {}
+    assert tasks.parse_difficulty("product=1, word_problem=2") == {"product": 1, "word_problem": 2}
+    assert tasks.parse_difficulty("1") == dict.fromkeys(tasks.KINDS, 1)

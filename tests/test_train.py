@@ -216,6 +216,7 @@ def test_dynamic_sampling_refills_until_the_groups_are_informative(tmp_path):
         assert row["rollout/groups"] == len(groups) >= cfg.batch_size
         assert (row["rollout/groups"] > cfg.batch_size) == (row["rollout/refill_rounds"] > 0)
         assert row["train/groups"] == informative <= cfg.batch_size
+        assert row["rollout/informative_group_rate"] == informative / len(groups)  # refills included
         assert row["train/datums"] == informative * cfg.group_size
         if row["rollout/refill_rounds"] < cfg.refill_rounds:
             assert informative == cfg.batch_size  # it stopped refilling because the batch was full
@@ -340,7 +341,8 @@ def test_sigkill_mid_rollout_reuses_the_finished_groups(tmp_path, monkeypatch):
 
 def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
     from retool.runs import GroupKey, GroupStore, run_fingerprint
-    from retool.types import ExecStatus, ExecutionResult, Grade, StopReason, ToolCall, ToolExchange, Trajectory, Turn
+    from retool.types import (ExecStatus, ExecutionResult, Grade, StopReason, TokenUsage, ToolCall, ToolExchange,
+                              Trajectory, Turn)
 
     exchange = ToolExchange(ToolCall("print(2)"), ExecutionResult(ExecStatus.OK, stdout="2\n", cpu_s=0.25), "2",
                             latency_s=0.1)
@@ -349,9 +351,10 @@ def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
                             Grade(1.0, True, True, "2"), StopReason.STOP)
     store = GroupStore(tmp_path, run_fingerprint(tiny_config(tmp_path)))
     key = GroupKey(step=3, round=1, index=0, problem_id="p0")
-    store.save(key, [trajectory], {"prefill": 10, "sampled": 4})
+    store.save(key, [trajectory], TokenUsage(prefill=10, sampled=4))
     stored = store.load(key)
-    assert stored.trajectories == (trajectory,) and stored.usage == {"prefill": 10, "sampled": 4}
+    assert stored.trajectories == (trajectory,) and stored.usage == TokenUsage(prefill=10, sampled=4)
+    assert TokenUsage.from_json({"prefill": 10, "sampled": 4}) == stored.usage  # a group stored before `trained`
     assert store.load(GroupKey(step=3, round=1, index=0, problem_id="p1")) is None  # another problem
     assert store.load(GroupKey(step=4, round=1, index=0, problem_id="p0")) is None  # another step
     other = GroupStore(tmp_path, run_fingerprint(tiny_config(tmp_path, lr=1e-3)))
@@ -361,20 +364,20 @@ def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
     assert store.load(key) is None
 
     # reusing it counts its tokens and its sandbox call in the step, as if sampled now
-    from collections import Counter
 
+    from retool.rollout import UsageMeter
     from retool.runs import StoredGroup
     from retool.sandbox import Sandbox, SandboxConfig
     from retool.train import Trainer
 
     class Rollout:
-        usage: Counter = Counter()
+        usage = UsageMeter()
 
     with Sandbox(SandboxConfig(workers=1)) as sandbox:
         trainer = Trainer(tiny_config(tmp_path), engine=None, rollout=Rollout(), problems=[], sandbox=sandbox)
-        trainer.reuse(StoredGroup((trajectory,), {"prefill": 10, "sampled": 4}))
+        trainer.reuse(StoredGroup((trajectory,), TokenUsage(prefill=10, sampled=4)))
         metrics = sandbox.metrics(reset=True)
-    assert trainer.rollout.usage == {"prefill": 10, "sampled": 4} and trainer.reused_groups == 1
+    assert trainer.rollout.usage.total == TokenUsage(prefill=10, sampled=4) and trainer.reused_groups == 1
     assert metrics["sandbox/calls"] == 1 and metrics["sandbox/success_rate"] == 1.0
     assert metrics["sandbox/latency_mean"] == pytest.approx(0.1)
     assert metrics["sandbox/cpu_s"] == pytest.approx(0.25)  # its CPU time is counted (and priced) again

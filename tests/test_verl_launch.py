@@ -61,6 +61,7 @@ def test_command_writes_the_launch_folder(tmp_path, capsys):
     (["--mode", "text"], "retool mode only"),
     (["--loss", "importance_sampling"], "PPO-clip"),
     (["--refill-rounds", "2"], "dynamic sampling"),
+    (["--curriculum", "difficulty"], "difficulty curriculum has no verl equivalent"),
     (["--overlong", "soft"], "not mapped to verl"),
     (["--behaviour-is", "token-tis"], "not mapped to verl"),
     (["--advantage", "passk"], "not mapped to verl"),

@@ -56,7 +56,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     rows[2]["trajectory"]["mask_T"].pop()
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ReportInputError, match=r"bad.jsonl: row 3: not a valid trajectory.*lengths differ"):
+    with pytest.raises(ReportInputError, match=r"bad.jsonl:3: not a valid trajectory.*lengths differ"):
         view.load_items([bad])
 
 
@@ -144,8 +144,14 @@ def chromium() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium):
+    """Headless Chromium through playwright's sync API, for this module's tests only.
+
+    The sync API runs an asyncio event loop in this thread for as long as
+    ``sync_playwright()`` is open; session scope kept it open after this module, and every
+    later ``asyncio.run`` in the same pytest call failed with "cannot be called from a
+    running event loop". Module scope closes it when this file's tests end."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:

@@ -690,13 +690,14 @@ def _read_checkpoint(flavour: Flavour, path: str | Path) -> EngineCheckpoint:
     return checkpoint
 
 
-def load_tokenizer(model: str) -> Any:
-    """The model's Hugging Face tokenizer, loaded here (the service holds the model)."""
+def load_tokenizer(model: str, folder: str | None = None) -> Any:
+    """The model's Hugging Face tokenizer, loaded here (the service holds the model): from
+    the local ``folder`` when given (offline), else by the model's name."""
     from transformers import AutoTokenizer
 
     from retool.bundled import resolve_model_name
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(model))
+    tokenizer = AutoTokenizer.from_pretrained(folder or resolve_model_name(model))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -705,10 +706,11 @@ def load_tokenizer(model: str) -> Any:
 def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_rank: int = 32, seed: int | None = None,
                            base_url: str | None = None, init_from: str | None = None,
                            sample_concurrency: int = 64, retry_timeout_s: float | None = None,
-                           train_unembed: bool = False) -> ServiceTrainingClient:
+                           train_unembed: bool = False, tokenizer: str | None = None) -> ServiceTrainingClient:
     """A training client on the service: a fresh LoRA adapter on ``model`` (with the
     unembedding trained too when ``train_unembed``), or the weights (not the optimizer)
-    of the checkpoint folder ``init_from``. The run on the service is created on first
+    of the checkpoint folder ``init_from``; ``tokenizer``: a local tokenizer folder instead of
+    the model's from the hub. The run on the service is created on first
     use (:class:`ServiceTrainingClient`); connecting and the API key are checked now."""
     flavour = FLAVOURS[flavour] if isinstance(flavour, str) else flavour
     counters = _Counters()
@@ -722,12 +724,12 @@ def create_training_client(flavour: Flavour | str = TINKER, *, model: str, lora_
             what = f"create_lora_training_client({model})"
             fn = lambda: service.create_lora_training_client(  # noqa: E731
                 base_model=model, rank=lora_rank, seed=seed, train_unembed=train_unembed)
-        tokenizer = load_tokenizer(model)
+        loaded = load_tokenizer(model, tokenizer)
     except BaseException:
         unwatch_tinker(counters.sdk)
         close_service(flavour, service, "errored")
         raise
-    return ServiceTrainingClient(flavour, service, None, model, lora_rank, tokenizer, sample_concurrency,
+    return ServiceTrainingClient(flavour, service, None, model, lora_rank, loaded, sample_concurrency,
                                  retry_timeout_s, counters, create=lambda: _create(flavour, counters, what, fn))
 
 
@@ -739,7 +741,8 @@ def training_client(cfg: Any, seed: int, init_from: str | None, flavour: Flavour
     client = create_training_client(flavour, model=cfg.model, lora_rank=cfg.lora_rank, seed=seed,
                                     base_url=settings.base_url, init_from=init_from,
                                     sample_concurrency=settings.sample_concurrency,
-                                    retry_timeout_s=settings.retry_timeout_s, train_unembed=settings.train_unembed)
+                                    retry_timeout_s=settings.retry_timeout_s, train_unembed=settings.train_unembed,
+                                    tokenizer=settings.tokenizer)
     client.adam_eps = settings.adam_eps
     return client
 
@@ -762,7 +765,7 @@ def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
         pool.shutdown(wait=False)
         close_service(flavour, service)
 
-    return EngineSampler(load_tokenizer(request.model), client, close=close)
+    return EngineSampler(load_tokenizer(request.model, settings.tokenizer), client, close=close)
 
 
 # ---------------------------------------------------------------- export

@@ -4,9 +4,8 @@ This package only reads what training and evaluation wrote (docs/formats.md); it
 runs a model. The readers below are shared by :mod:`retool.report.plots`,
 :mod:`retool.report.view` and :mod:`retool.report.compare`:
 
-- :func:`read_jsonl` — rows of a ``.jsonl`` or ``.jsonl.gz`` file (training metrics and
-  trajectory logs), with line numbers in errors and tolerance for one truncated last
-  line (a run killed mid-write).
+- :func:`read_jsonl` — rows of a ``.jsonl`` or ``.jsonl.gz`` file through the one JSON
+  Lines reader (:mod:`retool.jsonl`), its errors raised as :class:`ReportInputError`.
 - :func:`read_eval_results` — an eval results file as typed records, through the one
   reader :func:`retool.results.read_results`, its errors raised as
   :class:`ReportInputError`; an eval that was interrupted has no summary, and the caller
@@ -15,11 +14,9 @@ runs a model. The readers below are shared by :mod:`retool.report.plots`,
 
 from __future__ import annotations
 
-import gzip
-import json
-import sys
 from pathlib import Path
 
+from retool import jsonl
 from retool.results import EvalResults, ResultsFileError, read_results
 
 
@@ -28,35 +25,13 @@ class ReportInputError(ValueError):
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """All JSON objects of a JSON Lines file (gzip-compressed when the name ends ``.gz``).
-
-    Blank lines are skipped. A last line that is cut off (no newline and not valid JSON,
-    as a crashed writer leaves it) is dropped with a warning on stderr; any other bad
-    line raises :class:`ReportInputError` naming the file and line.
-    """
-    path = Path(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
+    """All JSON objects of a JSON Lines file, by the one rule of :mod:`retool.jsonl` (a
+    cut-off last line dropped with a warning); any other problem raises
+    :class:`ReportInputError` naming the file and line."""
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, EOFError, UnicodeDecodeError) as err:
-        raise ReportInputError(f"{path}: cannot read: {err}") from err
-    lines = text.split("\n")
-    rows = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            if lineno == len(lines) and not text.endswith("\n"):
-                print(f"warning: {path}:{lineno}: dropped a truncated last line", file=sys.stderr)
-                continue
-            raise ReportInputError(f"{path}:{lineno}: not valid JSON: {err}") from err
-        if not isinstance(row, dict):
-            raise ReportInputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
+        return jsonl.read_jsonl(path)
+    except jsonl.JsonlError as err:
+        raise ReportInputError(str(err)) from None
 
 
 def read_eval_results(path: str | Path) -> EvalResults:

@@ -33,7 +33,9 @@ from pathlib import Path
 
 from retool.atomic import atomic_open
 from retool.flag_checks import output_folder, refuse_renamed
-from retool.report import ReportInputError, read_eval_results, read_jsonl
+from retool.jsonl import JsonlError
+from retool.log import read_metrics
+from retool.report import ReportInputError, read_eval_results
 from retool.results import EvalResults, is_results_file, summarize
 from retool.stats import BEHAVIOUR_FIGURES, COUNT_FIGURES
 
@@ -218,13 +220,22 @@ def _behaviour_figure(points: list[CheckpointPoint], title: str):
 # ---------------------------------------------------------------- training curves
 
 
-def read_metrics(path: str | Path) -> dict[int, dict]:
-    """Rows of ``metrics.jsonl`` by step; a later row for the same step replaces an earlier one.
+def metrics_by_step(path: str | Path) -> dict[int, dict]:
+    """Rows of ``metrics.jsonl`` (read by :func:`retool.log.read_metrics`) by step; a later
+    row for the same step replaces an earlier one (a resumed run rewrites its last steps).
 
-    Raises :class:`ReportInputError` for a row without an integer ``step``.
+    Raises :class:`ReportInputError` for a missing or damaged file and a row without an
+    integer ``step``.
     """
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{path}: cannot read: no such file")
+    try:
+        rows = read_metrics(path)
+    except JsonlError as err:
+        raise ReportInputError(str(err)) from None
     by_step = {}
-    for lineno, row in enumerate(read_jsonl(path), start=1):
+    for lineno, row in enumerate(rows, start=1):
         step = row.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             raise ReportInputError(f"{path}: row {lineno} has no integer 'step' (got {step!r})")
@@ -253,7 +264,7 @@ def plot_training(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     metrics_path = Path(metrics_path)
     if metrics_path.is_dir():
         metrics_path = metrics_path / "metrics.jsonl"
-    rows = read_metrics(metrics_path)
+    rows = metrics_by_step(metrics_path)
     panels = [(title, panel_series(rows, patterns)) for title, patterns in TRAINING_PANELS]
     panels = [(title, series) for title, series in panels if series]
     if not panels:

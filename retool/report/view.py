@@ -1,7 +1,6 @@
 """``retool view``: one self-contained HTML page of trajectories, for humans.
 
-Reads a run's trajectory logs (rows ``{"step", "group", "index", "advantage",
-"trajectory"}``) or eval results files (docs/formats.md), plain or gzipped, and writes a
+Reads a run's trajectory logs (:mod:`retool.trajectory_log`) or eval results files (docs/formats.md), plain or gzipped, and writes a
 single HTML file that opens offline: inline CSS and JavaScript, a Content-Security-Policy
 that forbids every network request, and the data embedded once as gzip + base64 JSON
 that the page decodes and renders (each trajectory's body only when it is opened, so
@@ -43,10 +42,10 @@ from pathlib import Path
 from retool.atomic import atomic_write_text
 from retool.bundled import resolve_model_name
 from retool.flag_checks import output_file, refuse_renamed
-from retool.report import ReportInputError, read_eval_results, read_jsonl
+from retool.report import ReportInputError, read_eval_results
 from retool.results import EvalResults, is_results_file
-from retool.serialize import trajectory_from_jsonable
 from retool.stats import trajectory_stats
+from retool.trajectory_log import NotATrajectoryLog, TrajectoryLogError, TrajectoryLogRow, read_trajectory_log
 from retool.types import Grade, ToolCall, Trajectory, Turn
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "view"
@@ -103,11 +102,13 @@ def _folder_files(folder: Path) -> list[Path]:
 def _load_file(path: Path, strict: bool) -> list[ViewItem] | None:
     if is_results_file(path):
         return _eval_items(read_eval_results(path))
-    rows = read_jsonl(path)
-    if rows and all("trajectory" in row for row in rows):
-        return [_training_item(path, n, row) for n, row in enumerate(rows, start=1)]
-    if strict:
-        raise ReportInputError(f"{path}: neither a trajectory log nor an eval results file")
+    try:
+        return [_training_item(row) for row in read_trajectory_log(path)]
+    except NotATrajectoryLog:
+        if strict:
+            raise ReportInputError(f"{path}: neither a trajectory log nor an eval results file") from None
+    except TrajectoryLogError as err:
+        raise ReportInputError(str(err)) from None
     print(f"skipped {path}: neither a trajectory log nor an eval results file", file=sys.stderr)
     return None
 
@@ -134,22 +135,9 @@ def _original_grades(results: EvalResults) -> dict[tuple[str, int], Grade]:
     return {(p.problem_id, n): t.grade for p in before.problems for n, t in enumerate(p.samples, start=1)}
 
 
-def _training_item(path: Path, lineno: int, row: dict) -> ViewItem:
-    trajectory = _parse(path, f"row {lineno}", row["trajectory"])
-    source = f"step {row.get('step')} · group {row.get('group')} · #{row.get('index')}"
-    original = row.get("original_grade")
-    try:
-        original = Grade(**original) if isinstance(original, dict) else None
-    except TypeError as err:
-        raise ReportInputError(f"{path}: row {lineno}: not a valid original_grade: {err}") from None
-    return ViewItem(source=source, trajectory=trajectory, advantage=_finite(row.get("advantage")), original=original)
-
-
-def _parse(path: Path, where: str, data) -> Trajectory:
-    try:
-        return trajectory_from_jsonable(data)
-    except (KeyError, TypeError, ValueError) as err:
-        raise ReportInputError(f"{path}: {where}: not a valid trajectory: {err!r}") from err
+def _training_item(row: TrajectoryLogRow) -> ViewItem:
+    return ViewItem(source=row.where, trajectory=row.trajectory, advantage=_finite(row.advantage),
+                    original=row.original_grade)
 
 
 # ---------------------------------------------------------------- checks

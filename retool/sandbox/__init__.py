@@ -30,7 +30,7 @@ Stateful interpreter (opt-in; ``--interpreter stateful``)::
 
 A session is one interpreter forked exactly as a call's runner is (same namespaces, its
 own unprivileged uid, rlimits, scrubbed environment, output caps, fresh session keyring
-and syscall filter, plus a network namespace of its own), started at its first call; its
+and syscall filter, plus a network namespace of its own), given to it at its first call; its
 calls run one after the other in the same globals, each as the file ``call<n>.py``.
 Limits are per call, never summed: before each call the interpreter's soft address-space
 limit is its size now + ``memory_mb`` (under a hard cap for the whole session,
@@ -39,9 +39,10 @@ are the warm parent's, per call. The interpreter is pid 1 of its own PID namespa
 when it dies the kernel kills every process of the session. After each call the
 interpreter kills every other process there (whatever the call started and left running,
 setsid and double forks included); with control groups, the session's group is then
-frozen — nothing of it runs between calls, daemon threads included — and before the next
-call the warm parent, which the snippet cannot reach, kills every process in it but the
-interpreter, then thaws it. A call that times out,
+frozen — nothing of it runs between calls, daemon threads included — and, once it is
+frozen, the warm parent, which the snippet cannot reach, checks that the interpreter is
+alone in it (else, before the next call, it kills every other process there); the next
+call thaws it. A call that times out,
 exceeds memory (``MemoryError``), floods output or ends the process ends the interpreter;
 the session's next call gets a fresh one and its observation begins with a note that the
 state was lost (``ExecutionResult.state_lost``). Closing the session (also on errors and
@@ -61,6 +62,12 @@ calls' work, switching off the mechanisms that contain it). Isolated:
   one for sessions) forks every runner and interpreter. Each child then reads its own
   request from a memory file of its own. So no other call's or session's code, input or
   output is in a child's memory at all — not as objects, not as freed bytes.
+  Children are forked ahead of their work (``prefork``; ``SandboxConfig.prefork`` of each
+  kind): a ready child has its control group, PID namespace, private mounts, directory
+  and (a session's) network namespace, but no request and nothing of any call; it runs
+  only the sandbox's code (still with the warm parent's uid, at a lower priority), waiting
+  on a socket of its own for the memory file with its request (and a call's stdin). Rlimits, the privilege drop, the fresh interpreter
+  state, keyring and filter come after the request, as before, always before the snippet.
 - *Secrets.* The warm parent is started by ``exec`` with a fixed, minimal environment
   (``CLEAN_ENV``), never forked from the trainer, so neither the trainer's environment
   nor its memory is in any call. Each call has a private ``/proc`` showing only its own

@@ -226,17 +226,21 @@ class Group:
         """Stop every process of the group; with ``wait``, return once they are all stopped."""
         if self.version == "v2":
             _write(self.fds[""], "cgroup.freeze", "1")
-            done = lambda: "frozen 1" in _read(self.fds[""], "cgroup.events")  # noqa: E731
         else:
             _write(self.fds["freezer"], "freezer.state", "FROZEN")
-            done = lambda: _read(self.fds["freezer"], "freezer.state").strip() == "FROZEN"  # noqa: E731
         if not wait:
             return
         deadline = time.monotonic() + 5.0
-        while not done():
+        while not self.frozen():
             if time.monotonic() > deadline:
                 raise TimeoutError(errno.ETIMEDOUT, "the group did not freeze")
             time.sleep(0.0005)
+
+    def frozen(self) -> bool:
+        """Whether every process of the group is stopped (a freeze asked for has completed)."""
+        if self.version == "v2":
+            return "frozen 1" in _read(self.fds[""], "cgroup.events").splitlines()
+        return _read(self.fds["freezer"], "freezer.state").strip() == "FROZEN"
 
     def thaw(self) -> None:
         if self.version == "v2":

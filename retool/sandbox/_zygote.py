@@ -18,8 +18,10 @@ Process tree (Linux, with namespaces available)::
      +- init    per call: ``sleep infinity`` spawned (vfork+exec, cheap) as pid 1 of a
      |          fresh PID namespace. Killing it makes the kernel kill every process in
      |          that namespace: how a call's tree dies, setsid/double-fork included.
-     +- runner  per call: forked into that namespace as pid 2; takes a private /proc,
-                /dev/shm and IPC namespace, applies rlimits, drops to the call slot's
+     +- runner  per call: forked into that namespace as pid 2 (by the slot's template, in
+                the slot's control group, usually ahead of its call: ``prefork``);
+                takes a private /proc, /dev/shm and IPC namespace, waits for its
+                request on a socket of its own, applies rlimits, drops to the call slot's
                 unprivileged uid (or all capabilities), resets interpreter state, joins
                 a fresh session keyring, installs the syscall filter (``seccomp.py``)
                 and runs the snippet as ``python main.py`` would (written to its
@@ -50,6 +52,7 @@ import linecache
 import math
 import os
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -103,6 +106,14 @@ def _load_sibling(name: str) -> types.ModuleType:
 _cgroups = _load_sibling("_cgroups")
 CPU_POLL_S = 0.05
 """How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
+SETTLE_POLL_S = 0.001
+"""How often the zygote looks whether a session's group, frozen after its call, is frozen yet."""
+PREFORK_IDLE_S = 0.05
+"""How long the zygote must have had nothing to do before it forks a child ahead: longer
+than a session's calls are apart when they come back to back, far shorter than the time
+a model takes to write its next call."""
+PREFORK_NICE = 10
+"""How much lower the templates run (as root): children forked ahead take spare CPU only."""
 seccomp = _load_sibling("seccomp")
 SYSCALL_FILTER: seccomp.Filter | None = None
 """The calls' syscall filter, compiled by the launcher before it leaves the host's
@@ -373,6 +384,26 @@ class Session:
         self.generation = 0  # which interpreter of the session an event belongs to
         self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
         self.group = None  # its control group, if any (frozen between calls)
+        self.settled = False  # frozen since its last call with the interpreter alone in it
+
+
+class Child:
+    """A call's runner or a session's interpreter, forked (usually ahead of its work) and
+    waiting on its ``go`` socket for the request (:meth:`Zygote._hand_over`)."""
+
+    def __init__(self, kind: str, slot: int, uid: int, directory: str):
+        self.kind = kind  # "call" or "session"
+        self.slot = slot
+        self.uid = uid
+        self.dir = directory  # its own tmpfs (with scratch_quota)
+        self.pid = 0  # 0 until the template answers its fork
+        self.init_pid = 0  # a call's pid 1 of its PID namespace, when there is one
+        self.fds: dict[str, int] = {}  # the zygote's ends: stdout, stderr, info (+ a session's control)
+        self.go: socket.socket | None = None
+        self.group = None  # its control group, if any
+        self.born_inside = False  # forked by a template living in that group
+        self.template: Template | None = None  # the template asked to fork it
+        self.error: str | None = None  # why the template could not fork it
 
 
 class Zygote:
@@ -406,6 +437,13 @@ class Zygote:
         self.template: Template | None = None  # forks every call's and session's process
         self.slot_templates: dict[int, Template] = {}  # one per call slot, inside the slot's group
         self.confine = False  # a fresh session keyring and the syscall filter, once probed
+        self.prefork = False  # children are forked ahead of their work (by a template only)
+        self.prefork_paused_until = 0.0
+        self.last_busy = 0.0  # when the serve loop last handled an event
+        self.priority = os.getpriority(os.PRIO_PROCESS, 0)  # the zygote's nice value
+        self.ready_calls: dict[int, Child] = {}  # call slot -> its runner, forked ahead
+        self.ready_sessions: dict[int, Child] = {}  # session slot -> its interpreter, forked ahead
+        self.settling: list[Session] = []  # sessions between calls, freezing, not yet checked
 
     # ---- start-up
 
@@ -424,13 +462,18 @@ class Zygote:
         os.set_blocking(0, False)
         self.sel.register(0, selectors.EVENT_READ, ("control", None))
         while True:
-            for key, _ in self.sel.select(self._next_timeout()):
+            events = self.sel.select(self._next_timeout())
+            if events:
+                self.last_busy = time.monotonic()
+            for key, _ in events:
                 kind, call = key.data
                 if kind == "control":
                     if not self._read_control():
                         return self._shutdown()
                 elif kind == "session":
                     self._on_session_event(*call)
+                elif kind == "template":
+                    call.receive(wait=False)
                 elif call.done:
                     continue  # stale: the call finished earlier in this batch (its fds may be reused)
                 elif kind == "exit":
@@ -439,6 +482,8 @@ class Zygote:
                     self._guarded(call, lambda c=call, k=kind: self._on_output(c, k))
             self._poll_without_pidfd()
             self._enforce_deadlines()
+            self._settle_sessions()
+            self._replenish()
 
     def _guarded(self, call: Call, handle) -> None:
         """Run one event handler; a bug in it fails that call (sandbox_error), not the zygote."""
@@ -589,30 +634,35 @@ class Zygote:
             self._kill(call, "cancelled")
         for session in list(self.sessions.values()):
             self._end_interpreter(session, "closed")
+        for child in [*self.ready_calls.values(), *self.ready_sessions.values()]:
+            self._discard(child)
 
     # ---- starting a call
 
     def _spawn(self, req: dict, slot: int) -> None:
-        uid = self.cfg["uid_base"] + slot if self.root else os.geteuid()
-        directory = tempfile.mkdtemp(prefix=f"call-{slot}-", dir=self.base)
-        call = Call(req, slot, directory)
-        child_fds: dict[str, int] = {}
+        """Start a stateless call in ``slot``: its runner (forked ahead, or now) gets the
+        call's files in its directory, its limits and then its request."""
+        child = self._take("call", slot)
+        call = Call(req, slot, child.dir)
+        call.pid, call.init_pid, call.fds, call.group = child.pid, child.init_pid, child.fds, child.group
+        stdin = None
         try:
-            self._mount_scratch(directory)
-            _prepare_directory(directory, {**(req.get("files") or {}), SCRIPT_NAME: None}, uid, req["code"])
-            child_fds, call.fds = _make_pipes(req.get("stdin"))
-            self._fork(call, child_fds, uid)
+            _prepare_directory(child.dir, {**(req.get("files") or {}), SCRIPT_NAME: None}, child.uid, req["code"])
+            if call.group is not None:
+                call.group.set_limits(req["memory_mb"] << 20, self.cfg["max_processes"] + child.born_inside)
+                call.group_cpu_base = call.group.cpu_seconds()
+            stdin = (os.open(os.devnull, os.O_RDONLY) if req.get("stdin") is None
+                     else _memory_file("stdin", req["stdin"].encode()))
+            call.started = time.monotonic()
+            call.deadline = call.started + req["timeout_s"]
+            self._hand_over(child, {"code": req["code"], "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"],
+                                    "auto_print": req.get("auto_print", True)}, stdin)
         except BaseException:
-            self._kill(call, "cancelled")
-            for pid in (call.pid, call.init_pid):
-                _reap(pid)
-            self._remove_directory(directory)
-            for fd in call.fds.values():
-                os.close(fd)
+            self._discard(child)
             raise
         finally:
-            for fd in child_fds.values():
-                os.close(fd)
+            if stdin is not None:
+                os.close(stdin)
         self.calls[call.id] = call
         for name, fd in call.fds.items():
             os.set_blocking(fd, False)
@@ -622,25 +672,155 @@ class Zygote:
             self.sel.register(call.pidfd, selectors.EVENT_READ, ("exit", call))
         self._reply({"op": "started", "id": call.id})
 
-    def _fork(self, call: Call, child_fds: dict[str, int], uid: int) -> None:
-        """Start the call: with PID namespaces, a tiny init as pid 1 of a fresh namespace
-        (killing it makes the kernel kill everything in it), then the runner as pid 2,
-        forked by the template (or, without one, by the zygote itself). The runner reads
-        its request from a memory file of its own."""
-        request = {"dir": call.dir, "uid": uid, "code": call.req["code"], "cpu_s": call.req["cpu_s"],
-                   "memory_mb": call.req["memory_mb"], "auto_print": call.req.get("auto_print", True)}
-        child_fds["request"] = _memory_file("request", json.dumps(request).encode())
-        template = self.slot_templates.get(call.slot, self.template)
-        call.group = self._join_group(child_fds, f"call-{call.slot}", call.req["memory_mb"],
-                                      born_inside=template is not self.template)
-        call.group_cpu_base = call.group.cpu_seconds() if call.group is not None else 0.0
+    # ---- children forked ahead of their work
+
+    def _uid(self, kind: str, slot: int) -> int:
+        """The unprivileged uid of a call slot or a session slot (as root; else our own)."""
+        if not self.root:
+            return os.geteuid()
+        return self.cfg["uid_base"] + slot + (self.cfg["workers"] if kind == "session" else 0)
+
+    def _take(self, kind: str, slot: int) -> Child:
+        """The child of ``kind`` for ``slot``: the one forked ahead, else one forked now."""
+        pool = self.ready_calls if kind == "call" else self.ready_sessions
+        child = pool.pop(slot, None) or self._prepare(kind, slot)
+        if child.template is not None and not child.pid and child.error is None:
+            self._hurry(child.template.pid)  # its fork was asked for and is not answered yet
+            while not child.pid and child.error is None:
+                child.template.receive()
+            if self.prefork and self.root:
+                os.setpriority(os.PRIO_PROCESS, child.template.pid, self.priority + PREFORK_NICE)
+        if child.error is not None:
+            self._discard(child)
+            raise OSError(errno.EAGAIN, child.error)
+        self._hurry(child.pid)
+        return child
+
+    def _prepare(self, kind: str, slot: int) -> Child:
+        """Fork a call's runner or a session's interpreter that isolates itself as far as it
+        can without its request (see :func:`_enter_sandbox`) and then waits for it: its
+        directory (own tmpfs), pipes, PID namespace, control group and, for a session, its
+        network namespace. With a template the fork is asked for and answered later
+        (:meth:`Template.receive`): the zygote does not wait for it."""
+        child = Child(kind, slot, self._uid(kind, slot), tempfile.mkdtemp(prefix=f"{kind}-{slot}-", dir=self.base))
+        child_fds: dict[str, int] = {}
+        try:
+            self._mount_scratch(child.dir)
+            _prepare_directory(child.dir, {}, child.uid, "")
+            child_fds, child.fds = _make_pipes(session=kind == "session")
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            child.go, child_fds["go"] = mine, theirs.detach()
+            child_fds["request"] = _memory_file("request", json.dumps({"dir": child.dir, "uid": child.uid}).encode())
+            if kind == "call":
+                self._fork_runner(child, child_fds)
+            else:
+                self._fork_interpreter(child, child_fds)
+        except BaseException:
+            self._discard(child)
+            raise
+        finally:
+            for fd in child_fds.values():
+                os.close(fd)
+        return child
+
+    def _fork_runner(self, child: Child, child_fds: dict[str, int]) -> None:
+        """With PID namespaces, a tiny init as pid 1 of a fresh namespace (killing it makes
+        the kernel kill everything in it), then the runner as pid 2, forked by the slot's
+        template (or, without one, by the zygote itself)."""
+        template = self._template_for("call", child.slot)
+        child.born_inside = template is not self.template
+        child.group = self._group(f"call-{child.slot}", child_fds, child.born_inside)
         with self._children_in_new_pid_namespace():
             if self.pidns_fd is not None:
-                call.init_pid = self._spawn_init()
+                child.init_pid = self._spawn_init()
             if template is None:
-                call.pid = _fork_running(run_snippet, self, child_fds)
+                child.pid = _fork_running(run_snippet, self, child_fds)
         if template is not None:
-            call.pid = template.fork("call", child_fds, call.init_pid or None)
+            template.send(child, "call", child_fds, child.init_pid or None)
+
+    def _fork_interpreter(self, child: Child, child_fds: dict[str, int]) -> None:
+        """A session's interpreter: pid 1 of a fresh PID namespace (so that it can kill
+        every other process of its session, and its death kills them all)."""
+        child.group = self._group(f"session-{child.slot}", child_fds, born_inside=False)
+        if child.group is not None:
+            child.group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"])
+        if self.template is not None:
+            self.template.send(child, "session", child_fds, None)
+        else:
+            with self._children_in_new_pid_namespace():
+                child.pid = _fork_running(run_session, self, child_fds)
+
+    def _hand_over(self, child: Child, work: dict, stdin: int | None) -> None:
+        """Send the child its work: a memory file with ``work`` (read only by the child),
+        and a call's stdin. A child that died meanwhile cannot take it: its exit (and the
+        setup error it reported) then answers the call."""
+        fds = {"request": _memory_file("request", json.dumps(work).encode())}
+        if stdin is not None:
+            fds["stdin"] = stdin
+        try:
+            socket.send_fds(child.go, [" ".join(fds).encode()], list(fds.values()))
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ECONNREFUSED):
+                raise
+        finally:
+            os.close(fds["request"])
+            child.go.close()
+
+    def _discard(self, child: Child) -> None:
+        """Kill a child that will not get (or could not take) its work and free what it held."""
+        while child.template is not None and not child.pid and child.error is None:
+            child.template.receive()
+        for pid in (child.init_pid, child.pid):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                _reap(pid)
+        child.pid = child.init_pid = 0
+        for fd in child.fds.values():
+            os.close(fd)
+        child.fds = {}
+        if child.go is not None:  # None when preparing it failed before its socket was made
+            child.go.close()
+        self._remove_directory(child.dir)
+
+    def _wanted(self) -> list[tuple[str, int]]:
+        """The children to fork ahead: one for each of the first free call slots and free
+        session slots (``prefork`` of each at most) that has none, whose template is not
+        forking another one already."""
+        if not self.prefork or time.monotonic() < self.prefork_paused_until:
+            return []
+        wanted = [("call", s) for s in self.free_slots[:self.cfg["prefork"]] if s not in self.ready_calls]
+        wanted += [("session", s) for s in self.free_session_slots[:self.cfg["prefork"]]
+                   if s not in self.ready_sessions]
+        # one at a time per template: a request's own fork never queues behind many
+        return [(kind, slot) for kind, slot in wanted if not self._template_for(kind, slot).pending]
+
+    def _template_for(self, kind: str, slot: int) -> Template | None:
+        return self.slot_templates.get(slot, self.template) if kind == "call" else self.template
+
+    def _replenish(self) -> None:
+        """Fork one child ahead (see :meth:`_wanted`), once nothing has happened for
+        :data:`PREFORK_IDLE_S`: the request path never waits for this. The template forks
+        it at a lower priority (as root), so that running calls keep the CPU. A failure is
+        said once and pauses this for a second."""
+        wanted = self._wanted()
+        if not wanted or time.monotonic() - self.last_busy < PREFORK_IDLE_S:
+            return
+        kind, slot = wanted[0]
+        try:
+            child = self._prepare(kind, slot)
+        except Exception as exc:  # e.g. no memory or fds left: calls fork on demand meanwhile
+            sys.stderr.write(f"retool sandbox: could not fork a {kind} ahead ({exc}); retrying in 1 s\n")
+            self.prefork_paused_until = time.monotonic() + 1.0
+            return
+        (self.ready_calls if kind == "call" else self.ready_sessions)[slot] = child
+
+    def _hurry(self, pid: int) -> None:
+        """Give a forked-ahead child, or the template forking one that a request waits for,
+        the warm parent's own priority back."""
+        if self.prefork and self.root:
+            with contextlib.suppress(ProcessLookupError):  # it died: its exit answers the call
+                os.setpriority(os.PRIO_PROCESS, pid, self.priority)
 
     @contextlib.contextmanager
     def _children_in_new_pid_namespace(self):
@@ -654,14 +834,13 @@ class Zygote:
             if self.pidns_fd is not None:
                 setns(self.pidns_fd, CLONE_NEWPID)
 
-    def _join_group(self, child_fds: dict[str, int], name: str, memory_mb: int, born_inside: bool = False):
-        """The control group ``name`` with its limits set, and fds for the child to join it
-        (added to ``child_fds``) unless it is ``born_inside`` it (forked by the slot's
-        template, which lives there: one process more); None without control groups."""
+    def _group(self, name: str, child_fds: dict[str, int], born_inside: bool):
+        """The control group ``name``, and fds for the child to join it (added to
+        ``child_fds``) unless it is ``born_inside`` it (forked by the slot's template,
+        which lives there); None without control groups."""
         if self.cgroups is None:
             return None
         group = self.cgroups.group(name)
-        group.set_limits(memory_mb << 20, self.cfg["max_processes"] + born_inside)
         if not born_inside:
             for i, fd in enumerate(group.join_fds()):
                 child_fds[f"cgroup{i}"] = fd
@@ -690,11 +869,18 @@ class Zygote:
             return
         self.template = Template.start(self)
         self.isolation.append("clean_template")
+        self.prefork = "prefork" not in self.skip and self.cfg.get("prefork", 0) > 0
         if self.cgroups is not None:  # a child born in its group needs no migration (that waits
             for slot in range(self.cfg["workers"]):  # for an RCU grace period, ~10 ms here)
                 group = self.cgroups.group(f"call-{slot}")
                 group.set_limits(self.cfg["session_memory_mb"] << 20, self.cfg["max_processes"] + 1)
                 self.slot_templates[slot] = Template.start(self, group.join_fds())
+        for template in [self.template, *self.slot_templates.values()]:
+            self.sel.register(template.sock, selectors.EVENT_READ, ("template", template))
+            if self.prefork and self.root:
+                os.setpriority(os.PRIO_PROCESS, template.pid, self.priority + PREFORK_NICE)
+        if self.prefork:
+            self.isolation.append("prefork")
 
     def _spawn_init(self) -> int:
         """Pid 1 of the call's namespace: ``sleep`` via vfork+exec (cheap at any parent
@@ -735,6 +921,11 @@ class Zygote:
             timeout = 0.005 if timeout is None else min(timeout, 0.005)  # poll for exits
         if any(c.group is not None and not c.killed for c in self.calls.values()):
             wait = max(0.0, self.next_cpu_check - time.monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
+        if self.settling:
+            timeout = SETTLE_POLL_S if timeout is None else min(timeout, SETTLE_POLL_S)
+        if self._wanted():
+            wait = max(0.0, self.last_busy + PREFORK_IDLE_S - time.monotonic())
             timeout = wait if timeout is None else min(timeout, wait)
         return timeout
 
@@ -839,9 +1030,9 @@ class Zygote:
         """Send a call to its session's interpreter, starting one (and the session) if needed."""
         session = self.sessions.get(req["session"])
         if session is None:
-            slot = self.free_session_slots.pop(0)
-            uid = self.cfg["uid_base"] + self.cfg["workers"] + slot if self.root else os.geteuid()
-            session = self.sessions[req["session"]] = Session(req["session"], slot, uid)
+            slot = next((s for s in self.free_session_slots if s in self.ready_sessions), self.free_session_slots[0])
+            self.free_session_slots.remove(slot)
+            session = self.sessions[req["session"]] = Session(req["session"], slot, self._uid("session", slot))
         if session.pid and session.group is not None and not self._resume(session):
             self._end_interpreter(session, "processes")
         fresh = not session.pid
@@ -864,29 +1055,14 @@ class Zygote:
         self._reply({"op": "started", "id": call.id})
 
     def _start_interpreter(self, session: Session, req: dict) -> None:
-        """Fork the session's interpreter as pid 1 of a fresh PID namespace (so that it can
-        kill every other process of its session, and its death kills them all)."""
-        session.dir = tempfile.mkdtemp(prefix=f"session-{session.slot}-", dir=self.base)
-        child_fds: dict[str, int] = {}
+        """Give the session an interpreter (forked ahead, or now) and its first limits."""
+        child = self._take("session", session.slot)
+        session.dir, session.fds, session.pid, session.group = child.dir, child.fds, child.pid, child.group
         try:
-            self._mount_scratch(session.dir)
-            _prepare_directory(session.dir, {}, session.uid, "")
-            child_fds, session.fds = _make_pipes(None)
-            child_fds["control"], session.fds["control"] = os.pipe()
-            request = {"dir": session.dir, "uid": session.uid, "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}
-            child_fds["request"] = _memory_file("request", json.dumps(request).encode())
-            session.group = self._join_group(child_fds, f"session-{session.slot}", self.cfg["session_memory_mb"])
-            if self.template is not None:
-                session.pid = self.template.fork("session", child_fds, None)
-            else:
-                with self._children_in_new_pid_namespace():
-                    session.pid = _fork_running(run_session, self, child_fds)
+            self._hand_over(child, {"cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}, None)
         except BaseException:
             self._end_interpreter(session, "sandbox_error")
             raise
-        finally:
-            for fd in child_fds.values():
-                os.close(fd)
         session.calls, session.reported, session.info = 0, {}, bytearray()
         session.generation += 1
         for name in ("stdout", "stderr", "info"):
@@ -997,6 +1173,7 @@ class Zygote:
             reply["ended_interpreter"] = ended
         if not ended and session.group is not None:
             session.group.freeze(wait=False)  # nothing of the session runs until its next call
+            self.settling.append(session)
         self._reply(reply)
         self._start_queued()
 
@@ -1046,21 +1223,40 @@ class Zygote:
         self._reply(reply)
         self._start_queued()
 
+    def _settle_sessions(self) -> None:
+        """Between a session's calls, off the request's path: once its group is frozen, check
+        that the interpreter is alone in it. Then nothing can start there until it is thawed,
+        so its next call only thaws it (:meth:`_resume`). A group that holds other
+        processes is left to that next call, which kills them."""
+        for session in list(self.settling):
+            if session.call is not None or not session.pid or session.group is None:
+                self.settling.remove(session)
+            elif session.group.frozen():
+                self.settling.remove(session)
+                session.settled = session.group.pids() == [session.pid]
+
     def _resume(self, session: Session) -> bool:
         """Before a session's next call: its group has been frozen since the last call
         ended; kill every process in it but the interpreter (from here, where the snippet
         cannot reach: whatever a call left, whatever its threads started after it), then
         thaw it. False when processes keep appearing: the interpreter must end."""
-        try:
-            session.group.leave_only(session.pid)
-        except OSError:  # processes keep appearing as fast as they are killed, or it would not freeze
-            return False
+        if session in self.settling:
+            self.settling.remove(session)
+        if not session.settled:
+            try:
+                session.group.leave_only(session.pid)
+            except OSError:  # processes keep appearing as fast as they are killed, or it would not freeze
+                return False
+        session.settled = False
         session.group.thaw()
         return True
 
     def _end_interpreter(self, session: Session, reason: str) -> None:
         """Kill the session's interpreter and everything it started, wait until they are
         gone, remove its directory; the session's next call starts a fresh one."""
+        session.settled = False
+        if session in self.settling:
+            self.settling.remove(session)
         if session.group is not None:
             session.group.kill_all()  # frozen or not, every process of the session dies
         if session.pid:
@@ -1094,11 +1290,12 @@ class Zygote:
         self._start_queued()
 
 
-CHILD_FD_NAMES = ("stdin", "stdout", "stderr", "info", "control", "request", "pidns",
+CHILD_FD_NAMES = ("stdin", "stdout", "stderr", "info", "control", "request", "go", "pidns",
                   *(f"cgroup{i}" for i in range(len(_cgroups.V1_CONTROLLERS))))
 """The names the fds a child gets from the template may have (``control``: a session's
 requests; ``pidns``: the PID namespace a call's runner is forked into; ``cgroup<i>``: its
-control group's ``cgroup.procs``, one per hierarchy)."""
+control group's ``cgroup.procs``, one per hierarchy; ``go``: the socket its work
+arrives on)."""
 TEMPLATE_REPLY_TIMEOUT_S = 30.0
 
 
@@ -1112,10 +1309,12 @@ class Template:
     (``gc.get_objects()``) and as freed bytes. The template never holds any of that. Each
     command it gets is one word (``call``/``session``) and the names of the fds sent with
     it (``SCM_RIGHTS`` on a socket pair): the child's pipes, a memory file with its own
-    request (read only by the child), for a call its PID namespace, and the
-    ``cgroup.procs`` of the control group the child joins. There is one template for
+    request (read only by the child), for a call its PID namespace, the socket its work
+    arrives on, and the ``cgroup.procs`` of the control group the child joins. There is one template for
     sessions and, with control groups, one per call slot living in that slot's group (a
-    child born there needs no migration). It forks with ``CLONE_PARENT``, so the
+    child born there needs no migration: joining a group waits for an RCU grace period,
+    ~10 ms, unless another join happened just before). With ``prefork`` it runs at a
+    lower priority. It forks with ``CLONE_PARENT``, so the
     child is the zygote's child (the zygote waits for it, reads its resource usage and
     gets its pidfd as before) and the template has no children at all. It is
     single-threaded, so the raw ``clone`` (without glibc's fork handlers; CPython's own
@@ -1125,6 +1324,7 @@ class Template:
     def __init__(self, pid: int, sock: socket.socket):
         self.pid = pid
         self.sock = sock
+        self.pending: collections.deque[Child] = collections.deque()  # forks asked for, not answered
 
     @classmethod
     def start(cls, zygote: Zygote, group_fds: list[int] = ()) -> Template:
@@ -1148,28 +1348,47 @@ class Template:
         mine.settimeout(TEMPLATE_REPLY_TIMEOUT_S)
         return cls(pid, mine)
 
-    def fork(self, kind: str, child_fds: dict[str, int], pid_namespace_of: int | None) -> int:
-        """Have the template fork a ``kind`` child with ``child_fds`` (the zygote keeps and
-        closes its copies); for a call, in the PID namespace of the process ``pid_namespace_of``.
-        Returns the child's pid (the zygote's child). Ends the zygote if the template is gone."""
+    def send(self, child: Child, kind: str, child_fds: dict[str, int], pid_namespace_of: int | None) -> None:
+        """Ask the template to fork ``child`` (a ``kind`` child with ``child_fds``; the
+        zygote keeps and closes its copies); for a call, in the PID namespace of the process
+        ``pid_namespace_of``. The pid comes later (:meth:`receive`). Ends the zygote if the
+        template is gone."""
         fds = dict(child_fds)
         namespace_fd = os.pidfd_open(pid_namespace_of) if pid_namespace_of else None
         if namespace_fd is not None:
             fds["pidns"] = namespace_fd
         try:
             socket.send_fds(self.sock, [" ".join([kind, *fds]).encode()], list(fds.values()))
-            reply = self.sock.recv(512).decode()
         except OSError as exc:
-            reply = f"gone ({exc})"
+            self._gone(str(exc))
         finally:
             if namespace_fd is not None:
                 os.close(namespace_fd)
+        child.template = self
+        self.pending.append(child)
+
+    def receive(self, wait: bool = True) -> None:
+        """Read the template's next answer: the pid of its oldest pending child (the
+        zygote's child), or why it could not fork it. Without ``wait``, only an answer that
+        is there already (a readiness event may be stale: the answer was read meanwhile)."""
+        if not self.pending or not (wait or select.select([self.sock], [], [], 0)[0]):
+            return
+        try:
+            reply = self.sock.recv(512).decode()
+        except OSError as exc:
+            reply = f"gone ({exc})"
         if not reply or reply.startswith("gone"):
-            sys.stderr.write(f"retool sandbox: the template process is gone {reply}; the warm parent exits\n")
-            os._exit(1)  # the trainer's side replaces the whole warm parent
-        if not reply.isdigit():
-            raise OSError(errno.EAGAIN, f"the template could not fork: {reply}")
-        return int(reply)
+            self._gone(reply)
+        child = self.pending.popleft()
+        if reply.isdigit():
+            child.pid = int(reply)
+        else:
+            child.error = f"the template could not fork: {reply}"
+
+    @staticmethod
+    def _gone(why: str) -> None:
+        sys.stderr.write(f"retool sandbox: the template process is gone {why}; the warm parent exits\n")
+        os._exit(1)  # the trainer's side replaces the whole warm parent
 
 
 def serve_template(zygote: Zygote, sock: socket.socket) -> None:
@@ -1182,7 +1401,10 @@ def serve_template(zygote: Zygote, sock: socket.socket) -> None:
     os.close(devnull)
     sock.setblocking(True)
     while True:
-        message, fds, _, _ = socket.recv_fds(sock, 512, len(CHILD_FD_NAMES))
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 512, len(CHILD_FD_NAMES))
+        except ConnectionResetError:  # the zygote ended with an answer of ours unread
+            message, fds = b"", []
         if not message:
             os._exit(0)
         try:
@@ -1300,15 +1522,15 @@ def _split_status(status: int) -> tuple[int | None, int | None]:
     return os.WEXITSTATUS(status), None
 
 
-def _make_pipes(stdin: str | None) -> tuple[dict[str, int], dict[str, int]]:
-    """Return (the child's ends, the zygote's ends) of the call's pipes, plus its stdin."""
+def _make_pipes(session: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Return (the child's ends, the zygote's ends) of its output pipes; a session's
+    interpreter also gets its control pipe and an empty stdin (a call's comes with its work)."""
     child, mine = {}, {}
     for name in ("stdout", "stderr", "info"):
         mine[name], child[name] = os.pipe()
-    if stdin is None:
+    if session:
+        child["control"], mine["control"] = os.pipe()
         child["stdin"] = os.open(os.devnull, os.O_RDONLY)
-    else:
-        child["stdin"] = _memory_file("stdin", stdin.encode())
     return child, mine
 
 
@@ -1386,19 +1608,13 @@ def _fork_running(runner, *args) -> int:
 
 
 def run_snippet(zygote: Zygote, child_fds: dict[str, int]) -> None:
-    """The runner: its request, private mounts, limits, privilege drop, fresh state, then the code."""
+    """The runner: private mounts (forked ahead of its work), then, once its request has
+    come, limits, privilege drop, fresh state and the code."""
+    info = child_fds["info"]  # fd 3 once the fds are laid out
     try:
-        req = _read_request(child_fds.pop("request"))
-        _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
+        req, workdir = _enter_sandbox(zygote, child_fds, session=False)
         _layout_fds(child_fds)
-        os.setsid()
-        if sys.platform.startswith("linux"):
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies: so does the call
-        workdir = req["dir"]
-        if zygote.private_mounts:
-            _private_mounts(req["dir"], zygote.work_dir)
-            workdir = zygote.work_dir or req["dir"]
-        os.chdir(workdir)
+        info = 3
         baseline = _address_space_bytes()
         if "rlimits" not in zygote.skip:
             _apply_limits(req, zygote.cfg, baseline)
@@ -1408,7 +1624,7 @@ def run_snippet(zygote: Zygote, child_fds: dict[str, int]) -> None:
         if zygote.confine:
             _confine()
     except BaseException:  # never run the snippet half-isolated
-        _report(3, {"setup_error": traceback.format_exc()[-3000:]})
+        _report(info, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
     _report(3, {"ready": True, "memory_baseline_bytes": baseline})
     script = os.path.join(workdir, SCRIPT_NAME)
@@ -1420,20 +1636,11 @@ def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
     """A session's interpreter: isolated and limited exactly as a call's runner (the
     first call's limits; the zygote re-sets them before every later call), then a loop
     that runs each call sent on fd 4 in the same globals."""
+    info = child_fds["info"]
     try:
-        req = _read_request(child_fds.pop("request"))
-        _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
+        req, workdir = _enter_sandbox(zygote, child_fds, session=True)
         _layout_fds(child_fds, SESSION_FDS)
-        os.setsid()
-        if sys.platform.startswith("linux"):
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        workdir = req["dir"]
-        if zygote.private_mounts:
-            _private_mounts(req["dir"], zygote.work_dir)
-            workdir = zygote.work_dir or req["dir"]
-        if zygote.session_netns:  # abstract Unix sockets and loopback stay inside the session
-            unshare(CLONE_NEWNET)
-        os.chdir(workdir)
+        info = 3
         baseline = _address_space_bytes()
         limited = "rlimits" not in zygote.skip
         if limited:
@@ -1444,10 +1651,45 @@ def run_session(zygote: Zygote, child_fds: dict[str, int]) -> None:
         if zygote.confine:
             _confine()
     except BaseException:  # never run code half-isolated
-        _report(3, {"setup_error": traceback.format_exc()[-3000:]})
+        _report(info, {"setup_error": traceback.format_exc()[-3000:]})
         os._exit(EXIT_SETUP_FAILED)
     _report(3, {"ready": True, "memory_baseline_bytes": baseline})
     serve_session(namespace, zygote.cfg["traceback_frames"], workdir, limited)
+
+
+def _enter_sandbox(zygote: Zygote, child_fds: dict[str, int], session: bool) -> tuple[dict, str]:
+    """What a child does before it has work (so, forked ahead, off the request's path):
+    join its control group, leave the zygote's session, take private mounts (and, for a
+    session, a network namespace of its own) and enter its directory. Then wait for the
+    work on the ``go`` socket. Returns the request (directory and uid, plus the work) and
+    the working directory; the work's fds (a call's stdin) are added to ``child_fds``."""
+    req = _read_request(child_fds.pop("request"))
+    _cgroups.join([child_fds.pop(name) for name in sorted(child_fds) if name.startswith("cgroup")])
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies: so does the child
+    workdir = req["dir"]
+    if zygote.private_mounts:
+        _private_mounts(req["dir"], zygote.work_dir)
+        workdir = zygote.work_dir or req["dir"]
+    if session and zygote.session_netns:  # abstract Unix sockets and loopback stay inside the session
+        unshare(CLONE_NEWNET)
+    os.chdir(workdir)
+    work, fds = _await_work(child_fds.pop("go"))
+    child_fds.update(fds)
+    return {**req, **work}, workdir
+
+
+def _await_work(fd: int) -> tuple[dict, dict[str, int]]:
+    """Block until the zygote hands over the work on the socket ``fd``: a memory file with
+    the request and, for a call, its stdin. Exits at once when the zygote closes the
+    socket instead (it discards a child it no longer needs, or it has ended)."""
+    with socket.socket(fileno=fd) as sock:
+        message, fds, _, _ = socket.recv_fds(sock, 512, 2)
+    if not message:
+        os._exit(0)
+    received = dict(zip(message.decode().split(), fds, strict=True))
+    return _read_request(received.pop("request")), received
 
 
 def serve_session(namespace: dict, frames: int, workdir: str, limited: bool = True) -> None:

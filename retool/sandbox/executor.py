@@ -82,7 +82,7 @@ unless ``network=True``, plus ``uid_drop`` (as root) or ``caps_drop`` (otherwise
 control groups (``cgroup_v2`` or ``cgroup_v1``; they need root)."""
 
 SKIPPABLE = ("pidns", "private_mounts", "privilege_drop", "rlimits", "seccomp", "template", "scratch_quota",
-             "session_netns", "cgroups")
+             "session_netns", "cgroups", "prefork")
 
 WATCHDOG_GRACE_S = 10.0
 """How long past its timeout a started call may stay unanswered before the zygote is
@@ -128,6 +128,11 @@ class SandboxConfig:
     call_scratch_mb: int = 256
     """Size of each call's and each session's own tmpfs (its working directory), in MiB:
     one call or session that fills its directory cannot fill anyone else's."""
+    prefork: int = 8
+    """Call runners, and session interpreters, each kept forked ahead of their work (at
+    most one per call slot and per free session slot): already in their namespaces,
+    control group and directory, waiting for a request, so that a call only hands its
+    work to a ready child. 0: fork each child when its request comes."""
     uid_base: int = 1_950_000_000
     """When running as root, call slot ``i`` runs as uid/gid ``uid_base + i`` (no real user)."""
     traceback_frames: int = 3
@@ -142,7 +147,7 @@ class SandboxConfig:
     """For ``bench/sandbox.py`` only, never in training: per-call mechanisms to leave out
     to measure their cost (``pidns``, ``private_mounts``, ``privilege_drop``, ``rlimits``,
     ``seccomp``, ``template``: fork each call from the warm parent itself, ``scratch_quota``,
-    ``session_netns``, ``cgroups``)."""
+    ``session_netns``, ``cgroups``, ``prefork``: fork each child when its request comes)."""
 
     def __post_init__(self) -> None:
         positive = ("timeout_s", "memory_mb", "max_file_mb", "max_processes", "max_output_bytes",
@@ -150,6 +155,8 @@ class SandboxConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.prefork < 0:
+            raise ValueError(f"SandboxConfig.prefork must be >= 0, got {self.prefork!r}")
         check_timeout(self.timeout_s, "SandboxConfig.timeout_s")
         unknown = set(self.benchmark_skip) - set(SKIPPABLE)
         if unknown or (self.strict and self.benchmark_skip):
@@ -211,7 +218,7 @@ class _Zygote:
         return {"workers": c.workers, "max_sessions": c.max_sessions,
                 "session_memory_mb": c.session_memory_mb or 4 * c.memory_mb, "preload": list(c.preload),
                 "network": c.network,
-                "scratch_mb": c.scratch_mb, "call_scratch_mb": c.call_scratch_mb, "uid_base": c.uid_base, "max_processes": c.max_processes,
+                "scratch_mb": c.scratch_mb, "call_scratch_mb": c.call_scratch_mb, "uid_base": c.uid_base, "prefork": c.prefork, "max_processes": c.max_processes,
                 "max_output_bytes": c.max_output_bytes, "max_file_bytes": c.max_file_mb << 20,
                 "traceback_frames": c.traceback_frames, "base_dir": tempfile.gettempdir(),
                 "benchmark_skip": list(c.benchmark_skip)}

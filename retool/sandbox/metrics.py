@@ -27,6 +27,8 @@ class SandboxMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._latencies: list[float] = []
+        self._runs: list[float] = []
+        self._waits: list[float] = []
         self._counts = {status: 0 for status in ExecStatus}
         self._restarts = 0
         self._cpu_s = 0.0
@@ -34,6 +36,8 @@ class SandboxMetrics:
     def record(self, result: ExecutionResult, latency_s: float) -> None:
         with self._lock:
             self._latencies.append(latency_s)
+            self._runs.append(result.wall_s)
+            self._waits.append(max(0.0, latency_s - result.wall_s))
             self._counts[result.status] += 1
             self._cpu_s += result.cpu_s
 
@@ -45,11 +49,14 @@ class SandboxMetrics:
         """``sandbox/*`` metrics of the window; rates are 0.0 when there were no calls.
 
         ``latency`` is the caller's end-to-end time (queueing included), in seconds;
+        ``run`` a call's own wall time in the sandbox, ``queue_wait`` the rest (waiting
+        for a worker, and the hand-over);
         ``cpu_s`` the user + system CPU seconds the calls' processes used (what a priced
         sandbox bills, :mod:`retool.cost`).
         """
         with self._lock:
             latencies = sorted(self._latencies)
+            runs, waits = sorted(self._runs), sorted(self._waits)
             counts = dict(self._counts)
             restarts = self._restarts
             cpu_s = self._cpu_s
@@ -65,6 +72,9 @@ class SandboxMetrics:
             "sandbox/latency_mean": sum(latencies) / n if n else 0.0,
             "sandbox/latency_p50": percentile(latencies, 50),
             "sandbox/latency_p95": percentile(latencies, 95),
+            "sandbox/run_p95": percentile(runs, 95),
+            "sandbox/queue_wait_p50": percentile(waits, 50),
+            "sandbox/queue_wait_p95": percentile(waits, 95),
             "sandbox/worker_restarts": float(restarts),
             "sandbox/cpu_s": cpu_s,
         }

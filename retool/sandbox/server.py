@@ -28,7 +28,8 @@ Endpoints:
   ``max_sessions`` are open (one more answers 429); an unknown or closed ID answers 404.
 - ``GET /v1/ping``: ``"pong"`` (as SandboxFusion).
 - ``GET /metrics``: the sandbox's counters and latencies since the server started, plus
-  the server's own counts of rejected requests.
+  the server's own counts of rejected requests and of abandoned ones (``server/abandoned``:
+  the client disconnected before its answer; the run was cancelled).
 
 Statuses follow the official server: a process that ran and exited (even with a
 traceback, ``MemoryError`` or a kill for exceeding a limit) is ``Finished`` with its
@@ -375,6 +376,7 @@ def _extension(result: ExecutionResult) -> dict[str, Any]:
 _SANDBOX = web.AppKey("sandbox", object)
 _CONFIG = web.AppKey("config", ServerConfig)
 _REJECTED = web.AppKey("rejected", collections.Counter)
+_ABANDONED = web.AppKey("abandoned", list)
 _SESSIONS = web.AppKey("sessions", object)
 
 
@@ -433,6 +435,7 @@ def create_app(config: ServerConfig = ServerConfig()) -> web.Application:
     app = web.Application(client_max_size=int(config.max_request_mb * 2**20))
     app[_CONFIG] = config
     app[_REJECTED] = collections.Counter()
+    app[_ABANDONED] = [0]
     app.cleanup_ctx.append(_sandbox_lifetime)
     app.router.add_post("/run_code", _handle_run_code)
     app.router.add_post("/sessions", _handle_open_session)
@@ -503,6 +506,9 @@ async def _handle_run_code(request: web.Request) -> web.Response:
         entry.running += 1
     try:
         result = await _run(runner, args)
+    except asyncio.CancelledError:  # the client went away (gave up waiting): its run is cancelled too
+        app[_ABANDONED][0] += 1
+        raise
     except (ValueError, TypeError) as e:  # arguments the sandbox refuses
         return _reject(app, RequestError(422, f"the sandbox refused the request: {e}", "invalid"))
     finally:
@@ -547,6 +553,7 @@ async def _handle_metrics(request: web.Request) -> web.Response:
     for reason, count in sorted(app[_REJECTED].items()):
         metrics[f"server/rejected_{reason}"] = float(count)
     metrics["server/rejected"] = float(sum(app[_REJECTED].values()))
+    metrics["server/abandoned"] = float(app[_ABANDONED][0])
     metrics["server/sessions_open"] = float(len(app[_SESSIONS].open))
     metrics["server/sessions_expired"] = float(app[_SESSIONS].expired)
     return web.json_response(metrics)
@@ -562,8 +569,12 @@ async def start(config: ServerConfig) -> tuple[web.AppRunner, str]:
             "binding %s: anyone who can reach this port can run code (no authentication)",
             config.host,
         )
+    # handler_cancellation: a request whose client disconnects (e.g. gave up after its
+    # deadline) is cancelled, which takes its run out of the queue or ends it, so a
+    # backlog of abandoned requests does not hold the workers from the live ones.
     runner = web.AppRunner(
-        create_app(config), shutdown_timeout=config.shutdown_timeout_s, access_log=None
+        create_app(config), shutdown_timeout=config.shutdown_timeout_s, access_log=None,
+        handler_cancellation=True,
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)

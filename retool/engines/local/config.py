@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LocalEngineConfig:
-    """Everything the local engine needs; defaults run the bundled model on the CPU."""
+    """Everything the local engine needs; defaults run on the CPU."""
 
-    model: str = "bundled:smollm2"
-    """A Hugging Face hub id, a local model folder, or ``bundled:smollm2``."""
+    model: str
+    """A Hugging Face hub id, a local model folder, or ``bundled:smollm2`` (no default here:
+    commands pass theirs, ``retool.engines.DEFAULT_MODEL`` unless told otherwise)."""
     full_finetune: bool = False
     """Train every parameter instead of a LoRA adapter."""
     lora_rank: int = 32

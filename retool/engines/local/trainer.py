@@ -63,7 +63,7 @@ class LocalTrainingClient:
     :class:`LocalSamplingClient` that shares the model.
     """
 
-    def __init__(self, config: LocalEngineConfig = LocalEngineConfig()) -> None:
+    def __init__(self, config: LocalEngineConfig) -> None:
         import torch
 
         if config.packing not in algo.PACKINGS:

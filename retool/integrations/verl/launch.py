@@ -19,7 +19,7 @@ config and checks each value.
 
 Refused, because the verl run would silently differ: text mode (the agent loop always
 declares the tool), the ``importance_sampling`` loss, dynamic sampling
-(``refill_rounds``), dropping degenerate groups, and retool's ``--advantage passk``,
+(``refill_rounds``), dropping degenerate groups, the difficulty curriculum, and retool's ``--advantage passk``,
 ``--overlong`` and ``--behaviour-is`` (not mapped to verl's own options).
 
 Not covered: Megatron (FSDP only), verl's reference-model and critic settings (GRPO
@@ -84,16 +84,12 @@ class VerlConfig(VerlSettings, TrainConfig):
     whole sequence)."""
 
     def validate(self) -> None:
-        for name in ("batch_size", "group_size", "max_steps", "save_every", "val_samples", "test_every", "nnodes",
-                     "gpus_per_node", "tensor_parallel", "max_prompt_tokens", "agent_workers"):
+        """``retool train``'s own rules (:meth:`TrainConfig.validate_settings`; the sinks,
+        engine and price table are verl's business), then what verl adds or cannot map."""
+        self.validate_settings()
+        for name in ("val_samples", "test_every", "nnodes", "gpus_per_node", "tensor_parallel", "max_prompt_tokens",
+                     "agent_workers"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        self.validate_model()
-        self.validate_budgets()
-        require(self.group_size >= 2, f"group_size must be >= 2 for group-centred advantages, got {self.group_size}")
-        require(0 < self.clip_low <= 1 <= self.clip_high, "need 0 < clip_low <= 1 <= clip_high")
-        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 (or none)")
-        require(self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "invalid Adam settings")
-        require(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
         require(self.val_temperature >= 0 and 0 < self.val_top_p <= 1,
                 "val_temperature must be >= 0 (0 = greedy) and val_top_p in (0, 1]")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
@@ -104,6 +100,8 @@ class VerlConfig(VerlSettings, TrainConfig):
         require(self.loss == "ppo", "verl-config writes the PPO-clip loss only (loss = ppo)")
         require(self.refill_rounds == 0 and not self.drop_degenerate_groups,
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
+        require(self.curriculum == "none", "the difficulty curriculum has no verl equivalent here (verl's "
+                "dataloader draws the batches); drop --curriculum")
         require(self.advantage == "grpo" and self.overlong == "none" and self.behaviour_is == "off",
                 "--advantage passk, --overlong and --behaviour-is are not mapped to verl's settings here; "
                 "leave them at grpo / none / off")

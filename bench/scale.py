@@ -1,0 +1,431 @@
+"""The reference run's load, rehearsed: ``retool train`` at full size against a
+latency-model Tinker service, with a soak, a SIGKILL and a resume.
+
+``retool train --config configs/qwen35-4b-tinker.toml --save-every 50`` (Qwen3.5-4B,
+8 problems x 8 trajectories of up to 8,192 tokens, at most 4 code calls) runs in a
+subprocess against :class:`bench.tinker_latency.LatencyTinkerServer` on 127.0.0.1: the
+unmodified ``tinker`` SDK, the real Qwen3.5 tokenizer and template (built offline and
+passed with ``--tinker-tokenizer``), the real sandbox and grader; only the GPU work is
+time (:class:`bench.tinker_latency.LatencyModel`, each rate a flag below).
+
+Printed per step and in total: wall time; the time the service was serving at least one
+request (the client waits on it) against the client's own time (nothing in flight: rollout
+bookkeeping, sandbox, grading, datums, metrics, checkpoints), their ratio; sandbox calls/s,
+p50/p95 latency, the p95 wait for a worker beside the p95 run time; the client's RSS,
+open fds and process count at every step, and their slopes over the run.
+
+With ``--kill`` (the default when the run has more than 100 steps) the client is
+SIGKILLed at a random point after step 100 and ``retool train --resume`` finishes the run;
+``--compare`` also runs it uninterrupted against a fresh service and checks that both
+asked the service for the same things, step by step (samples by prompt and seed,
+forward_backward by datums, optim_step by parameters): the same data order.
+
+Usage::
+
+    python bench/scale.py --steps 20                   # the unscaled overhead figure
+    nice -n 10 python bench/scale.py --time-scale 10   # the 200-step soak, with kill + resume
+    python bench/scale.py --steps 3 --batch-size 2 --group-size 4   # a quick check
+
+Goals printed: client overhead <= 5 % of a step; sandbox worker wait p95 <= run time p95;
+RSS / fds / process slopes ~ 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.scale_policy import make_problems  # noqa: E402
+from bench.tinker_latency import LatencyModel, LatencyTinkerServer, ServiceCall, replace_model  # noqa: E402
+
+CONFIG = ROOT / "configs" / "qwen35-4b-tinker.toml"
+KILL_AFTER_STEP = 100
+API_KEY = "tml-latency-model-rehearsal-0000000000"
+"""The SDK wants a key of Tinker's shape; the latency-model service accepts any."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The client process tree at one step: RSS of the retool process (MiB), its open fds,
+    the processes in its tree (sandbox workers included)."""
+
+    step: int
+    rss_mib: float
+    fds: int
+    procs: int
+
+
+def qwen35_tokenizer_folder(target: Path) -> Path:
+    """The Qwen3.5 tokenizer with its official template, saved as a local folder."""
+    from tests.tokenizers import qwen35_tokenizer
+
+    if not (target / "tokenizer.json").is_file():
+        qwen35_tokenizer().save_pretrained(str(target))
+    return target
+
+
+def write_problems(path: Path, count: int) -> Path:
+    with path.open("w") as f:
+        for p in make_problems(count):
+            f.write(json.dumps({"id": p.id, "question": p.question, "answer": str(p.answer)}) + "\n")
+    return path
+
+
+def process_sample(pid: int, step: int) -> Sample | None:
+    """RSS, fds and tree size of ``pid`` now (``None`` once it is gone)."""
+    try:
+        rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return Sample(step, rss, fds, len(_descendants(pid)) + 1)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (x, y) points (0.0 for fewer than two)."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+
+
+class ClientRun:
+    """One ``retool train`` subprocess, its process samples taken as each step's metrics
+    row appears, optionally SIGKILLed once ``kill_step`` has been logged."""
+
+    def __init__(self, argv: list[str], run_dir: Path, env: dict[str, str]) -> None:
+        self.argv, self.run_dir, self.env = argv, run_dir, env
+        self.samples: list[Sample] = []
+
+    def run(self, kill_step: int | None = None, kill_delay_s: float = 0.0) -> int:
+        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir.parent / "client.err", "ab") as err:
+            proc = subprocess.Popen(self.argv, env=self.env, cwd=ROOT, start_new_session=True,
+                                    stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            return self._watch(proc, kill_step, kill_delay_s)
+        finally:  # the bench stopped (Ctrl-C, an error): take the client's process group with it
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def _watch(self, proc: subprocess.Popen, kill_step: int | None, kill_delay_s: float) -> int:
+        metrics = self.run_dir / "metrics.jsonl"
+        seen = len(_read_rows(metrics))  # a resumed run's earlier rows are not this process's
+        while proc.poll() is None:
+            rows = _read_rows(metrics)
+            for row in rows[seen:]:
+                sample = process_sample(proc.pid, int(row["step"]))
+                if sample is not None:
+                    self.samples.append(sample)
+            seen = max(seen, len(rows))
+            if kill_step is not None and rows and rows[-1]["step"] >= kill_step:
+                time.sleep(kill_delay_s)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return -signal.SIGKILL
+            time.sleep(0.2)
+        return proc.returncode
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written
+            break
+    return [r for r in rows if "step" in r and "time/step" in r]
+
+
+def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, data: Path, run: Path) -> list[str]:
+    argv = [sys.executable, "-m", "retool", "train", "--config", str(CONFIG), "--save-every", str(args.save_every),
+            "--max-steps", str(args.steps), "--train-data", str(data), "--run-dir", str(run),
+            "--tinker-base-url", url, "--tinker-tokenizer", str(tokenizer), "--sinks", "jsonl",
+            "--batch-size", str(args.batch_size), "--group-size", str(args.group_size), "--seed", str(args.seed)]
+    if args.sandbox_timeout_s is not None:
+        argv += ["--sandbox-timeout-s", str(args.sandbox_timeout_s)]
+    if args.sandbox_workers is not None:
+        argv += ["--sandbox-workers", str(args.sandbox_workers)]
+    return argv
+
+
+@dataclass
+class Outcome:
+    """What one rehearsal (a run, or a killed run and its resume) left."""
+
+    rows: list[dict]
+    samples: list[Sample]
+    calls: list[ServiceCall]
+    marks: list[tuple[float, float, int | None]]
+    tokens: dict[str, int]
+    gaps: dict[tuple[str, str], float]
+    returncodes: list[int]
+    resumed_from: int | None = None
+    resumed_samples: list[Sample] = field(default_factory=list)
+    """The resumed client's samples (``samples``: the first client's, the soak's)."""
+    redone: tuple[bool, str] | None = None
+    killed_after: int | None = None
+    """The step after whose metrics row the first client was SIGKILLed (at a random delay)."""
+    """Whether the steps done before the kill and done again after the resume asked the
+    service the same things (the steps from the checkpoint to the last one the killed
+    client finished)."""
+
+
+def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenizer_dir: Path, data: Path,
+             kill: bool) -> Outcome:
+    """One run against a fresh latency-model service; with ``kill``, SIGKILLed after step
+    100 at a random point and resumed."""
+    from tests.tokenizers import qwen35_tokenizer
+
+    run = work / "run"
+    env = {**os.environ, "TINKER_API_KEY": API_KEY, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model) as server:
+        argv = train_argv(args, work, server.url, tokenizer_dir, data, run)
+        client = ClientRun(argv, run, env)
+        codes, resumed_from = [], None
+        if kill:
+            rng = random.Random(args.seed)
+            kill_step = rng.randint(args.kill_after + 1, args.steps - 1)
+            killed_after = kill_step
+            codes.append(client.run(kill_step, rng.uniform(0.0, 1.0) * _mean_step_s(run)))
+            steps_before = len(server.calls)
+            server.new_client()
+            resumed_client = ClientRun([sys.executable, "-m", "retool", "train", "--resume", str(run)], run, env)
+            codes.append(resumed_client.run())
+            resumed_samples = resumed_client.samples
+            resumed = server.calls[steps_before:]
+            resumed_from = min((c.step for c in resumed), default=None)
+            finished = {c.step for c in server.calls[:steps_before] if c.endpoint == "optim_step"}
+            overlap = {step for step in finished if step >= (resumed_from or 0)}
+            redone = same_calls([c for c in server.calls[:steps_before] if c.step in overlap],
+                                [c for c in resumed if c.step in overlap])
+            keep = [c for c in server.calls[:steps_before] if resumed_from is None or c.step < resumed_from]
+            calls = keep + resumed
+        else:
+            codes.append(client.run())
+            calls, resumed_samples, redone, killed_after = list(server.calls), [], None, None
+        samples = client.samples
+        return Outcome(_read_rows(run / "metrics.jsonl"), samples, calls, list(server.step_marks),
+                       dict(server.tokens), dict(server.gaps), codes, resumed_from, resumed_samples, redone, killed_after)
+
+
+def _mean_step_s(run: Path) -> float:
+    rows = _read_rows(run / "metrics.jsonl")
+    return sum(r["time/step"] for r in rows) / len(rows) if rows else 1.0
+
+
+def same_calls(a: list[ServiceCall], b: list[ServiceCall]) -> tuple[bool, str]:
+    """Whether two runs asked the same things, step by step (order inside a step free)."""
+    def by_step(calls: list[ServiceCall]) -> dict[int, list[tuple[str, str]]]:
+        out: dict[int, list[tuple[str, str]]] = {}
+        for c in calls:
+            out.setdefault(c.step, []).append((c.endpoint, c.digest))
+        return {k: sorted(v) for k, v in out.items()}
+
+    sa, sb = by_step(a), by_step(b)
+    differ = [s for s in sorted(set(sa) | set(sb)) if sa.get(s) != sb.get(s)]
+    return not differ, f"{len(a)} vs {len(b)} calls; steps that differ: {differ[:10]}"
+
+
+def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, float]:
+    """Print the per-step table and the totals; return the totals."""
+    from retool.sandbox.metrics import percentile
+
+    rows_by_step = {int(r["step"]): r for r in outcome.rows}  # a step redone after a resume: its last row
+    spans = step_spans(outcome.marks)
+    steps = [s for s in sorted(spans) if s in rows_by_step]
+    rows = [rows_by_step[s] for s in steps]
+    walls = [spans[s][0] for s in steps]
+    busys = [spans[s][1] for s in steps]
+    if per_step:
+        print(f"{'step':>4} {'wall_s':>7} {'service_s':>9} {'client_s':>8} {'client%':>7} {'sbx_calls':>9} "
+              f"{'sbx_p50':>7} {'sbx_p95':>7} {'wait_p95':>8} {'run_p95':>7} {'rss_MiB':>7} {'fds':>4} {'procs':>5}")
+        by_step = {s.step: s for s in outcome.samples + outcome.resumed_samples}
+        for i, row in enumerate(rows):
+            s = by_step.get(int(row["step"]))
+            wall, busy = walls[i], busys[i]
+            print(f"{int(row['step']):>4} {wall:7.2f} {busy:9.2f} {wall - busy:8.2f} {100 * (wall - busy) / wall:6.1f}% "
+                  f"{row.get('sandbox/calls', 0):9.0f} {row.get('sandbox/latency_p50', 0):7.3f} "
+                  f"{row.get('sandbox/latency_p95', 0):7.3f} {row.get('sandbox/queue_wait_p95', 0):8.3f} "
+                  f"{row.get('sandbox/run_p95', 0):7.3f} "
+                  + (f"{s.rss_mib:7.0f} {s.fds:4d} {s.procs:5d}" if s else ""))
+    wall, busy = sum(walls), sum(busys)
+    calm = [(w, b) for w, b, r in zip(walls, busys, rows) if not r.get("sandbox/count_timeout", 0)]
+    shares = sorted((w - b) / w for w, b in zip(walls, busys) if w > 0)
+    calls = sum(r.get("sandbox/calls", 0) for r in rows)
+    rollout = sum(r.get("time/rollout", 0) for r in rows)
+    totals = {"steps": len(walls), "wall_s": wall, "service_s": busy, "client_s": wall - busy,
+              "client_share": (wall - busy) / wall if wall else 0.0,
+              "client_s_per_step": (wall - busy) / max(len(walls), 1), "step_s": wall / max(len(walls), 1),
+              "client_share_median": percentile(shares, 50), "steps_without_timeout": len(calm),
+              "client_share_without_timeout": (sum(w - b for w, b in calm) / sum(w for w, _ in calm)) if calm else 0.0,
+              "client_s_per_step_without_timeout": sum(w - b for w, b in calm) / max(len(calm), 1),
+              "sandbox_calls": calls, "sandbox_calls_per_s": calls / rollout if rollout else 0.0,
+              "sandbox_p50_s": percentile(sorted(r.get("sandbox/latency_p50", 0) for r in rows), 50),
+              "sandbox_p95_s": percentile(sorted(r.get("sandbox/latency_p95", 0) for r in rows), 50),
+              "sandbox_wait_p95_s": max((r.get("sandbox/queue_wait_p95", 0) for r in rows), default=0.0),
+              "sandbox_wait_p95_median_s": percentile(sorted(r.get("sandbox/queue_wait_p95", 0) for r in rows), 50),
+              "sandbox_run_p95_s": percentile(sorted(r.get("sandbox/run_p95", 0) for r in rows), 50),
+              "reward_correct": _mean(rows, "reward/correct"), "trajectory_tokens": _mean(rows, "rollout/trajectory_tokens"),
+              "code_calls": _mean(rows, "rollout/code_calls"), "turns": _mean(rows, "rollout/turns")}
+    for name in ("rss_mib", "fds", "procs"):
+        points = [(s.step, getattr(s, name)) for s in outcome.samples]
+        half = points[len(points) // 2:]  # after warm-up
+        totals[f"{name}_first"] = points[0][1] if points else 0
+        totals[f"{name}_last"] = points[-1][1] if points else 0
+        totals[f"{name}_slope_per_step"] = slope(half)
+    for (before, after), seconds in sorted(outcome.gaps.items(), key=lambda kv: -kv[1])[:6]:
+        totals[f"gap_s_per_step/{before}->{after}"] = seconds / max(len(walls), 1)
+    tok = outcome.tokens
+    totals.update({f"tokens_{k}": float(v) for k, v in tok.items()})
+    return totals
+
+
+def step_spans(marks: list[tuple[float, float, int | None]]) -> dict[int, tuple[float, float]]:
+    """Step -> (wall seconds, service-busy seconds), from the service's step marks; a step
+    is measured from the mark before it in the same client process (a redone step: the
+    last time)."""
+    spans = {}
+    for (t0, b0, _), (t1, b1, step) in zip(marks, marks[1:]):
+        if step is not None:
+            spans[step] = (t1 - t0, b1 - b0)
+    return spans
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return sum(r.get(key, 0.0) for r in rows) / max(len(rows), 1)
+
+
+def print_totals(label: str, totals: dict[str, float], model: LatencyModel) -> None:
+    t = totals
+    print(f"\n== {label}: {int(t['steps'])} steps, time scale {model.time_scale:g}, load {os.getloadavg()}")
+    print(f"step wall {t['step_s']:.2f} s; service busy {t['service_s'] / max(t['steps'], 1):.2f} s/step; "
+          f"client's own work {t['client_s_per_step']:.2f} s/step = {100 * t['client_share']:.1f} % of a step "
+          f"(goal <= 5 %{' at time scale 1' if model.time_scale == 1 else '; the goal applies to unscaled runs'})")
+    print(f"steps with no sandbox timeout ({int(t['steps_without_timeout'])}): client's own work "
+          f"{t['client_s_per_step_without_timeout']:.2f} s/step = {100 * t['client_share_without_timeout']:.1f} %; "
+          f"median step {100 * t['client_share_median']:.1f} %")
+    gaps = [(k.split("/", 1)[1], v) for k, v in t.items() if k.startswith("gap_s_per_step/")]
+    print("client's own work, by where it sits (s/step; idle between the service calls named): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in gaps))
+    met = t["sandbox_wait_p95_median_s"] <= t["sandbox_run_p95_s"]
+    print(f"sandbox: {t['sandbox_calls']:.0f} calls, {t['sandbox_calls_per_s']:.1f} calls/s of rollout time, "
+          f"median-step p50 {t['sandbox_p50_s']:.3f} s / p95 {t['sandbox_p95_s']:.3f} s; wait for a worker p95 "
+          f"{t['sandbox_wait_p95_median_s']:.3f} s (median step; worst {t['sandbox_wait_p95_s']:.3f} s) vs run p95 "
+          f"{t['sandbox_run_p95_s']:.3f} s (goal: wait <= run: {'met' if met else 'NOT met'}; the wait includes "
+          f"the hand-over)")
+    print(f"client RSS {t['rss_mib_first']:.0f} -> {t['rss_mib_last']:.0f} MiB (slope {t['rss_mib_slope_per_step']:+.3f}"
+          f" MiB/step), fds {t['fds_first']} -> {t['fds_last']} ({t['fds_slope_per_step']:+.3f}/step), processes "
+          f"{t['procs_first']} -> {t['procs_last']} ({t['procs_slope_per_step']:+.3f}/step); slopes over the 2nd half")
+    print(f"tokens: prefill {t.get('tokens_prefill', 0):.0f} (after the prefix cache {t.get('tokens_prefill_new', 0):.0f}), "
+          f"sampled {t.get('tokens_sampled', 0):.0f}, trained {t.get('tokens_trained', 0):.0f}; "
+          f"correct {100 * t['reward_correct']:.0f} %")
+    print(f"trajectories: {t['trajectory_tokens']:.0f} tokens, {t['code_calls']:.2f} code calls, "
+          f"{t['turns']:.2f} turns on average")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, LatencyModel]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200, the reference run's)")
+    parser.add_argument("--batch-size", type=int, default=8, help="problems per step (the reference run's 8)")
+    parser.add_argument("--group-size", type=int, default=8, help="trajectories per problem (the reference run's 8)")
+    parser.add_argument("--problems", type=int, default=512, help="problems in the generated training set")
+    parser.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (default 50)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--sandbox-timeout-s", type=float, default=None,
+                        help="override the preset's 30 s sandbox timeout (a soak: fewer long stalls)")
+    parser.add_argument("--sandbox-workers", type=int, default=None, help="override the preset's 8 workers")
+    parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=None,
+                        help="SIGKILL after step --kill-after and resume (default: on when --steps > 101)")
+    parser.add_argument("--kill-after", type=int, default=KILL_AFTER_STEP,
+                        help="the kill comes at a random point after this step (default 100)")
+    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=False,
+                        help="also run uninterrupted and check both asked the service the same things")
+    parser.add_argument("--per-step", action=argparse.BooleanOptionalAction, default=True, help="print every step")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep runs here (default: a temporary folder)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the totals here")
+    defaults = LatencyModel()
+    for f in fields(LatencyModel):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)), default=None,
+                            help=f"latency model: {f.name} (default {getattr(defaults, f.name):g})")
+    args = parser.parse_args(argv)
+    try:
+        model = replace_model(defaults, **{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
+    except ValueError as err:
+        parser.error(str(err))
+    if min(args.steps, args.batch_size, args.group_size, args.problems, args.save_every) < 1:
+        parser.error("--steps, --batch-size, --group-size, --problems and --save-every must be >= 1")
+    if args.kill is None:
+        args.kill = args.steps > args.kill_after + 1
+    if args.kill and args.steps <= args.kill_after + 1:
+        parser.error(f"--kill needs --steps > {args.kill_after + 1} (the kill comes after step {args.kill_after})")
+    return args, model
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.stdout.reconfigure(line_buffering=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated bench takes its client with it
+    args, model = parse_args(argv)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="retool-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = qwen35_tokenizer_folder(work / "qwen3.5-tokenizer")
+    data = write_problems(work / "train.jsonl", args.problems)
+    print(f"latency model: {model}\nwork dir {work}; load {os.getloadavg()}", flush=True)
+    outcome = rehearse(args, model, work / ("killed" if args.kill else "run"), tokenizer_dir, data, args.kill)
+    totals = report(outcome, model, args.per_step)
+    print_totals("killed + resumed" if args.kill else "run", totals, model)
+    ok = all(code == 0 for code in outcome.returncodes[-1:])
+    if args.kill:
+        print(f"SIGKILL at a random point after step {outcome.killed_after} (> {args.kill_after}): exit codes {outcome.returncodes}; resumed from step "
+              f"{outcome.resumed_from}; finished with {len(outcome.rows)} metric rows")
+        print(f"steps redone after the resume asked the service what they asked before the kill: "
+              f"{outcome.redone[0]} ({outcome.redone[1]})")
+        ok = ok and outcome.redone[0]
+    if args.compare:
+        reference = rehearse(args, model, work / "uninterrupted", tokenizer_dir, data, kill=False)
+        same, detail = same_calls(reference.calls, outcome.calls)
+        print(f"service calls and data order equal to an uninterrupted run's: {same} ({detail})")
+        ok = ok and same
+        totals["same_calls"] = float(same)
+    if args.json:
+        args.json.write_text(json.dumps(totals, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

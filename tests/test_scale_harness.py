@@ -1,0 +1,199 @@
+"""The reference-run rehearsal's harness (``bench/scale.py``), at a small size.
+
+The real ``tinker`` SDK talks to the latency-model service over sockets; the scripted
+policy's trajectories are token-exact under the real Qwen3.5 template; the metrics the
+bench reads exist; the latency model's sharing and prefix cache behave as documented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import threading
+import time
+
+import pytest
+
+from bench import scale
+from bench.scale_policy import ScriptedPolicy, make_problems, solve, tool_call
+from bench.tinker_latency import LatencyModel, PrefixCache, ThroughputBudget
+from tests.tokenizers import qwen35_tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+BENCH_KEYS = ("time/step", "time/rollout", "sandbox/calls", "sandbox/latency_p50", "sandbox/latency_p95",
+              "sandbox/queue_wait_p95", "sandbox/run_p95", "sandbox/count_timeout", "reward/correct",
+              "rollout/trajectory_tokens", "rollout/code_calls", "rollout/turns")
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """3 steps x 2 problems x 4 trajectories at the reference run's token budgets."""
+    work = tmp_path_factory.mktemp("scale")
+    args, model = scale.parse_args(["--steps", "3", "--batch-size", "2", "--group-size", "4", "--problems", "12",
+                                    "--sandbox-timeout-s", "3", "--time-scale", "4"])
+    tokenizer_dir = scale.qwen35_tokenizer_folder(work / "tokenizer")
+    data = scale.write_problems(work / "train.jsonl", args.problems)
+    outcome = scale.rehearse(args, model, work / "run", tokenizer_dir, data, kill=False)
+    return work / "run" / "run", outcome, args, model
+
+
+def test_the_real_sdk_trains_three_steps_against_the_latency_service(rehearsal):
+    _, outcome, args, model = rehearsal
+    assert outcome.returncodes == [0]
+    assert [r["step"] for r in outcome.rows] == [1, 2, 3]
+    endpoints = {c.endpoint for c in outcome.calls}
+    assert endpoints == {"asample", "forward_backward", "optim_step"}
+    assert sorted({c.step for c in outcome.calls if c.endpoint == "optim_step"}) == [0, 1, 2]
+    assert outcome.tokens["sampled"] > 0 and outcome.tokens["trained"] > 0
+    assert outcome.tokens["prefill_new"] < outcome.tokens["prefill"]  # the group's shared prompt is cached
+    assert len(outcome.marks) == 4  # the first request, then one mark per optim_step
+
+
+def test_the_metrics_the_bench_reads_exist_and_its_totals_are_sane(rehearsal):
+    _, outcome, _, model = rehearsal
+    for key in BENCH_KEYS:
+        assert all(key in row for row in outcome.rows), key
+    totals = scale.report(outcome, model, per_step=False)
+    assert totals["steps"] == 3
+    assert 0 < totals["service_s"] < totals["wall_s"]
+    assert 0 < totals["client_share"] < 1
+    assert totals["sandbox_calls"] > 0
+    assert len(outcome.samples) == 3 and all(s.fds > 0 and s.procs >= 1 for s in outcome.samples)
+
+
+def test_trajectories_are_token_exact_under_the_qwen35_template(rehearsal):
+    from retool.protocol import TOOL_NAME, build_messages
+    from retool.render import Renderer
+
+    run, outcome, _, _ = rehearsal
+    renderer = Renderer(qwen35_tokenizer())
+    questions = {json.loads(line)["id"]: json.loads(line)["question"]
+                 for line in (run.parent.parent / "train.jsonl").read_text().splitlines()}
+    checked = 0
+    for step in (1, 2, 3):
+        for line in gzip.open(run / "trajectories" / f"step_{step:06d}.jsonl.gz"):
+            trajectory = json.loads(line)["trajectory"]
+            messages = _messages(build_messages(questions[trajectory["problem_id"]]), trajectory["turns"], TOOL_NAME)
+            if messages is None:
+                continue
+            full = renderer.encode(renderer.render(messages, add_generation_prompt=False))
+            assert full == trajectory["tokens_T"], trajectory["problem_id"]
+            checked += 1
+    assert checked >= 6
+
+
+def _messages(messages: list[dict], turns: list[dict], tool: str) -> list[dict] | None:
+    """The OpenAI-format conversation of a finished trajectory whose calls were all valid
+    (``None`` for one cut short or with a malformed call: those have no such form)."""
+    for turn in turns:
+        if turn["stop_reason"] != "stop":
+            return None
+        exchange = turn["exchange"]
+        if exchange is None:
+            messages.append({"role": "assistant", "content": turn["text"]})
+            continue
+        if exchange["call"]["kind"] != "valid":
+            return None
+        prose = turn["text"].split("<tool_call>", 1)[0].strip()
+        call = {"type": "function", "function": {"name": tool, "arguments": {"code": exchange["call"]["code"]}}}
+        messages += [{"role": "assistant", "content": prose, "tool_calls": [call]},
+                     {"role": "tool", "name": tool, "content": exchange["response"]}]
+    return messages
+
+
+def test_the_policy_has_the_reference_runs_shape_and_real_answers():
+    from retool.reward import grade
+
+    policy = ScriptedPolicy(qwen35_tokenizer())
+    for problem in make_problems(6):
+        assert solve(problem.question) == problem.answer
+        context = f"<|im_start|>user\n{problem.question}<|im_end|>\n<|im_start|>assistant\n"
+        texts = [policy.text(context, seed) for seed in range(40)]
+        answers = [t for t in texts if "\\boxed{" in t]
+        correct = [grade(t, str(problem.answer)).correct for t in answers]
+        assert any(correct) and not all(correct)
+        assert any(tool_call("", False)[:40] in t for t in texts)  # some first turns call the tool
+    tokens, logprobs, reason = policy.sample(policy.tokenizer.encode(context), 7, 16, [248046])
+    assert len(tokens) == len(logprobs) == 16 and reason == "length"
+
+
+def test_requests_in_flight_share_the_throughput_budget():
+    budget = ThroughputBudget()
+    try:
+        start = time.monotonic()
+        budget.run(0.2, 0.0)
+        alone = time.monotonic() - start
+        threads = [threading.Thread(target=budget.run, args=(0.2, 0.0)) for _ in range(3)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        shared = time.monotonic() - start
+        start = time.monotonic()
+        budget.run(0.01, 0.3)  # little work, but no faster than its floor
+        floored = time.monotonic() - start
+    finally:
+        budget.close()
+    assert 0.18 < alone < 0.5
+    assert 0.55 < shared < 1.2  # three jobs share one server: ~3x as long
+    assert 0.28 < floored < 0.6
+
+
+def test_the_prefix_cache_prices_a_repeated_prompt_once():
+    cache = PrefixCache(capacity_tokens=10_000)
+    prompt = list(range(300))
+    assert cache.lookup_and_add("sampler-a", prompt) == 0
+    assert cache.lookup_and_add("sampler-a", prompt + [1, 2, 3]) == 256  # whole 64-token blocks
+    assert cache.lookup_and_add("sampler-b", prompt) == 0  # new weights, new cache
+
+
+def test_every_latency_model_rate_is_a_flag():
+    args, model = scale.parse_args(["--steps", "3", "--decode-rate", "1000", "--time-scale", "10"])
+    assert model == LatencyModel(decode_rate=1000.0, time_scale=10.0)
+    assert isinstance(args, argparse.Namespace) and args.kill is False
+
+
+def test_a_sigkill_and_resume_ask_the_service_what_an_uninterrupted_run_asks(tmp_path):
+    args, model = scale.parse_args(["--steps", "4", "--save-every", "2", "--kill-after", "2", "--batch-size", "2",
+                                    "--group-size", "4", "--problems", "12", "--sandbox-timeout-s", "3",
+                                    "--time-scale", "4"])
+    assert args.kill
+    tokenizer_dir = scale.qwen35_tokenizer_folder(tmp_path / "tokenizer")
+    data = scale.write_problems(tmp_path / "train.jsonl", args.problems)
+    killed = scale.rehearse(args, model, tmp_path / "killed", tokenizer_dir, data, kill=True)
+    assert killed.returncodes[0] < 0 and killed.returncodes[1] == 0  # SIGKILLed, then finished
+    assert killed.killed_after == 3 and killed.resumed_from == 2  # the step-2 checkpoint: steps 3, 4 asked again
+    assert killed.resumed_samples and all(s.procs > 1 for s in killed.resumed_samples)  # its own steps only
+    assert sorted({int(r["step"]) for r in killed.rows}) == [1, 2, 3, 4]
+    assert killed.redone[0], killed.redone[1]  # step 3, done before the kill and again after it
+    assert "0 vs 0 calls" not in killed.redone[1]
+    uninterrupted = scale.rehearse(args, model, tmp_path / "uninterrupted", tokenizer_dir, data, kill=False)
+    same, detail = scale.same_calls(uninterrupted.calls, killed.calls)
+    assert same, detail
+
+
+def test_a_tokenizer_setting_must_be_a_folder(tmp_path):
+    from retool.config import ConfigError
+    from retool.engines import ServiceSettings
+    from retool.engines.tinker import load_tokenizer
+
+    with pytest.raises(ConfigError, match="tokenizer must be a folder"):
+        ServiceSettings(tokenizer=str(tmp_path / "missing")).validate()
+    folder = scale.qwen35_tokenizer_folder(tmp_path / "qwen3.5")
+    ServiceSettings(tokenizer=str(folder)).validate()
+    tokenizer = load_tokenizer("Qwen/Qwen3.5-4B", str(folder))  # offline: nothing asked of the hub
+    assert tokenizer.chat_template == qwen35_tokenizer().chat_template
+    assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [248046]
+
+
+@pytest.mark.parametrize("flags, message", [(["--time-scale", "0"], "time_scale must be > 0"),
+                                            (["--decode-rate", "-5"], "decode_rate must be > 0"),
+                                            (["--steps", "0"], "must be >= 1"),
+                                            (["--steps", "50", "--kill"], "--kill needs --steps > 101")])
+def test_bad_bench_flags_are_one_line_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        scale.parse_args(flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
