@@ -129,7 +129,7 @@ def test_an_unknown_decode_loop_is_a_clear_error(tiny_model):
     client = engine(tiny_model, "own")
     with pytest.raises(ValueError, match="decode_loop must be one of lean, own, generate"):
         LocalSamplingClient(client.model, client.tokenizer, threading.Lock(), decode_loop="fast")
-    assert LocalSettings().decode_loop == "lean" == LocalEngineConfig().decode_loop
+    assert LocalSettings().decode_loop == "lean" == LocalEngineConfig(model=tiny_model).decode_loop
 
 
 def test_lean_steps_follow_new_weights(tiny_model):
