@@ -141,7 +141,10 @@ def test_the_server_stops_when_retool_is_interrupted_or_killed(how, tmp_path):
     """Ctrl-C: retool's exit handler stops the server's group. SIGKILL of retool: the
     kernel sends the server SIGTERM (PR_SET_PDEATHSIG)."""
     venv = _fake_venv(tmp_path, "exec sleep 300\n")
-    script = (f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
+    # SIGINT's default handler explicitly: a test run started as a background job inherits
+    # SIGINT ignored, and Python then never installs its KeyboardInterrupt handler
+    script = (f"import signal, sys, time; sys.path.insert(0, {str(REPO)!r})\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "from retool.engines.vllm import server as s\n"
               f"srv = s.ManagedServer(s.ServerOptions(model_dir='/m', venv={str(venv)!r}))\n"
               "print(srv.process.pid, flush=True)\ntime.sleep(300)\n")
