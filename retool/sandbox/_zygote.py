@@ -774,7 +774,7 @@ class Zygote:
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                _reap(pid)
+                _reap_within(pid, DISCARD_WAIT_S)
         child.pid = child.init_pid = 0
         for fd in child.fds.values():
             os.close(fd)
@@ -1497,6 +1497,32 @@ def _reap(pid: int) -> None:
             os.waitpid(pid, 0)
         except ChildProcessError:
             pass
+
+
+DISCARD_WAIT_S = 2.0
+"""How long discarding a ready child waits for it to be reaped. A blocking wait there hung
+the zygote's shutdown after its trainer was SIGKILLed mid-run (seen in the scale
+harness's kill/resume test: the zygote waited forever and its processes outlived the
+run); bounded, the zygote goes on and exits, and as its namespace's init its exit takes
+every process left with it."""
+
+
+def _reap_within(pid: int, timeout_s: float) -> bool:
+    """Reap ``pid`` if it exits within ``timeout_s``; False if it did not (left to the
+    namespace's end)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            return True
+        if time.monotonic() >= deadline:
+            sys.stderr.write(f"retool sandbox: process {pid} did not exit within {timeout_s:.0f} s of SIGKILL; "
+                             "it ends with the sandbox\n")
+            return False
+        time.sleep(0.01)
 
 
 def _b64(data: bytes | bytearray) -> str:
