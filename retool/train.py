@@ -47,6 +47,7 @@ from retool.engines import ModelConfig, Requirements, check_supported, close_tra
 from retool.flag_checks import output_folder
 from retool.rollout import RolloutBudgets, UsageMeter
 from retool.seeding import derive_seed
+from retool.weight_sync import WeightSyncError, WeightSyncGuard, guard_for
 
 LOSSES = ("ppo", "importance_sampling")
 MODES = ("retool", "text")
@@ -121,6 +122,12 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     sinks: tuple[str, ...] = option(("jsonl",), "metric sinks: jsonl,swanlab,wandb,tensorboard")
     seed: int = option(42, "seed of data order, adapter init and sampling")
     max_retries: int = option(2, "retries of a failed rollout before the run stops")
+    weight_sync_check_every: int = option(1, "after the sampler swap of every N-th step, check that the sampler's "
+                                             "logprobs of a fixed probe equal the trainer's and moved with it "
+                                             "(retool/weight_sync.py; 0 = off)")
+    weight_sync_tolerance: float | None = option(None, "max |sampler - trainer logprob| the check allows; none = "
+                                                       "the engine's (1e-3 in float32, 0.1 in bfloat16, 0.25 "
+                                                       "on a service)")
 
     def validate(self) -> None:
         self.validate_settings()
@@ -149,6 +156,10 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(self.lr > 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "invalid Adam settings")
         require(self.temperature > 0 and 0 < self.top_p <= 1, "temperature must be > 0 and top_p in (0, 1]")
         require(self.max_retries >= 0, "max_retries must be >= 0")
+        require(self.weight_sync_check_every >= 0,
+                f"weight_sync_check_every must be >= 0, got {self.weight_sync_check_every}")
+        require(self.weight_sync_tolerance is None or self.weight_sync_tolerance > 0,
+                "weight_sync_tolerance must be > 0 (or none)")
         require(self.refill_rounds >= 0, f"refill_rounds must be >= 0, got {self.refill_rounds}")
         require(self.curriculum in curriculum.CURRICULA,
                 f"curriculum must be one of {', '.join(curriculum.CURRICULA)}, got {self.curriculum!r}")
@@ -164,7 +175,7 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         return Requirements(full_finetune=self.full_finetune, loss=self.loss, dual_clip=self.dual_clip is not None,
                             behaviour_is=self.behaviour_is != "off",
                             packing=self.packing, train_top_p=self.top_p, train_temperature=self.temperature,
-                            resume=True)
+                            resume=True, weight_sync=self.weight_sync_check_every > 0)
 
 
 class StepError(RuntimeError):
@@ -193,6 +204,8 @@ class Trainer:
     reused_groups: int = 0
     pool: curriculum.PoolState | None = None
     """The difficulty pool's state with ``--curriculum difficulty`` (``None``: no curriculum)."""
+    weight_sync: WeightSyncGuard | None = None
+    """Checks each swapped sampler against the trainer (``None``: ``--weight-sync-check-every 0``)."""
 
     def __post_init__(self) -> None:
         if self.config.curriculum == "difficulty" and self.pool is None:
@@ -238,6 +251,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
         trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
     except (RuntimeError, OSError) as err:
         raise StepError(f"step {step}: the sampler could not get the current weights: {err}") from err
+    sync_metrics = trainer.weight_sync.check(step, trainer.engine, trainer.rollout.sampler) if trainer.weight_sync else {}
     taken: list[int] = []
     groups = _rollout_round(trainer, step, 0, cfg.batch_size, taken)
     rounds = 0
@@ -296,7 +310,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
         "rollout/groups": float(len(groups)), "rollout/refill_rounds": float(rounds),
         "tokens/prefill": float(usage.prefill), "tokens/sampled": float(usage.sampled),
         "tokens/trained": trained, **trainer.totals,
-        "time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0,
+        "time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0, **sync_metrics,
     })
     return metrics, list(zip(groups, advantages_BG))
 
@@ -479,7 +493,18 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
     rollout = Rollout(renderer, None, sandbox, agrade,  # type: ignore[arg-type]
                       cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
-    return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost)
+    guard = guard_for(cfg.engine, cfg.weight_sync_check_every, renderer, cfg.weight_sync_tolerance,
+                      half_precision=_half_precision(cfg))
+    return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost, weight_sync=guard)
+
+
+def _half_precision(cfg: TrainConfig) -> bool:
+    """Whether a local trainer (``local``, ``vllm``) holds bfloat16 weights."""
+    if cfg.engine not in ("local", "vllm"):
+        return False
+    from retool.engines.local.model import resolve_device, resolve_dtype
+
+    return str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))) != "torch.float32"
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
@@ -561,7 +586,7 @@ def _run_train_command(args: argparse.Namespace) -> int:
         if cfg.engine == "vllm" and cfg.vllm.adapter_dir:  # the adapters the server hot-loads are written there
             output_folder(cfg.vllm.adapter_dir, "--vllm-adapter-dir")
         run_dir = train(cfg, resume=bool(args.resume))
-    except (ConfigError, DataError, StepError, FileNotFoundError, SandboxUnavailableError) as err:
+    except (ConfigError, DataError, StepError, WeightSyncError, FileNotFoundError, SandboxUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"run folder: {run_dir}")

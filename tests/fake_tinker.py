@@ -421,6 +421,20 @@ class FakeSampler:
             return self.service.future(error=err)
         return self.service.wrap(asyncio.run_coroutine_threadsafe(self._sample(prompt, num_samples, params), self.loop))
 
+    def compute_logprobs(self, prompt: Any) -> Any:
+        """Both SDKs' ``compute_logprobs``: the logprob of every prompt token given those
+        before it (``None`` for the first), from this sampler's weights."""
+        try:
+            self.service.check("compute_logprobs")
+        except Exception as err:
+            return self.service.future(error=err)
+
+        async def score() -> list[float | None]:
+            tokens = prompt.to_ints()
+            return [None, *await self.local.compute_logprobs(tokens, 1)]
+
+        return self.service.wrap(asyncio.run_coroutine_threadsafe(score(), self.loop))
+
     async def _sample(self, prompt: Any, num_samples: int, params: Any) -> Any:
         from retool.engines.base import SamplingParams
 
@@ -538,6 +552,9 @@ class TinkerSamplingClient:
                prompt_logprobs_last_n=None):
         return self._s.submit(prompt, num_samples, sampling_params)
 
+    def compute_logprobs(self, prompt, prompt_logprobs_last_n=None):
+        return self._s.compute_logprobs(prompt)
+
 
 class TinkerServiceClient:
     """``tinker.ServiceClient`` on the fake service (create_* return futures, as Tinker's do)."""
@@ -614,6 +631,9 @@ class PytrioSamplingClient:
     def sample(self, prompt, num_samples=1, sampling_params=None, include_prompt_logprobs=False,
                topk_prompt_logprobs=0, return_text=True):
         return self._s.submit(prompt, num_samples, sampling_params)
+
+    def compute_logprobs(self, prompt):
+        return self._s.compute_logprobs(prompt)
 
 
 class PytrioServiceClient:

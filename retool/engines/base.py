@@ -89,6 +89,9 @@ class Capabilities:
     """``save_state``/``load_state`` restore the optimiser too (exact ``--resume``)."""
     training: bool = True
     """Has a training client at all (a sampler-only engine evaluates only)."""
+    weight_sync_tolerance: float | None = 1e-3
+    """The weight-sync guard's bound on max |sampler - trainer logprob| of its probe in
+    float32 (``retool.weight_sync``); ``None``: the engine cannot run the check."""
 
 
 ENGINE_STATE_FILE = "engine.json"

@@ -390,6 +390,17 @@ class ServiceSamplingClient:
         self._counters.add(request_usage(len(prompt_tokens), sampling_params.seed, requests, responses))
         return SampleResult(tuple(s for r in responses for s in from_sdk_sample_response(r).sequences))
 
+    async def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
+        """The service sampler's teacher-forced logprobs of ``tokens[start:]`` (the SDK's
+        ``compute_logprobs``; the weight-sync guard's probe, ``retool.weight_sync``)."""
+        prompt = self.flavour.types().ModelInput.from_ints([int(x) for x in tokens])
+        loop = asyncio.get_running_loop()
+        scores = await loop.run_in_executor(self._pool, lambda: _call(
+            self.flavour, self._counters, "compute_logprobs", lambda: self.sdk_client.compute_logprobs(prompt).result()))
+        if len(scores) != len(tokens) or any(s is None for s in scores[start:]):
+            raise RuntimeError(f"engine {self.flavour.name}: compute_logprobs returned no logprob for some tokens")
+        return tuple(float(s) for s in scores[start:])
+
     def _sample_blocking(self, prompt: Any, num_samples: int, params: Any) -> Any:
         kwargs = {"return_text": False} if self.flavour is PYTRIO else {}  # tokens are the source of truth
         return _call(self.flavour, self._counters, "sample",
@@ -522,6 +533,19 @@ class ServiceTrainingClient:
                 metrics["train/grad_norm"] = float(value)
         metrics.update(self.counters.take())
         return OptimStepOutput(metrics)
+
+    def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
+        """The trainer's teacher-forced logprobs of ``tokens[start:]``: the SDK's ``forward``
+        (no gradient) with cross-entropy targets (the weight-sync guard's probe)."""
+        import numpy as np
+
+        t = self.flavour.types()
+        datum = t.Datum(model_input=t.ModelInput.from_ints([int(x) for x in tokens[:-1]]), loss_fn_inputs={
+            "target_tokens": t.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+            "weights": t.TensorData.from_numpy(np.ones(len(tokens) - 1, dtype=np.float32))})
+        output = _call(self.flavour, self.counters, "forward",
+                       lambda: self.sdk_client.forward([datum], "cross_entropy").result())
+        return target_logprobs(output)[0][start - 1:]
 
     # ------------------------------------------------------------ sampling and checkpoints
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams
-from retool.engines.local import decoding, hf_compat, kv_cache, lean_decode, memory
+from retool.engines.local import decoding, hf_compat, kv_cache, lean_decode, memory, probe
 from retool.engines.local.decode_loop import decode
 from retool.engines.local.model import default_stop_token_ids, model_mode
 
@@ -145,6 +145,11 @@ class LocalSamplingClient:
         the weights that made them)."""
         self.kv_store.clear()
         self._lean_weights = None
+
+    async def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
+        """Teacher-forced logprobs of ``tokens[start:]`` through this sampler's decode path (the
+        weight-sync guard's probe, ``retool.weight_sync``)."""
+        return await asyncio.to_thread(probe.sampler_logprobs, self, tokens, start)
 
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int,
                      sampling_params: SamplingParams) -> SampleResult:

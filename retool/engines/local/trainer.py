@@ -48,6 +48,7 @@ from retool.engines.local.model import (
     model_mode,
     save_weights,
 )
+from retool.engines.local.probe import model_logprobs
 from retool.engines.local.sampler import LocalSamplingClient
 from retool.types import Datum
 
@@ -428,6 +429,12 @@ class LocalTrainingClient:
     def submit_optim_step(self, adam_params: AdamParams = AdamParams()) -> Future[OptimStepOutput]:
         """``optim_step``, done at once (a finished future)."""
         return run_now(self.optim_step, adam_params)
+
+    def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
+        """The trainer's teacher-forced logprobs of ``tokens[start:]`` (forward only; the
+        weight-sync guard's probe, ``retool.weight_sync``)."""
+        with self._lock:
+            return model_logprobs(self.model, tokens, start)
 
     def save_weights_for_sampler(self, name: str | None = None) -> LocalSamplingClient:
         """The sampler that shares this model: it samples with the current weights.

@@ -155,6 +155,10 @@ class VLLMTrainingClient:
         self.trainer.load_state(path)
         self._client = None  # the weights changed: the next sampler loads them
 
+    def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
+        """The local trainer's teacher-forced logprobs (the weight-sync guard's probe)."""
+        return self.trainer.compute_logprobs(tokens, start)
+
     # ---- the sampling role: the server, with the current adapter
     def save_weights_for_sampler(self, name: str | None = None) -> VLLMSamplingClient:
         """A client sampling with the weights as they are now: unless they are already

@@ -104,6 +104,14 @@ class VLLMSamplingClient:
                 for i in range(num_samples)))
         return SampleResult(tuple(sequences))
 
+    async def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
+        """The server's teacher-forced logprobs of ``tokens[start:]`` under this client's
+        adapter (vLLM's ``prompt_logprobs``; the weight-sync guard's probe)."""
+        body = {"model": self.model_name, "prompt": [int(t) for t in tokens], "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "seed": self.seed}
+        text = await asyncio.to_thread(post_json, f"{self.url}/v1/completions", body, self.timeout_s)
+        return prompt_logprobs(json.loads(text)["choices"][0], tokens, start)
+
     def request_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
         return {"model": self.model_name, "prompt": prompt, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
@@ -152,6 +160,18 @@ def parse_choice(choice: dict[str, Any], stop_ids: set[int]) -> SampledSequence:
 
 
 # ---------------------------------------------------------------- adapters
+
+
+def prompt_logprobs(choice: dict[str, Any], tokens: Sequence[int], start: int) -> tuple[float, ...]:
+    """The logprob of each of ``tokens[start:]`` from a completion choice's ``prompt_logprobs``
+    (one ``{token id: {"logprob": ...}}`` entry per prompt token, ``None`` first)."""
+    entries = choice.get("prompt_logprobs")
+    if not entries or len(entries) != len(tokens):
+        raise RuntimeError("engine vllm: the server returned no prompt logprob per token (prompt_logprobs)")
+    try:
+        return tuple(float(entries[i][str(int(tokens[i]))]["logprob"]) for i in range(start, len(tokens)))
+    except (KeyError, TypeError) as err:
+        raise RuntimeError(f"engine vllm: a prompt logprob is missing from the server's answer ({err})") from None
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> str:

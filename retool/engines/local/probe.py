@@ -1,0 +1,58 @@
+"""Teacher-forced logprobs of a fixed sequence on each side of the local engine, for the
+weight-sync guard (``retool.weight_sync``).
+
+- :func:`model_logprobs`: the trainer's side, one forward pass of the model (eval mode,
+  no gradient) — the weights the optimiser updates.
+- :func:`sampler_logprobs`: the sampler's side, through the sampler's own decode path
+  (``decode_loop.decode``) with the tokens forced instead of drawn: with the lean loop,
+  its merged LoRA weights (``lean_decode``), the copy a skipped re-merge leaves stale.
+
+Both at temperature 1, the logprob of every token from ``start`` on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from retool.engines.local.decode_loop import decode
+from retool.engines.local.model import model_mode
+
+
+def model_logprobs(model: Any, tokens: Sequence[int], start: int) -> tuple[float, ...]:
+    """``log p(tokens[i] | tokens[:i])`` for ``i >= start``, from the model's forward pass."""
+    import torch
+
+    ids = torch.tensor([list(tokens)], device=model.device)
+    with torch.no_grad(), model_mode(model, train=False):
+        logits = model(input_ids=ids, use_cache=False).logits[0, start - 1:-1].float()
+    return tuple(logits.log_softmax(-1).gather(1, ids[0, start:, None])[:, 0].tolist())
+
+
+class _Forced:
+    """A row sampler for ``decode`` that 'draws' the given tokens and records their
+    temperature-1 logprobs."""
+
+    def __init__(self, forced: Sequence[int]) -> None:
+        self.forced, self.taken = list(forced), 0
+
+    def draw(self, scores_B: Any, rows: Sequence[int]) -> tuple[Any, Any]:
+        import torch
+
+        chosen_B = torch.full((len(rows),), self.forced[self.taken], dtype=torch.long, device=scores_B.device)
+        self.taken += 1
+        return chosen_B, scores_B.float().log_softmax(-1).gather(1, chosen_B[:, None]).squeeze(1)
+
+
+def sampler_logprobs(sampler: Any, tokens: Sequence[int], start: int) -> tuple[float, ...]:
+    """The same logprobs through ``sampler``'s (a ``LocalSamplingClient``) decode path,
+    under its lock, with the weights it would sample with now."""
+    import torch
+
+    answer = list(tokens[start:])
+    with sampler._lock, torch.no_grad(), model_mode(sampler.model, train=False):
+        lean = sampler._lean() if sampler.decode_loop == "lean" else None
+        ids = torch.tensor([list(tokens[:start])], device=sampler.model.device)
+        rows = decode(sampler.model, None, ids, torch.ones_like(ids), _Forced(answer), [len(answer)], set(),
+                      lean=lean)
+    return tuple(rows[0][1])

@@ -1,0 +1,183 @@
+"""The weight-sync guard: after each sampler swap, is the sampler on the trainer's weights?
+
+The stale-adapter bug — the sampler silently keeps old weights after an update while
+every metric looks fine — hit verl and ms-swift in 2026. This guard catches it. After
+the step's sampler swap (``save_weights_for_sampler``) it scores one fixed probe
+sequence teacher-forced on both sides and checks two things:
+
+1. the sampler's logprobs of the probe's answer tokens equal the trainer's within the
+   engine's tolerance (``Capabilities.weight_sync_tolerance``);
+2. against the previous check: if the trainer's logprobs changed (an update was
+   applied), the sampler's changed too; if they did not (a step that applied no update —
+   every group dropped, no ``optim_step``), the sampler's are identical.
+
+Check 2 catches a stale sampler even when one update moves the logprobs by less than
+the tolerance. A failure raises :class:`WeightSyncError`, one line naming the engine,
+the step, the max |Δlogprob| seen and the tolerance; ``retool train`` stops with it.
+
+The probe (:func:`build_probe`) is the run's own renderer: a rendered system + user
+prompt (tools declared as in the run) and a fixed short answer. Each side scores it
+with its own ``compute_logprobs(tokens, start)`` — the logprob of every token from
+``start`` on, given the tokens before it, at temperature 1:
+
+- ``local``: the trainer runs the model's forward pass; the sampler runs its own decode
+  path with the answer tokens forced — the lean steps' merged LoRA weights, the very
+  copy that goes stale if a merge is skipped;
+- ``vllm``: the trainer as ``local``; the sampler asks the server for the prompt
+  logprobs under the adapter name it samples with;
+- ``tinker`` / ``pytrio``: the SDK's ``SamplingClient.compute_logprobs`` and the
+  training client's ``forward`` (cross-entropy targets; no gradient) — both services
+  give a trainer-side forward, so both sides are compared as on the local engines.
+
+Not covered: what the probe does not exercise (a stale *part* of the weights the probe's
+tokens barely touch shows up only as a small change); the previous check's logprobs are
+not checkpointed, so the first check after ``--resume`` runs check 1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+PROBE_QUESTION = "What is 6 times 7?"
+PROBE_ANSWER = "6 times 7 is 42, so the answer is \\boxed{42}."
+"""The probe's fixed conversation: the question goes through the run's renderer, the
+answer is the scored continuation."""
+
+HALF_PRECISION_TOLERANCE = 0.1
+"""The tolerance of an engine that trains and samples in bfloat16 (``local``/``vllm``
+on a GPU): the fp32 figures of the capabilities assume float32 weights."""
+
+
+class WeightSyncError(RuntimeError):
+    """The sampler is not on the trainer's current weights; the message is one line."""
+
+
+class ProbeSampler(Protocol):
+    async def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]: ...
+
+
+class ProbeTrainer(Protocol):
+    def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]: ...
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A fixed token sequence; ``tokens[start:]`` (the answer) are scored."""
+
+    tokens: tuple[int, ...]
+    start: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.start < len(self.tokens):
+            raise ValueError(f"a probe needs a prompt and an answer, got start {self.start} of {len(self.tokens)}")
+
+
+def build_probe(renderer: Any) -> Probe:
+    """The probe of a run: its renderer's opening conversation for :data:`PROBE_QUESTION`
+    followed by :data:`PROBE_ANSWER`'s tokens."""
+    prompt = renderer.prompt_tokens(renderer.messages(PROBE_QUESTION))
+    return Probe(tuple(prompt) + tuple(renderer.encode(PROBE_ANSWER)), len(prompt))
+
+
+@dataclass(frozen=True)
+class ProbeScores:
+    """One check's logprobs of the probe's answer tokens, on each side."""
+
+    step: int
+    sampler: tuple[float, ...]
+    trainer: tuple[float, ...]
+
+
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+@dataclass
+class WeightSyncGuard:
+    """Runs the check every ``every`` steps (0 = never) for engine ``engine``.
+
+    Metrics of a check: ``weight_sync/max_abs_diff`` (sampler vs trainer),
+    ``weight_sync/changed`` (1 when the weights changed since the previous check; 0 at
+    the first) and ``time/weight_sync`` (seconds, both sides)."""
+
+    engine: str
+    probe: Probe
+    tolerance: float
+    every: int = 1
+    previous: ProbeScores | None = None
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def check(self, step: int, trainer: ProbeTrainer, sampler: ProbeSampler) -> dict[str, float]:
+        """The check after step ``step``'s swap: its metrics, or :class:`WeightSyncError`."""
+        if not self.due(step):
+            return {}
+        t0 = time.monotonic()
+        scores = ProbeScores(step, self._sampler_logprobs(sampler), self._trainer_logprobs(trainer))
+        diff = max_abs_diff(scores.sampler, scores.trainer)
+        if diff > self.tolerance:
+            raise WeightSyncError(f"{self._where(step)}: the sampler's logprobs of the probe differ from the "
+                                  f"trainer's by max |Δlogprob| {diff:.3g} > tolerance {self.tolerance:g}: the "
+                                  "sampler is not on the trainer's current weights")
+        changed = self._changed(step, scores, diff)
+        self.previous = scores
+        return {"weight_sync/max_abs_diff": diff, "weight_sync/changed": float(changed),
+                "time/weight_sync": time.monotonic() - t0}
+
+    def _changed(self, step: int, scores: ProbeScores, diff: float) -> bool:
+        """Whether the weights changed since the previous check, as the trainer says; the
+        sampler must agree exactly."""
+        before = self.previous
+        if before is None:
+            return False
+        trainer_moved = max_abs_diff(scores.trainer, before.trainer)
+        sampler_moved = max_abs_diff(scores.sampler, before.sampler)
+        if trainer_moved > 0 and sampler_moved == 0:
+            raise WeightSyncError(f"{self._where(step)}: the trainer's weights changed since step {before.step} "
+                                  f"(its logprobs moved by up to {trainer_moved:.3g}) but the sampler's logprobs "
+                                  f"are identical to step {before.step}'s: the sampler kept the old weights "
+                                  f"(max |Δlogprob| sampler vs trainer {diff:.3g}, tolerance {self.tolerance:g})")
+        if trainer_moved == 0 and sampler_moved > 0:
+            raise WeightSyncError(f"{self._where(step)}: no update was applied since step {before.step}, but the "
+                                  f"sampler's logprobs moved by up to {sampler_moved:.3g} (max |Δlogprob| sampler "
+                                  f"vs trainer {diff:.3g}, tolerance {self.tolerance:g})")
+        return trainer_moved > 0
+
+    def _where(self, step: int) -> str:
+        return f"weight-sync check failed on engine {self.engine} at step {step}"
+
+    def _sampler_logprobs(self, sampler: ProbeSampler) -> tuple[float, ...]:
+        scores = tuple(asyncio.run(sampler.compute_logprobs(self.probe.tokens, self.probe.start)))
+        return self._checked(scores, "sampler")
+
+    def _trainer_logprobs(self, trainer: ProbeTrainer) -> tuple[float, ...]:
+        return self._checked(tuple(trainer.compute_logprobs(self.probe.tokens, self.probe.start)), "trainer")
+
+    def _checked(self, scores: tuple[float, ...], side: str) -> tuple[float, ...]:
+        want = len(self.probe.tokens) - self.probe.start
+        if len(scores) != want:
+            raise WeightSyncError(f"weight-sync check on engine {self.engine}: the {side} returned {len(scores)} "
+                                  f"logprobs for the probe's {want} answer tokens")
+        return scores
+
+
+def guard_for(engine: str, every: int, renderer: Any, tolerance: float | None, *, half_precision: bool = False,
+              ) -> WeightSyncGuard | None:
+    """The guard of a run (``None`` with ``every`` 0): ``tolerance`` ``None`` takes the
+    engine's (:class:`~retool.engines.base.Capabilities`), or
+    :data:`HALF_PRECISION_TOLERANCE` when the weights are half precision."""
+    from retool.engines import engine_spec
+
+    if every == 0:
+        return None
+    if tolerance is None:
+        engine_tolerance = engine_spec(engine).capabilities.weight_sync_tolerance
+        if engine_tolerance is None:
+            raise ValueError(f"engine {engine} has no weight-sync check")
+        tolerance = max(engine_tolerance, HALF_PRECISION_TOLERANCE) if half_precision else engine_tolerance
+    return WeightSyncGuard(engine, build_probe(renderer), tolerance, every)
