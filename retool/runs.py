@@ -324,12 +324,15 @@ class TrainerState:
     """Running totals logged every step (``tokens/*_total``)."""
     curriculum: dict[str, Any] | None = None
     """The difficulty pool's state (:meth:`retool.curriculum.PoolState.to_json`); ``None`` without one."""
+    weight_sync: dict[str, Any] | None = None
+    """The weight-sync guard's last check (:meth:`retool.weight_sync.WeightSyncGuard.state`); ``None``: none."""
 
 
 def read_trainer_state(folder: Path) -> TrainerState:
     """The ``trainer_state.json`` of the checkpoint ``folder``."""
     state = json.loads((folder / "trainer_state.json").read_text())
-    return TrainerState(int(state["step"]), int(state["data_cursor"]), dict(state["totals"]), state.get("curriculum"))
+    return TrainerState(int(state["step"]), int(state["data_cursor"]), dict(state["totals"]), state.get("curriculum"),
+                        state.get("weight_sync"))
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

@@ -222,12 +222,15 @@ class Trainer:
 
     def checkpoint_state(self, step: int) -> runs.TrainerState:
         pool = self.pool.to_json() if self.pool is not None else None
-        return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals), pool)
+        sync = self.weight_sync.state() if self.weight_sync is not None else None
+        return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals), pool, sync)
 
     def restore_state(self, state: runs.TrainerState) -> None:
         self.totals.update(state.totals)
         if self.pool is not None and state.curriculum is not None:
             self.pool = curriculum.PoolState.from_json(state.curriculum)
+        if self.weight_sync is not None and state.weight_sync is not None:
+            self.weight_sync.restore(state.weight_sync)
 
     def choose(self, step: int, round_: int, count: int, taken: list[int]) -> list[int]:
         """The problems of rollout round ``round_`` of ``step`` (0 = the batch, then refills)."""

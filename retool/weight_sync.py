@@ -29,9 +29,12 @@ with its own ``compute_logprobs(tokens, start)`` — the logprob of every token 
   training client's ``forward`` (cross-entropy targets; no gradient) — both services
   give a trainer-side forward, so both sides are compared as on the local engines.
 
+The last check's logprobs go into each checkpoint (``trainer_state.json``), so a resumed
+run compares against the same previous check as an unbroken one.
+
 Not covered: what the probe does not exercise (a stale *part* of the weights the probe's
-tokens barely touch shows up only as a small change); the previous check's logprobs are
-not checkpointed, so the first check after ``--resume`` runs check 1 only.
+tokens barely touch shows up only as a small change); a service whose trainer-side
+``forward`` is not deterministic would make rule 2 see an update that did not happen.
 """
 
 from __future__ import annotations
@@ -147,6 +150,16 @@ class WeightSyncGuard:
                                   f"sampler's logprobs moved by up to {sampler_moved:.3g} (max |Δlogprob| sampler "
                                   f"vs trainer {diff:.3g}, tolerance {self.tolerance:g})")
         return trainer_moved > 0
+
+    def state(self) -> dict[str, Any] | None:
+        """The last check, for a checkpoint (so a resumed run compares as an unbroken one)."""
+        before = self.previous
+        return None if before is None else {"step": before.step, "sampler": list(before.sampler),
+                                            "trainer": list(before.trainer)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take back the last check that :meth:`state` wrote."""
+        self.previous = ProbeScores(int(state["step"]), tuple(state["sampler"]), tuple(state["trainer"]))
 
     def _where(self, step: int) -> str:
         return f"weight-sync check failed on engine {self.engine} at step {step}"

@@ -335,6 +335,43 @@ def test_after_one_step_the_hot_loaded_adapter_samples_with_the_trainers_weights
 
 
 @pytest.mark.slow
+def test_the_weight_sync_guard_passes_the_new_adapter_and_catches_the_kept_one(vllm_server, tmp_path):
+    """The stale-adapter bug on the real server: after an update the new adapter's prompt
+    logprobs of the probe equal the trainer's; a client that keeps the adapter of the
+    previous version after another update is caught."""
+    from retool import algo
+    from retool.engines import base
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    from retool.engines.vllm import Server, VLLMTrainingClient
+    from retool.render import Renderer
+    from retool.weight_sync import WeightSyncError, guard_for
+
+    trainer = LocalTrainingClient(LocalEngineConfig(model="bundled:smollm2", lora_rank=32, lora_alpha=32.0))
+    engine = VLLMTrainingClient(trainer, Server(VLLMSettings(url=vllm_server.url, adapter_dir=str(tmp_path)), None),
+                                mode="raw_logprobs", seed=0, stop_token_ids=[2], timeout_s=600)
+    tok = trainer.get_tokenizer()
+    guard = guard_for("vllm", 1, Renderer(tok, chat_template="hermes", tools=True, model_name="smollm2"), None)
+    first = engine.save_weights_for_sampler()
+    assert guard.check(1, engine, first)["weight_sync/max_abs_diff"] < LOGPROB_MAX_ABS_DIFF
+    prompt = _prompt(tok, "Name a prime number.")
+    sampled = asyncio.run(first.sample(prompt, 2, SamplingParams(16, seed=5))).sequences
+    engine.forward_backward([algo.make_datum(prompt + list(s.tokens), [0] * len(prompt) + [1] * len(s.tokens),
+                                             [0.0] * len(prompt) + list(s.logprobs), adv)
+                             for s, adv in zip(sampled, (1.0, -1.0))], "importance_sampling")
+    engine.optim_step(base.AdamParams(learning_rate=1e-3))
+    second = engine.save_weights_for_sampler()
+    metrics = guard.check(2, engine, second)
+    print(f"\nweight-sync on vLLM after a step: max |d| {metrics['weight_sync/max_abs_diff']:.2e}, "
+          f"{metrics['time/weight_sync']:.2f} s")
+    assert metrics["weight_sync/changed"] == 1.0
+    engine.forward_backward([algo.make_datum(prompt + list(sampled[0].tokens), [0] * len(prompt) + [1] * len(
+        sampled[0].tokens), [0.0] * len(prompt) + list(sampled[0].logprobs), 1.0)], "importance_sampling")
+    engine.optim_step(base.AdamParams(learning_rate=1e-3))
+    with pytest.raises(WeightSyncError, match="on engine vllm at step 3: "):  # a second update, no swap
+        guard.check(3, engine, second)
+
+
+@pytest.mark.slow
 def test_same_seed_same_tokens_and_stop_and_length_reasons(vllm_server, local_engine):
     tok = local_engine.get_tokenizer()
     prompt = _prompt(tok, "Write a long story about a cat.")

@@ -288,8 +288,8 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
             torch.testing.assert_close(opt["state"][key][moment], state[moment], atol=1e-6, rtol=0)
 
 
-TIMING_METRICS = ("time/rollout", "time/train", "time/step", "sandbox/latency_mean", "sandbox/latency_p50",
-                  "sandbox/latency_p95", "sandbox/cpu_s", "sandbox/cpu_s_total")
+TIMING_METRICS = ("time/rollout", "time/train", "time/step", "time/weight_sync", "sandbox/latency_mean",
+                  "sandbox/latency_p50", "sandbox/latency_p95", "sandbox/cpu_s", "sandbox/cpu_s_total")
 """Metrics that measure wall or CPU time; every other metric of a resumed run equals the uninterrupted one's."""
 
 
