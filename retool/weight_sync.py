@@ -15,8 +15,8 @@ Check 2 catches a stale sampler even when one update moves the logprobs by less 
 the tolerance. A failure raises :class:`WeightSyncError`, one line naming the engine,
 the step, the max |Δlogprob| seen and the tolerance; ``retool train`` stops with it.
 
-The probe (:func:`build_probe`) is the run's own renderer: a rendered system + user
-prompt (tools declared as in the run) and a fixed short answer. Each side scores it
+The probe (:func:`build_probe`) comes from the run's own chat template and tokenizer: a
+rendered user turn and a fixed short answer. Each side scores it
 with its own ``compute_logprobs(tokens, start)`` — the logprob of every token from
 ``start`` on, given the tokens before it, at temperature 1:
 
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 PROBE_QUESTION = "What is 6 times 7?"
-PROBE_ANSWER = "6 times 7 is 42, so the answer is \\boxed{42}."
-"""The probe's fixed conversation: the question goes through the run's renderer, the
-answer is the scored continuation."""
+PROBE_ANSWER = "The answer is \\boxed{42}."
+"""The probe's fixed conversation: the question is a user turn in the run's chat
+template, the answer is the scored continuation."""
 
 HALF_PRECISION_TOLERANCE = 0.1
 """The tolerance of an engine that trains and samples in bfloat16 (``local``/``vllm``
@@ -80,9 +80,14 @@ class Probe:
 
 
 def build_probe(renderer: Any) -> Probe:
-    """The probe of a run: its renderer's opening conversation for :data:`PROBE_QUESTION`
-    followed by :data:`PROBE_ANSWER`'s tokens."""
-    prompt = renderer.prompt_tokens(renderer.messages(PROBE_QUESTION))
+    """The probe of a run: :data:`PROBE_QUESTION` as a user turn in the renderer's chat
+    template (no system prompt, no tool declaration: a short prompt keeps the check cheap,
+    and every token of it already passes through the weights under test), then
+    :data:`PROBE_ANSWER`'s tokens."""
+    text = renderer.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROBE_QUESTION}], chat_template=renderer.chat_template, tokenize=False,
+        add_generation_prompt=True, enable_thinking=renderer.enable_thinking)
+    prompt = renderer.encode(text)
     return Probe(tuple(prompt) + tuple(renderer.encode(PROBE_ANSWER)), len(prompt))
 
 
@@ -121,7 +126,8 @@ class WeightSyncGuard:
         if not self.due(step):
             return {}
         t0 = time.monotonic()
-        scores = ProbeScores(step, self._sampler_logprobs(sampler), self._trainer_logprobs(trainer))
+        sampler_lp, trainer_lp = asyncio.run(self._score(trainer, sampler))
+        scores = ProbeScores(step, sampler_lp, trainer_lp)
         diff = max_abs_diff(scores.sampler, scores.trainer)
         if diff > self.tolerance:
             raise WeightSyncError(f"{self._where(step)}: the sampler's logprobs of the probe differ from the "
@@ -164,12 +170,14 @@ class WeightSyncGuard:
     def _where(self, step: int) -> str:
         return f"weight-sync check failed on engine {self.engine} at step {step}"
 
-    def _sampler_logprobs(self, sampler: ProbeSampler) -> tuple[float, ...]:
-        scores = tuple(asyncio.run(sampler.compute_logprobs(self.probe.tokens, self.probe.start)))
-        return self._checked(scores, "sampler")
-
-    def _trainer_logprobs(self, trainer: ProbeTrainer) -> tuple[float, ...]:
-        return self._checked(tuple(trainer.compute_logprobs(self.probe.tokens, self.probe.start)), "trainer")
+    async def _score(self, trainer: ProbeTrainer, sampler: ProbeSampler) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Both sides' logprobs of the probe, one after the other; the trainer's in a worker
+        thread, as a sampler's are (on this CPU torch ran several times slower on the main
+        thread than in a worker under load, bench/weight_sync.py)."""
+        tokens, start = self.probe.tokens, self.probe.start
+        sampler_lp = self._checked(tuple(await sampler.compute_logprobs(tokens, start)), "sampler")
+        trainer_lp = self._checked(tuple(await asyncio.to_thread(trainer.compute_logprobs, tokens, start)), "trainer")
+        return sampler_lp, trainer_lp
 
     def _checked(self, scores: tuple[float, ...], side: str) -> tuple[float, ...]:
         want = len(self.probe.tokens) - self.probe.start
