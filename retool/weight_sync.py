@@ -40,6 +40,7 @@ tokens barely touch shows up only as a small change); a service whose trainer-si
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,7 +102,9 @@ class ProbeScores:
 
 
 def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
-    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+    """max |a - b| over the pairs; ``nan`` when any pair is not finite."""
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return math.nan if not all(math.isfinite(d) for d in diffs) else max(diffs, default=0.0)
 
 
 @dataclass
@@ -126,10 +129,16 @@ class WeightSyncGuard:
         if not self.due(step):
             return {}
         t0 = time.monotonic()
-        sampler_lp, trainer_lp = asyncio.run(self._score(trainer, sampler))
+        try:
+            sampler_lp, trainer_lp = asyncio.run(self._score(trainer, sampler))
+        except WeightSyncError:
+            raise
+        except (RuntimeError, OSError, ValueError) as err:  # a server or service that failed to answer
+            raise WeightSyncError(f"weight-sync check on engine {self.engine} at step {step}: the probe could "
+                                  f"not be scored: {' '.join(str(err).split())}") from err
         scores = ProbeScores(step, sampler_lp, trainer_lp)
         diff = max_abs_diff(scores.sampler, scores.trainer)
-        if diff > self.tolerance:
+        if not math.isfinite(diff) or diff > self.tolerance:
             raise WeightSyncError(f"{self._where(step)}: the sampler's logprobs of the probe differ from the "
                                   f"trainer's by max |Δlogprob| {diff:.3g} > tolerance {self.tolerance:g}: the "
                                   "sampler is not on the trainer's current weights")

@@ -122,3 +122,17 @@ def test_the_cost_of_a_check_against_the_step_on_the_tiny_model(tmp_path):
     print(f"\nweight-sync check {check * 1e3:.1f} ms per step vs step {step * 1e3:.0f} ms: ratio {check / step:.3f} "
           f"(load {os.getloadavg()[0]:.2f})")
     assert check < step
+
+
+def test_non_finite_logprobs_and_a_side_that_fails_are_one_line_errors():
+    with pytest.raises(WeightSyncError, match="max |Δlogprob| nan > tolerance"):
+        guard().check(1, ScriptedSide((-1.0, float("nan"))), ScriptedSampler((-1.0, -2.0)))
+    with pytest.raises(WeightSyncError, match="the sampler returned 1 logprobs for the probe's 2 answer tokens"):
+        guard().check(1, ScriptedSide((-1.0, -2.0)), ScriptedSampler((-1.0,)))
+
+    class Down(ScriptedSampler):
+        async def compute_logprobs(self, tokens, start):
+            raise RuntimeError("http://127.0.0.1:8000/v1/completions answered 503:\n busy")
+
+    with pytest.raises(WeightSyncError, match="at step 1: the probe could not be scored: .* answered 503: busy$"):
+        guard().check(1, ScriptedSide((-1.0, -2.0)), Down())
