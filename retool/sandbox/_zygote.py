@@ -770,11 +770,7 @@ class Zygote:
         """Kill a child that will not get (or could not take) its work and free what it held."""
         while child.template is not None and not child.pid and child.error is None:
             child.template.receive()
-        for pid in (child.init_pid, child.pid):
-            if pid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                _reap_within(pid, DISCARD_WAIT_S)
+        _end_runner(child.pid, child.init_pid)
         child.pid = child.init_pid = 0
         for fd in child.fds.values():
             os.close(fd)
@@ -1499,19 +1495,33 @@ def _reap(pid: int) -> None:
             pass
 
 
-DISCARD_WAIT_S = 2.0
-"""How long discarding a ready child waits for it to be reaped. A blocking wait there hung
-the zygote's shutdown after its trainer was SIGKILLed mid-run (seen in the scale
-harness's kill/resume test: the zygote waited forever and its processes outlived the
-run); bounded, the zygote goes on and exits, and as its namespace's init its exit takes
-every process left with it."""
+def _end_runner(runner: int, init: int) -> None:
+    """SIGKILL a call's runner and the init of its PID namespace, and reap them: the runner
+    first. The init (pid 1 there) cannot finish exiting before every process of its
+    namespace has been reaped (the kernel's ``zap_pid_ns_processes`` waits for that), and
+    the runner is the zygote's own child (``CLONE_PARENT``): a zygote that waits for the
+    init first waits for itself. (It did: discarding the children forked ahead hung every
+    shutdown, until the trainer's side gave up after 5 s and killed the sandbox.)"""
+    for pid in (runner, init):
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for pid in (runner, init):
+        _reap_within(pid, REAP_WAIT_S)
+
+
+REAP_WAIT_S = 2.0
+"""How long :func:`_end_runner` waits for a killed process (it is dead within
+milliseconds; a wait this long means the process is stuck in the kernel, whose state
+the warning names)."""
 
 
 def _reap_within(pid: int, timeout_s: float) -> bool:
-    """Reap ``pid`` if it exits within ``timeout_s``; False if it did not (left to the
-    namespace's end)."""
+    """Reap ``pid`` (if non-zero) if it exits within ``timeout_s``; False if it did not
+    (said once, with the state the kernel reports for it: the process ends with the
+    sandbox's namespace)."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    while pid:
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
@@ -1519,10 +1529,22 @@ def _reap_within(pid: int, timeout_s: float) -> bool:
         if done:
             return True
         if time.monotonic() >= deadline:
-            sys.stderr.write(f"retool sandbox: process {pid} did not exit within {timeout_s:.0f} s of SIGKILL; "
-                             "it ends with the sandbox\n")
+            sys.stderr.write(f"retool sandbox: process {pid} did not exit within {timeout_s:.0f} s of SIGKILL "
+                             f"({_process_state(pid)}); it ends with the sandbox\n")
             return False
-        time.sleep(0.01)
+        time.sleep(0.001)
+    return True
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's state of ``pid`` and where it waits, e.g. ``S in zap_pid_ns_processes``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            return f"state {state} in {f.read().strip() or '?'}"
+    except OSError as exc:
+        return f"state unknown: {exc.strerror}"
 
 
 def _b64(data: bytes | bytearray) -> str:
