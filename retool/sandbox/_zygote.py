@@ -108,6 +108,12 @@ CPU_POLL_S = 0.05
 """How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
 SETTLE_POLL_S = 0.001
 """How often the zygote looks whether a session's group, frozen after its call, is frozen yet."""
+FREEZE_IDLE_S = 0.01
+"""How long a session's group stays unfrozen after its call: a next call that comes
+sooner (back to back) finds it unfrozen and needs neither freeze nor thaw, only a look at
+who is in the group; one that comes later (in training: the seconds a model takes to
+write it) finds it frozen. What the session's threads use of the CPU meanwhile is
+charged to its next call."""
 PREFORK_IDLE_S = 0.05
 """How long the zygote must have had nothing to do before it forks a child ahead: longer
 than a session's calls are apart when they come back to back, far shorter than the time
@@ -360,7 +366,7 @@ class Call:
         self.baseline: int | None = None  # address space the call started from (sessions)
         self.cpu_before = 0.0  # interpreter CPU seconds before the call (sessions)
         self.group = None  # its control group (the slot's or the session's), if any
-        self.group_cpu_base = 0.0  # the group's CPU seconds when the call started
+        self.group_cpu_base = 0.0  # the group's CPU seconds when the call started (sessions: when the last ended)
 
 
 class Session:
@@ -385,6 +391,8 @@ class Session:
         self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
         self.group = None  # its control group, if any (frozen between calls)
         self.settled = False  # frozen since its last call with the interpreter alone in it
+        self.idle_since = 0.0  # when its last call ended (it is frozen FREEZE_IDLE_S later)
+        self.cpu_mark: float | None = None  # its group's CPU seconds when its last call ended
 
 
 class Child:
@@ -443,6 +451,7 @@ class Zygote:
         self.priority = os.getpriority(os.PRIO_PROCESS, 0)  # the zygote's nice value
         self.ready_calls: dict[int, Child] = {}  # call slot -> its runner, forked ahead
         self.ready_sessions: dict[int, Child] = {}  # session slot -> its interpreter, forked ahead
+        self.idle: list[Session] = []  # sessions between calls, not frozen yet (see FREEZE_IDLE_S)
         self.settling: list[Session] = []  # sessions between calls, freezing, not yet checked
 
     # ---- start-up
@@ -920,6 +929,9 @@ class Zygote:
             timeout = wait if timeout is None else min(timeout, wait)
         if self.settling:
             timeout = SETTLE_POLL_S if timeout is None else min(timeout, SETTLE_POLL_S)
+        if self.idle:
+            wait = max(0.0, min(s.idle_since for s in self.idle) + FREEZE_IDLE_S - time.monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
         if self._wanted():
             wait = max(0.0, self.last_busy + PREFORK_IDLE_S - time.monotonic())
             timeout = wait if timeout is None else min(timeout, wait)
@@ -1041,7 +1053,7 @@ class Zygote:
         call.cpu_before = float(session.reported.get("cpu_total", 0.0))
         call.group = session.group
         if session.group is not None:
-            call.group_cpu_base = session.group.cpu_seconds()
+            call.group_cpu_base = session.cpu_mark if session.cpu_mark is not None else session.group.cpu_seconds()
         session.calls += 1
         session.call = self.calls[call.id] = call
         request = {"id": call.id, "code": req["code"], "auto_print": req.get("auto_print", True),
@@ -1167,10 +1179,12 @@ class Zygote:
         if ended:  # killed as it ended, or out of memory (its state may be half-built): start afresh
             self._end_interpreter(session, ended)
             reply["ended_interpreter"] = ended
-        if not ended and session.group is not None:
-            session.group.freeze(wait=False)  # nothing of the session runs until its next call
-            self.settling.append(session)
+        if not ended and session.group is not None:  # frozen once idle (see FREEZE_IDLE_S)
+            session.idle_since = time.monotonic()
+            self.idle.append(session)
         self._reply(reply)
+        if not ended and session.group is not None:  # off the reply's path
+            session.cpu_mark = session.group.cpu_seconds()
         self._start_queued()
 
     def _session_result(self, call: Call, fields: dict) -> dict:
@@ -1220,10 +1234,19 @@ class Zygote:
         self._start_queued()
 
     def _settle_sessions(self) -> None:
-        """Between a session's calls, off the request's path: once its group is frozen, check
-        that the interpreter is alone in it. Then nothing can start there until it is thawed,
-        so its next call only thaws it (:meth:`_resume`). A group that holds other
-        processes is left to that next call, which kills them."""
+        """Between a session's calls, off the request's path: freeze its group once it has
+        been idle for :data:`FREEZE_IDLE_S`; once frozen, check that the interpreter is
+        alone in it. Then nothing can start there until it is thawed, so its next call only
+        thaws it (:meth:`_resume`). A group that holds other processes is left to that next
+        call, which kills them."""
+        now = time.monotonic()
+        for session in list(self.idle):
+            if session.call is not None or not session.pid or session.group is None:
+                self.idle.remove(session)
+            elif now - session.idle_since >= FREEZE_IDLE_S:
+                self.idle.remove(session)
+                session.group.freeze(wait=False)  # nothing of the session runs until its next call
+                self.settling.append(session)
         for session in list(self.settling):
             if session.call is not None or not session.pid or session.group is None:
                 self.settling.remove(session)
@@ -1232,10 +1255,15 @@ class Zygote:
                 session.settled = session.group.pids() == [session.pid]
 
     def _resume(self, session: Session) -> bool:
-        """Before a session's next call: its group has been frozen since the last call
-        ended; kill every process in it but the interpreter (from here, where the snippet
-        cannot reach: whatever a call left, whatever its threads started after it), then
-        thaw it. False when processes keep appearing: the interpreter must end."""
+        """Before a session's next call: kill every process in its group but the
+        interpreter (from here, where the snippet cannot reach: whatever a call left,
+        whatever its threads started after it), frozen, then thaw it. A group not frozen
+        yet (the call came back to back) with the interpreter alone in it needs neither.
+        False when processes keep appearing: the interpreter must end."""
+        if session in self.idle:
+            self.idle.remove(session)
+            if session.group.pids() == [session.pid]:
+                return True
         if session in self.settling:
             self.settling.remove(session)
         if not session.settled:
@@ -1250,9 +1278,11 @@ class Zygote:
     def _end_interpreter(self, session: Session, reason: str) -> None:
         """Kill the session's interpreter and everything it started, wait until they are
         gone, remove its directory; the session's next call starts a fresh one."""
-        session.settled = False
+        session.settled, session.cpu_mark = False, None
         if session in self.settling:
             self.settling.remove(session)
+        if session in self.idle:
+            self.idle.remove(session)
         if session.group is not None:
             session.group.kill_all()  # frozen or not, every process of the session dies
         if session.pid:
