@@ -7,6 +7,11 @@ One step, top to bottom (:func:`train_step`):
     datums (interpreter tokens weight 0) → forward_backward(ppo) → optim_step →
     metrics → (every N steps) checkpoint
 
+The loop around it: :func:`train` builds the :class:`Trainer` and hands
+:meth:`Trainer.run_step` to :func:`retool.runs.run_steps` (metric sinks, progress bar,
+checkpoints, resume), which calls it once per step; ``run_step`` runs :func:`train_step`
+and keeps what the run keeps of it (cost, saved trajectories).
+
 Everything a run writes lives in its run folder (``docs/formats.md``, written by
 :mod:`retool.runs`): the resolved config, ``metrics.jsonl``, optional compressed
 trajectories per step, and checkpoints with a ``manifest.json``. ``--resume RUN_DIR``
@@ -38,18 +43,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from retool import algo, curriculum, runs
 from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
-from retool.cost import CostOptions, cost_meter
+from retool.cost import CostMeter, CostOptions, cost_meter
 from retool.data import DataError, load_problems, read_problems, require_usable_golds
 from retool.engines import (
     AdamParams,
     ModelConfig,
     Requirements,
     SamplingClient,
+    TrainingClient,
     check_supported,
     close_training_client,
 )
@@ -58,10 +63,10 @@ from retool.log import check_sinks
 from retool.render import Renderer
 from retool.reward import agrade
 from retool.rollout import Rollout, RolloutBudgets, RolloutError, UsageMeter, rollout_metrics
-from retool.sandbox import SandboxUnavailableError
+from retool.sandbox import Sandbox, SandboxUnavailableError
 from retool.seeding import derive_seed
 from retool.stats import behaviour_figures, trajectory_stats
-from retool.types import Datum
+from retool.types import Datum, Problem, Trajectory
 
 LOSSES = ("ppo", "importance_sampling")
 MODES = ("retool", "text")
@@ -184,6 +189,10 @@ class StepError(RuntimeError):
     """A training step failed; the message names the step and what failed."""
 
 
+Group = list[Trajectory]
+"""One problem's trajectories, sampled together (a GRPO group), as the rollout returns them."""
+
+
 # ---------------------------------------------------------------- one step
 
 
@@ -192,12 +201,13 @@ class Trainer:
     """The objects a run holds: config, engine, rollout, problems, counters."""
 
     config: TrainConfig
-    engine: Any
-    rollout: Any
-    problems: list
-    sandbox: Any
-    cost: Any = None
-    """A :class:`retool.cost.CostMeter` when the run has a ``--price-table``."""
+    engine: TrainingClient
+    rollout: Rollout
+    problems: list[Problem]
+    sandbox: Sandbox | None
+    """The code sandbox (``None`` in text mode)."""
+    cost: CostMeter | None = None
+    """The cost meter when the run has a ``--price-table``."""
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {
         "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0,
         "sandbox/cpu_s_total": 0.0})
@@ -252,7 +262,7 @@ class Trainer:
         return runs.refill_indices(step, round_, count, n, cfg.seed)
 
 
-def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
+def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[tuple[Group, tuple[float, ...]]]]:
     """Run one RL step; return its metrics and the trajectory groups (with advantages).
 
     The stages are the numbered statements below, in order; each detail is one call away.
@@ -297,7 +307,7 @@ def _current_sampler(trainer: Trainer, step: int) -> SamplingClient:
         raise StepError(f"step {step}: the sampler could not get the current weights: {err}") from err
 
 
-def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[int]) -> tuple[list, int]:
+def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[int]) -> tuple[list[Group], int]:
     """The step's trajectory groups, and how many refill rounds it took.
 
     First a group for each problem of ``batch``; then, with ``refill_rounds``, up to that
@@ -325,7 +335,8 @@ def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[
     return groups, rounds
 
 
-def _rollout_round(trainer: Trainer, sampler: SamplingClient, step: int, round_: int, chosen: list[int]) -> list:
+def _rollout_round(trainer: Trainer, sampler: SamplingClient, step: int, round_: int,
+                   chosen: list[int]) -> list[Group]:
     """Roll out a group for each problem ``chosen`` (indices) in rollout round ``round_``
     (0 = the batch, then refills), and record the groups in the difficulty pool (when on)."""
     problems = [trainer.problems[i] for i in chosen]
@@ -335,8 +346,8 @@ def _rollout_round(trainer: Trainer, sampler: SamplingClient, step: int, round_:
     return groups
 
 
-def _rollout_with_retries(trainer: Trainer, problems: list, step: int, round_: int, *,
-                          sampler: SamplingClient | None) -> list:
+def _rollout_with_retries(trainer: Trainer, problems: list[Problem], step: int, round_: int, *,
+                          sampler: SamplingClient | None) -> list[Group]:
     """The groups of ``problems``, retrying a rollout that failed transiently up to
     ``max_retries`` times; any other failure is a :class:`StepError` at once."""
     for attempt in range(trainer.config.max_retries + 1):
@@ -352,8 +363,8 @@ def _rollout_with_retries(trainer: Trainer, problems: list, step: int, round_: i
     raise AssertionError("unreachable")
 
 
-async def _rollout_groups(trainer: Trainer, sampler: SamplingClient | None, problems: list, step: int,
-                          round_: int) -> list:
+async def _rollout_groups(trainer: Trainer, sampler: SamplingClient | None, problems: list[Problem], step: int,
+                          round_: int) -> list[Group]:
     """One group per problem, all at once, in the order of ``problems``.
 
     Every group is seeded from (run seed, step, round, position), so it is the same
@@ -364,7 +375,7 @@ async def _rollout_groups(trainer: Trainer, sampler: SamplingClient | None, prob
     """
     cfg = trainer.config
 
-    async def one(index: int, problem: Any) -> list:
+    async def one(index: int, problem: Problem) -> Group:
         key = runs.GroupKey(step, round_, index, problem.id)
         stored = trainer.store.load(key) if trainer.store is not None else None
         if stored is not None:
@@ -381,12 +392,12 @@ async def _rollout_groups(trainer: Trainer, sampler: SamplingClient | None, prob
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(problems))))
 
 
-def _rewards(groups: list) -> list[list[float]]:
+def _rewards(groups: list[Group]) -> list[list[float]]:
     """The rewards of every trajectory, group by group."""
     return [[t.grade.reward for t in g] for g in groups]
 
 
-def _shaped_rewards(cfg: TrainConfig, groups: list) -> tuple[list[list[float]], dict[str, float]]:
+def _shaped_rewards(cfg: TrainConfig, groups: list[Group]) -> tuple[list[list[float]], dict[str, float]]:
     """The rewards advantages are computed from (``--overlong soft`` adds its penalty), and
     how many trajectories ``--overlong`` touched."""
     flat = [t for g in groups for t in g]
@@ -405,7 +416,7 @@ def _shaped_rewards(cfg: TrainConfig, groups: list) -> tuple[list[list[float]], 
             for rewards_G, penalties_G in zip(_rewards(groups), penalties_BG)], metrics
 
 
-def _policy_budget(cfg: TrainConfig, trajectory: Any) -> int:
+def _policy_budget(cfg: TrainConfig, trajectory: Trajectory) -> int:
     return algo.policy_token_budget(cfg.max_trajectory_tokens, cfg.max_turn_tokens, cfg.max_assistant_turns,
                                     trajectory.prompt_len)
 
@@ -416,14 +427,15 @@ def _advantages(cfg: TrainConfig, rewards_G: list[float]) -> tuple[float, ...]:
     return algo.group_advantages(rewards_G, cfg.normalize_std)
 
 
-def _trained_groups(cfg: TrainConfig, groups: list, advantages_BG: list, degenerate_B: list[bool]) -> list:
+def _trained_groups(cfg: TrainConfig, groups: list[Group], advantages_BG: list[tuple[float, ...]],
+                    degenerate_B: list[bool]) -> list[tuple[Group, tuple[float, ...]]]:
     """``(group, advantages)`` of the groups the update sees: all of them, unless groups of equal
     rewards are dropped (``--drop-degenerate-groups``, or any refill rounds)."""
     drop = cfg.drop_degenerate_groups or cfg.refill_rounds > 0
     return [(g, a) for g, a, degenerate in zip(groups, advantages_BG, degenerate_B) if not (drop and degenerate)]
 
 
-def _datums(cfg: TrainConfig, trained: list) -> list[Datum]:
+def _datums(cfg: TrainConfig, trained: list[tuple[Group, tuple[float, ...]]]) -> list[Datum]:
     """One datum per trajectory with a trained token (``--overlong mask``: truncated ones left out)."""
     datums = [algo.trajectory_datum(t, a) for g, advantages_G in trained for t, a in zip(g, advantages_G)
               if not (cfg.overlong == "mask" and algo.is_truncated(t))]
@@ -464,7 +476,7 @@ def _loss_config(cfg: TrainConfig) -> dict[str, float]:
     return out
 
 
-def _step_metrics(trainer: Trainer, groups: list, degenerate_B: list[bool], datums: list[Datum],
+def _step_metrics(trainer: Trainer, groups: list[Group], degenerate_B: list[bool], datums: list[Datum],
                   trained_groups: int, refills: int) -> dict[str, float]:
     """The step's reward, rollout, behaviour, sandbox, curriculum and token figures; adds
     the step's tokens and sandbox CPU time to the running totals."""
@@ -507,7 +519,7 @@ TRAIN_DATA_RECORD = "train_data.json"
 class CheckedInputs:
     """What :func:`check_inputs` read and found usable."""
 
-    problems: list
+    problems: list[Problem]
     fingerprint: dict[str, str]
 
 
@@ -533,7 +545,7 @@ def check_inputs(cfg: TrainConfig, *, resume: bool = False) -> CheckedInputs:
     return CheckedInputs(list(data.problems), fingerprint)
 
 
-def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
+def build_trainer(cfg: TrainConfig, problems: list[Problem] | None = None) -> Trainer:
     """Load data (unless given), engine, renderer, sandbox and rollout for ``cfg``."""
     cost = cost_meter(cfg, cfg.engine, cfg.model)  # a bad price table fails before anything loads
     problems = load_problems(cfg.train_data) if problems is None else problems
