@@ -192,6 +192,9 @@ class StepError(RuntimeError):
 Group = list[Trajectory]
 """One problem's trajectories, sampled together (a GRPO group), as the rollout returns them."""
 
+Advantaged = tuple[Group, tuple[float, ...]]
+"""A group and the advantage of each of its trajectories."""
+
 
 # ---------------------------------------------------------------- one step
 
@@ -262,7 +265,7 @@ class Trainer:
         return runs.refill_indices(step, round_, count, n, cfg.seed)
 
 
-def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[tuple[Group, tuple[float, ...]]]]:
+def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Advantaged]]:
     """Run one RL step; return its metrics and the trajectory groups (with advantages).
 
     The stages are the numbered statements below, in order; each detail is one call away.
@@ -428,14 +431,14 @@ def _advantages(cfg: TrainConfig, rewards_G: list[float]) -> tuple[float, ...]:
 
 
 def _trained_groups(cfg: TrainConfig, groups: list[Group], advantages_BG: list[tuple[float, ...]],
-                    degenerate_B: list[bool]) -> list[tuple[Group, tuple[float, ...]]]:
+                    degenerate_B: list[bool]) -> list[Advantaged]:
     """``(group, advantages)`` of the groups the update sees: all of them, unless groups of equal
     rewards are dropped (``--drop-degenerate-groups``, or any refill rounds)."""
     drop = cfg.drop_degenerate_groups or cfg.refill_rounds > 0
     return [(g, a) for g, a, degenerate in zip(groups, advantages_BG, degenerate_B) if not (drop and degenerate)]
 
 
-def _datums(cfg: TrainConfig, trained: list[tuple[Group, tuple[float, ...]]]) -> list[Datum]:
+def _datums(cfg: TrainConfig, trained: list[Advantaged]) -> list[Datum]:
     """One datum per trajectory with a trained token (``--overlong mask``: truncated ones left out)."""
     datums = [algo.trajectory_datum(t, a) for g, advantages_G in trained for t, a in zip(g, advantages_G)
               if not (cfg.overlong == "mask" and algo.is_truncated(t))]
