@@ -132,10 +132,8 @@ class DemoConfig:
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
         require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
-        from retool.tasks import parse_difficulty
-
         try:
-            parse_difficulty(self.rl_difficulty)
+            tasks.parse_difficulty(self.rl_difficulty)
         except ValueError as err:
             raise ConfigError(f"--rl-difficulty: {err}") from None
 
