@@ -205,13 +205,13 @@ def hardening_costs(rounds: int) -> None:
               f"{'later, ' + str(int(GAP_S * 1e3)) + ' ms apart':>19}")
     print(header + "\n  " + "-" * (len(header) - 2))
     for label, row in p50.items():
-        print(f"  {label:28} {row['stateless']:10.1f} ms {row['first']:12.1f} ms {row['later']:6.1f} ms "
-              f"{row['apart']:16.1f} ms")
+        print(f"  {label:28} {row['stateless']:10.1f} ms {row['first']:12.1f} ms {row['later']:6.2f} ms "
+              f"{row['apart']:16.2f} ms")
     print("  cost of each mechanism (all on minus all on but that one), stateless / session 1st / later / apart:")
     for m in HARDENING:
         row = p50[f"after, without {m}"]
         print(f"    {m:16} {after['stateless'] - row['stateless']:+6.1f} ms {after['first'] - row['first']:+6.1f} ms "
-              f"{after['later'] - row['later']:+6.1f} ms {after['apart'] - row['apart']:+6.1f} ms")
+              f"{after['later'] - row['later']:+6.2f} ms {after['apart'] - row['apart']:+6.2f} ms")
     before = p50["before (none of them)"]
     print(f"  after/before p50 ratio: stateless {after['stateless'] / before['stateless']:.2f}x, "
           f"session 1st {after['first'] / before['first']:.2f}x, later {after['later'] / before['later']:.2f}x, "

@@ -96,7 +96,7 @@ def resolve_model_name(name: str) -> str:
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only the one-time conversion needs it
 
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

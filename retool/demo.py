@@ -36,10 +36,12 @@ eval`` with a preset).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,10 +134,8 @@ class DemoConfig:
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
         require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
-        from retool.tasks import parse_difficulty
-
         try:
-            parse_difficulty(self.rl_difficulty)
+            tasks.parse_difficulty(self.rl_difficulty)
         except ValueError as err:
             raise ConfigError(f"--rl-difficulty: {err}") from None
 
@@ -296,8 +296,9 @@ def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
 
 
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
-           peak_rss_bytes: int = 0) -> list[Path]:
-    """Plots, the HTML viewer and the summary files (with the process tree's peak RSS)."""
+           peak_rss_bytes: int = 0, stage_seconds: dict[str, float] | None = None) -> list[Path]:
+    """Plots, the HTML viewer and the summary files (with the process tree's peak RSS and,
+    when given, each stage's wall time in this invocation)."""
     written = plots.plot_checkpoints(out / "eval", out / "plots", order=STAGES)
     written += plots.plot_training(rl_dir, out / "plots")
     written.append(view.write_view([eval_path(out, STAGES[2])], out / "view.html",
@@ -309,6 +310,8 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
                              "significant": accuracy.significant},
                "peak_rss_mb": round(peak_rss_bytes / 2**20)}
+    if stage_seconds is not None:
+        summary["stage_seconds"] = {stage: round(seconds, 1) for stage, seconds in stage_seconds.items()}
     rollouts = rl_rollouts(rl_dir)
     if rollouts is not None:
         summary["rl_rollouts"] = rollouts.to_json()
@@ -373,6 +376,28 @@ def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, 
     console.print(f"output folder: {out}  (summary.md, plots/, view.html, sft/, rl/, eval/)", markup=False)
 
 
+class StageClock:
+    """Wall time of each stage of one ``retool demo`` invocation (a stage resumed from an
+    earlier invocation shows the few seconds it took to find its files)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = time.monotonic() - start
+
+    def sentence(self) -> str:
+        """One line for the demo's output: ``stages: data 5 s, eval before SFT 0.6 min, …``."""
+        parts = [f"{stage} {seconds:.0f} s" if seconds < 60 else f"{stage} {seconds / 60:.1f} min"
+                 for stage, seconds in self.seconds.items()]
+        return "stages (wall time): " + ", ".join(parts)
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     """Run every stage; return the summaries by stage."""
     cfg = cfg.shrunk()
@@ -381,16 +406,24 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     out.mkdir(parents=True, exist_ok=True)
     check_identity(cfg, out)
     resolve_model_name(cfg.model)  # converts the bundled model once, or says how to install it
-    paths = make_data(cfg, out)
+    clock = StageClock()
+    with clock("data"):
+        paths = make_data(cfg, out)
     with PeakRSS() as memory:
-        summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
-        sft_dir = run_sft(cfg, out, paths["sft"])
-        summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
-        rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
-        summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
+        with clock("eval before SFT"):
+            summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
+        with clock("SFT"):
+            sft_dir = run_sft(cfg, out, paths["sft"])
+        with clock("eval after SFT"):
+            summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
+        with clock("RL"):
+            rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
+        with clock("eval after RL"):
+            summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
-    report(cfg, out, summaries, gain, rl_dir, memory.peak_bytes)
+    report(cfg, out, summaries, gain, rl_dir, memory.peak_bytes, clock.seconds)
     print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir))
+    print(clock.sentence())
     print(memory.sentence())
     return summaries
 

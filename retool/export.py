@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retool.bundled import resolve_model_name
 from retool.config import ConfigError
 from retool.engines.base import EngineCheckpoint
 from retool.engines.tinker import FLAVOURS, export_adapter
@@ -91,7 +92,7 @@ class ModuleLora:
 def build_peft_adapter(adapter_dir: str | Path, model: str, output: str | Path) -> Path:
     """Convert the service adapter in ``adapter_dir`` into a PEFT adapter for ``model``
     (a Hugging Face name or folder) in ``output``; checked to load with PEFT first."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # heavy (torch): only the conversion needs it
 
     adapter_dir, output = Path(adapter_dir), Path(output)
     config = _adapter_config(adapter_dir)
@@ -123,10 +124,8 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
 
 def meta_model(model: str) -> Any:
     """The Hugging Face causal LM of ``model`` on the meta device (its config only)."""
-    import torch
+    import torch  # heavy, like transformers: only the conversion needs them
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from retool.bundled import resolve_model_name
 
     config = AutoConfig.from_pretrained(resolve_model_name(model))
     with torch.device("meta"):
@@ -177,7 +176,7 @@ def to_hf_modules(weights: dict[str, Any], linear: dict[str, tuple[int, int]], a
 def fuse_qkv(module: str, parts: dict[str, dict[str, Any]], alpha: float) -> ModuleLora:
     """Three LoRAs on the rows Q‖K‖V of one fused projection as one LoRA of their summed
     rank: ``A`` stacked, ``B`` block-diagonal, ``alpha`` scaled with the rank."""
-    import torch
+    import torch  # heavy: only the conversion needs it
 
     missing = [leaf for leaf in SPLIT_QKV if leaf not in parts]
     if missing:
@@ -202,7 +201,7 @@ def _checked(lora: ModuleLora, linear: dict[str, tuple[int, int]]) -> ModuleLora
 def lora_config(loras: list[ModuleLora], rank: int, alpha: float, model: str) -> Any:
     """PEFT's ``LoraConfig`` for ``loras``: exact module paths as targets, and the fused
     modules' own rank and alpha."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # heavy (torch, transformers): only the conversion needs it
 
     odd = [m for m in loras if m.lora_A.shape[0] != rank]
     return LoraConfig(r=rank, lora_alpha=alpha, target_modules=[m.module for m in loras], lora_dropout=0.0,
@@ -214,7 +213,7 @@ def lora_config(loras: list[ModuleLora], rank: int, alpha: float, model: str) ->
 def check_peft_loads(model: Any, config: Any, tensors: dict[str, Any]) -> None:
     """Inject ``config`` into the (meta) model with PEFT and load ``tensors``: every key
     must find its module and shape, and every LoRA module its weights."""
-    from peft import inject_adapter_in_model, set_peft_model_state_dict
+    from peft import inject_adapter_in_model, set_peft_model_state_dict  # heavy: only the check needs it
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # meta tensors: the copy is a no-op, the key and shape checks are not

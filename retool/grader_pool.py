@@ -122,7 +122,7 @@ def _worker_main(memory_bytes: int) -> None:
 
 def _load_math_verify():
     """Import ``math_verify`` with its timeouts off; return the worker's verify function."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # heavy (sympy): only the grader's worker process needs it
 
     errors = _record_swallowed_exceptions("math_verify")
 

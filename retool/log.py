@@ -79,7 +79,7 @@ class _JsonlSink:
 
 class _SwanlabSink:
     def __init__(self, run_dir: Path, project: str, name: str, config: dict, resume: bool):
-        import swanlab
+        import swanlab  # optional: only the swanlab sink needs it
 
         os.environ.setdefault("SWANLAB_MODE", "offline")
         self.run = swanlab.init(project=project, experiment_name=name, config=config,
@@ -94,7 +94,7 @@ class _SwanlabSink:
 
 class _WandbSink:
     def __init__(self, run_dir: Path, project: str, name: str, config: dict, resume: bool):
-        import wandb
+        import wandb  # optional: only the wandb sink needs it
 
         os.environ.setdefault("WANDB_MODE", "offline")
         id_file = run_dir / "wandb_id.txt"
@@ -112,7 +112,7 @@ class _WandbSink:
 
 class _TensorboardSink:
     def __init__(self, run_dir: Path, *_):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # heavy (torch): only the tensorboard sink needs it
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 

@@ -205,9 +205,10 @@ class CodeRunner:
 
 @dataclass(frozen=True)
 class _Group:
-    """What every request of one group shares: its problem, seed and usage meter."""
+    """What every request of one group shares: its problem, sampler, seed and usage meter."""
 
     problem: Problem
+    sampler: SamplingClient
     seed: int | None
     usage: UsageMeter | None
 
@@ -249,10 +250,16 @@ class _State:
 
 @dataclass
 class Rollout:
-    """Everything one rollout needs; build once per run and call :meth:`group`."""
+    """Everything one rollout needs; build once per run and call :meth:`group`.
+
+    ``sampler`` is the policy a group samples from when :meth:`group` is not handed one:
+    eval and the verl agent loop sample one model throughout and build the rollout with
+    it; the trainer builds it with ``None`` and hands every step's sampler (the current
+    weights) to :meth:`group`.
+    """
 
     renderer: Renderer
-    sampler: SamplingClient
+    sampler: SamplingClient | None
     sandbox: CodeRunner | None
     grader: Grader
     config: RolloutConfig = field(default_factory=RolloutConfig)
@@ -278,9 +285,10 @@ class Rollout:
 
     # ------------------------------------------------------------ groups
 
-    async def group(self, problem: Problem, group_size: int, *, seed: int | None = None,
-                    usage: UsageMeter | None = None) -> list[Trajectory]:
-        """Roll out ``group_size`` trajectories for ``problem`` (first turn forked).
+    async def group(self, problem: Problem, group_size: int, *, sampler: SamplingClient | None = None,
+                    seed: int | None = None, usage: UsageMeter | None = None) -> list[Trajectory]:
+        """Roll out ``group_size`` trajectories for ``problem`` (first turn forked) with
+        ``sampler`` (default: the rollout's own).
 
         With ``seed``, every request of the group carries a seed derived from it and the
         request's place (the fork, or trajectory ``i``'s turn ``t``), so the group's
@@ -290,7 +298,10 @@ class Rollout:
         ``config.seed`` and later turns draw from the engine's stream. ``usage``, when
         given, also receives this group's token usage (as :attr:`usage` does).
         """
-        ctx = _Group(problem, seed, usage)
+        sampler = sampler if sampler is not None else self.sampler
+        if sampler is None:
+            raise ValueError("no sampler: build the Rollout with one or pass sampler= to group()")
+        ctx = _Group(problem, sampler, seed, usage)
         prompt = self.renderer.prompt_tokens(self.renderer.messages(problem.question))
         budget = self._turn_budget(len(prompt))
         if budget < 1:  # e.g. a long problem under a short --max-trajectory-tokens
@@ -306,9 +317,10 @@ class Rollout:
             await asyncio.gather(*tasks, return_exceptions=True)  # their sessions are closed
             raise
 
-    async def groups(self, problems: Sequence[Problem], group_size: int) -> list[list[Trajectory]]:
+    async def groups(self, problems: Sequence[Problem], group_size: int, *,
+                     sampler: SamplingClient | None = None) -> list[list[Trajectory]]:
         """All groups of a batch concurrently, in the order of ``problems``."""
-        return list(await asyncio.gather(*(self.group(p, group_size) for p in problems)))
+        return list(await asyncio.gather(*(self.group(p, group_size, sampler=sampler) for p in problems)))
 
     # ------------------------------------------------------------ one trajectory
 
@@ -416,7 +428,7 @@ class Rollout:
             top_k=self.config.top_k, stop_token_ids=self.renderer.stop_token_ids, seed=seed,
         )
         try:
-            result = await self.sampler.sample(tokens, n, params)
+            result = await ctx.sampler.sample(tokens, n, params)
         except Exception as err:
             raise RolloutError(f"problem {problem.id}: sampling failed at context length "
                                f"{len(tokens)}: {type(err).__name__}: {err}",

@@ -7,6 +7,11 @@ One step, top to bottom (:func:`train_step`):
     datums (interpreter tokens weight 0) → forward_backward(ppo) → optim_step →
     metrics → (every N steps) checkpoint
 
+The loop around it: :func:`train` builds the :class:`Trainer` and hands
+:meth:`Trainer.run_step` to :func:`retool.runs.run_steps` (metric sinks, progress bar,
+checkpoints, resume), which calls it once per step; ``run_step`` runs :func:`train_step`
+and keeps what the run keeps of it (cost, saved trajectories).
+
 Everything a run writes lives in its run folder (``docs/formats.md``, written by
 :mod:`retool.runs`): the resolved config, ``metrics.jsonl``, optional compressed
 trajectories per step, and checkpoints with a ``manifest.json``. ``--resume RUN_DIR``
@@ -38,15 +43,30 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from retool import algo, curriculum, runs
+from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
-from retool.cost import CostOptions, cost_meter
-from retool.engines import ModelConfig, Requirements, check_supported, close_training_client
+from retool.cost import CostMeter, CostOptions, cost_meter
+from retool.data import DataError, load_problems, read_problems, require_usable_golds
+from retool.engines import (
+    AdamParams,
+    ModelConfig,
+    Requirements,
+    SamplingClient,
+    TrainingClient,
+    check_supported,
+    close_training_client,
+)
 from retool.flag_checks import output_folder
-from retool.rollout import RolloutBudgets, UsageMeter
+from retool.log import check_sinks
+from retool.render import Renderer
+from retool.reward import agrade
+from retool.rollout import Rollout, RolloutBudgets, RolloutError, UsageMeter, rollout_metrics
+from retool.sandbox import Sandbox, SandboxUnavailableError
 from retool.seeding import derive_seed
+from retool.stats import behaviour_figures, trajectory_stats
+from retool.types import Datum, Problem, Trajectory
 from retool.weight_sync import WeightSyncError, WeightSyncGuard, guard_for
 
 LOSSES = ("ppo", "importance_sampling")
@@ -132,8 +152,6 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     def validate(self) -> None:
         self.validate_settings()
         self.validate_cost()
-        from retool.log import check_sinks
-
         try:
             check_sinks(self.sinks)
         except (ValueError, RuntimeError) as err:
@@ -182,6 +200,13 @@ class StepError(RuntimeError):
     """A training step failed; the message names the step and what failed."""
 
 
+Group = list[Trajectory]
+"""One problem's trajectories, sampled together (a GRPO group), as the rollout returns them."""
+
+Advantaged = tuple[Group, tuple[float, ...]]
+"""A group and the advantage of each of its trajectories."""
+
+
 # ---------------------------------------------------------------- one step
 
 
@@ -190,12 +215,13 @@ class Trainer:
     """The objects a run holds: config, engine, rollout, problems, counters."""
 
     config: TrainConfig
-    engine: Any
-    rollout: Any
-    problems: list
-    sandbox: Any
-    cost: Any = None
-    """A :class:`retool.cost.CostMeter` when the run has a ``--price-table``."""
+    engine: TrainingClient
+    rollout: Rollout
+    problems: list[Problem]
+    sandbox: Sandbox | None
+    """The code sandbox (``None`` in text mode)."""
+    cost: CostMeter | None = None
+    """The cost meter when the run has a ``--price-table``."""
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: {
         "tokens/prefill_total": 0.0, "tokens/sampled_total": 0.0, "tokens/trained_total": 0.0,
         "sandbox/cpu_s_total": 0.0})
@@ -220,6 +246,18 @@ class Trainer:
                                           if turn.exchange is not None and turn.exchange.result is not None])
         self.reused_groups += 1
 
+    def run_step(self, step: int) -> dict[str, float]:
+        """:func:`train_step`, then what the run keeps of it: its cost (with a price table),
+        its trajectories (with ``save_trajectories``); the step's stored groups are dropped."""
+        metrics, groups = train_step(self, step)
+        if self.cost is not None:
+            metrics.update(self.cost.charge(metrics, self.totals))
+        if self.config.save_trajectories:
+            runs.save_trajectories(Path(self.config.run_dir), step, groups)
+        if self.store is not None:
+            self.store.clear(step)
+        return metrics
+
     def checkpoint_state(self, step: int) -> runs.TrainerState:
         pool = self.pool.to_json() if self.pool is not None else None
         sync = self.weight_sync.state() if self.weight_sync is not None else None
@@ -243,99 +281,145 @@ class Trainer:
         return runs.refill_indices(step, round_, count, n, cfg.seed)
 
 
-def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
-    """Run one RL step; return its metrics and the trajectory groups (with advantages)."""
-    from retool.engines.base import AdamParams
-    from retool.rollout import rollout_metrics
-    from retool.stats import behaviour_figures, trajectory_stats
+def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Advantaged]]:
+    """Run one RL step; return its metrics and the trajectory groups (with advantages).
 
+    The stages are the numbered statements below, in order; each detail is one call away.
+    """
     cfg, t0 = trainer.config, time.monotonic()
-    try:  # a service engine loads the new weights here (e.g. a vLLM server's adapter swap)
-        trainer.rollout.sampler = trainer.engine.save_weights_for_sampler()
+    # 1. batch: the step's problems (a seeded shuffle per epoch, or the difficulty curriculum)
+    batch = trainer.choose(step, 0, cfg.batch_size, [])
+    # 2. rollout: a group of trajectories per problem, sampled on the current weights; with
+    #    --refill-rounds, groups of fresh problems while too few are informative (dynamic sampling);
+    #    first the weight-sync guard checks that sampler against the trainer (retool/weight_sync.py)
+    sampler = _current_sampler(trainer, step)
+    sync_metrics = trainer.weight_sync.check(step, trainer.engine, sampler) if trainer.weight_sync else {}
+    groups, refills = _roll_out(trainer, sampler, step, batch)
+    t_rollout = time.monotonic() - t0
+    # 3. reward: each trajectory was graded as it ended (the rollout's grader, retool.reward.agrade);
+    #    --overlong soft adds its length penalty here
+    rewards_BG, metrics = _shaped_rewards(cfg, groups)
+    degenerate_B = [algo.is_degenerate(rewards_G) for rewards_G in rewards_BG]
+    # 4. advantages: rewards centred in each group (--advantage passk: pass@k-aware rewards first)
+    advantages_BG = [_advantages(cfg, rewards_G) for rewards_G in rewards_BG]
+    # 5. datums: the advantage on the policy's tokens, weight 0 on prompt, template and interpreter
+    #    tokens; groups of equal rewards dropped with --drop-degenerate-groups or refills
+    trained = _trained_groups(cfg, groups, advantages_BG, degenerate_B)
+    datums = _datums(cfg, trained)
+    # 6. update: forward_backward with the policy loss, then one Adam step
+    t1 = time.monotonic()
+    metrics.update(_update(trainer, step, datums))
+    t_train = time.monotonic() - t1
+    # 7. log: reward, rollout, sandbox and token figures, running totals, timings
+    metrics.update(_step_metrics(trainer, groups, degenerate_B, datums, len(trained), refills))
+    metrics.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0,
+                    **sync_metrics})
+    return metrics, list(zip(groups, advantages_BG))
+
+
+# ---------------------------------------------------------------- the stages' details
+
+
+def _current_sampler(trainer: Trainer, step: int) -> SamplingClient:
+    """A sampler on the weights of the last update (a service engine loads them here, e.g. a
+    vLLM server's adapter swap)."""
+    try:
+        return trainer.engine.save_weights_for_sampler()
     except (RuntimeError, OSError) as err:
         raise StepError(f"step {step}: the sampler could not get the current weights: {err}") from err
-    sync_metrics = trainer.weight_sync.check(step, trainer.engine, trainer.rollout.sampler) if trainer.weight_sync else {}
-    taken: list[int] = []
-    groups = _rollout_round(trainer, step, 0, cfg.batch_size, taken)
-    rounds = 0
+
+
+def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[int]) -> tuple[list[Group], int]:
+    """The step's trajectory groups, and how many refill rounds it took.
+
+    First a group for each problem of ``batch``; then, with ``refill_rounds``, up to that
+    many rounds of fresh problems while fewer than ``batch_size`` groups are informative
+    (DAPO's dynamic sampling). The resume plumbing sits here too: groups an interrupted run
+    of this step finished are reused (said once on stderr), and the ``after_rollout``
+    failpoint may end the process (:func:`runs.failpoint`).
+    """
+    cfg = trainer.config
+    groups = _rollout_round(trainer, sampler, step, 0, batch)
+    taken, rounds = list(batch), 0
     while rounds < cfg.refill_rounds:
         missing = cfg.batch_size - len(groups) + algo.count_degenerate_groups(_rewards(groups))
         if missing <= 0:
             break
         rounds += 1
-        groups += _rollout_round(trainer, step, rounds, missing, taken)
-    t_rollout = time.monotonic() - t0
+        refill = trainer.choose(step, rounds, missing, taken)
+        taken += refill
+        groups += _rollout_round(trainer, sampler, step, rounds, refill)
     if trainer.reused_groups:
         print(f"step {step}: reused {trainer.reused_groups} trajectory group(s) that an interrupted run had "
               "finished; rolled out the rest", file=sys.stderr)
         trainer.reused_groups = 0
     runs.failpoint("after_rollout", step)
-
-    rewards_BG, metrics = _shaped_rewards(cfg, groups)
-    degenerate_B = [algo.is_degenerate(rewards_G) for rewards_G in rewards_BG]
-    drop = cfg.drop_degenerate_groups or cfg.refill_rounds > 0
-    advantages_BG = [_advantages(cfg, rewards_G) for rewards_G in rewards_BG]
-    kept = [(g, a) for g, a, degenerate in zip(groups, advantages_BG, degenerate_B) if not (drop and degenerate)]
-    datums = [algo.trajectory_datum(t, a) for g, adv in kept for t, a in zip(g, adv)
-              if not (cfg.overlong == "mask" and algo.is_truncated(t))]
-    datums = [d for d in datums if d.num_trained > 0]
-    t1 = time.monotonic()
-    if datums:
-        adam = AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
-                          grad_clip_norm=cfg.grad_clip_norm)
-        fb_future = trainer.engine.submit_forward_backward(datums, cfg.loss, _loss_config(cfg))
-        opt_future = trainer.engine.submit_optim_step(adam)  # taken before the first is done, as services allow
-        try:
-            fb, opt = fb_future.result(), opt_future.result()
-        except (FloatingPointError, RuntimeError, ValueError) as err:  # non-finite loss/inputs, OOM
-            raise StepError(f"step {step}: the update failed and was not applied "
-                            f"({type(err).__name__}: {err}); resume from the last checkpoint "
-                            "after fixing the cause (e.g. a lower --lr or --micro-batch-tokens)") from err
-        metrics.update(fb.metrics)
-        metrics.update(opt.metrics)
-        metrics["train/sampler_nll"] = algo.sampler_nll(datums)
-    t_train = time.monotonic() - t1
-
-    flat = [t for g in groups for t in g]
-    usage = trainer.rollout.take_usage()
-    trained = float(sum(d.num_trained for d in datums))
-    metrics.update(rollout_metrics(flat))
-    metrics.update({f"behaviour/{k}": v for k, v in behaviour_figures(trajectory_stats(flat)).items()})
-    metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
-    _add_totals(trainer.totals, usage.prefill, usage.sampled, trained, metrics.get("sandbox/cpu_s", 0.0))
-    if trainer.pool is not None:
-        metrics.update(curriculum.pool_metrics(trainer.pool, trainer.problems, cfg.curriculum_floor))
-    metrics.update({
-        "rollout/degenerate_group_rate": sum(degenerate_B) / len(groups),
-        "rollout/informative_group_rate": (len(groups) - sum(degenerate_B)) / len(groups),
-        "train/datums": float(len(datums)),
-        "train/groups": float(len(kept)),
-        "rollout/groups": float(len(groups)), "rollout/refill_rounds": float(rounds),
-        "tokens/prefill": float(usage.prefill), "tokens/sampled": float(usage.sampled),
-        "tokens/trained": trained, **trainer.totals,
-        "time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0, **sync_metrics,
-    })
-    return metrics, list(zip(groups, advantages_BG))
+    return groups, rounds
 
 
-def _rollout_round(trainer: Trainer, step: int, round_: int, count: int, taken: list[int]) -> list:
-    """Choose ``count`` problems for this round, roll out a group of each, and record the
-    groups in the difficulty pool (when on); ``taken`` gains the chosen indices."""
-    chosen = trainer.choose(step, round_, count, taken)
-    taken += chosen
+def _rollout_round(trainer: Trainer, sampler: SamplingClient, step: int, round_: int,
+                   chosen: list[int]) -> list[Group]:
+    """Roll out a group for each problem ``chosen`` (indices) in rollout round ``round_``
+    (0 = the batch, then refills), and record the groups in the difficulty pool (when on)."""
     problems = [trainer.problems[i] for i in chosen]
-    groups = _rollout_with_retries(trainer, problems, step, round_)
+    groups = _rollout_with_retries(trainer, problems, step, round_, sampler=sampler)
     if trainer.pool is not None:
         trainer.pool = curriculum.record(trainer.pool, problems, _rewards(groups))
     return groups
 
 
-def _rewards(groups: list) -> list[list[float]]:
+def _rollout_with_retries(trainer: Trainer, problems: list[Problem], step: int, round_: int, *,
+                          sampler: SamplingClient | None) -> list[Group]:
+    """The groups of ``problems``, retrying a rollout that failed transiently up to
+    ``max_retries`` times; any other failure is a :class:`StepError` at once."""
+    for attempt in range(trainer.config.max_retries + 1):
+        try:
+            return asyncio.run(_rollout_groups(trainer, sampler, problems, step, round_))
+        except RolloutError as err:
+            if not err.transient:
+                raise StepError(f"step {step}: rollout failed: {err}") from err
+            if attempt == trainer.config.max_retries:
+                raise StepError(f"step {step}: rollout failed after {attempt + 1} attempt(s): {err}") from err
+            print(f"step {step}: rollout failed ({err}); retrying ({attempt + 1}/{trainer.config.max_retries})",
+                  file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+async def _rollout_groups(trainer: Trainer, sampler: SamplingClient | None, problems: list[Problem], step: int,
+                          round_: int) -> list[Group]:
+    """One group per problem, all at once, in the order of ``problems``.
+
+    Every group is seeded from (run seed, step, round, position), so it is the same
+    whenever and with whatever else it is rolled out. With a :class:`runs.GroupStore`,
+    a group an interrupted run of this step already finished is reused (its token usage
+    and sandbox outcomes counted as if sampled now), and each new group is kept as it
+    finishes.
+    """
+    cfg = trainer.config
+
+    async def one(index: int, problem: Problem) -> Group:
+        key = runs.GroupKey(step, round_, index, problem.id)
+        stored = trainer.store.load(key) if trainer.store is not None else None
+        if stored is not None:
+            trainer.reuse(stored)
+            return list(stored.trajectories)
+        usage = UsageMeter()
+        group = await trainer.rollout.group(problem, cfg.group_size, sampler=sampler,
+                                            seed=derive_seed(cfg.seed, step, round_, index), usage=usage)
+        if trainer.store is not None:
+            trainer.store.save(key, group, usage.total)
+            runs.failpoint("group_saved", step)
+        return group
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(problems))))
+
+
+def _rewards(groups: list[Group]) -> list[list[float]]:
     """The rewards of every trajectory, group by group."""
     return [[t.grade.reward for t in g] for g in groups]
 
 
-def _shaped_rewards(cfg: TrainConfig, groups: list) -> tuple[list[list[float]], dict[str, float]]:
+def _shaped_rewards(cfg: TrainConfig, groups: list[Group]) -> tuple[list[list[float]], dict[str, float]]:
     """The rewards advantages are computed from (``--overlong soft`` adds its penalty), and
     how many trajectories ``--overlong`` touched."""
     flat = [t for g in groups for t in g]
@@ -354,7 +438,7 @@ def _shaped_rewards(cfg: TrainConfig, groups: list) -> tuple[list[list[float]], 
             for rewards_G, penalties_G in zip(_rewards(groups), penalties_BG)], metrics
 
 
-def _policy_budget(cfg: TrainConfig, trajectory: Any) -> int:
+def _policy_budget(cfg: TrainConfig, trajectory: Trajectory) -> int:
     return algo.policy_token_budget(cfg.max_trajectory_tokens, cfg.max_turn_tokens, cfg.max_assistant_turns,
                                     trajectory.prompt_len)
 
@@ -363,6 +447,42 @@ def _advantages(cfg: TrainConfig, rewards_G: list[float]) -> tuple[float, ...]:
     if cfg.advantage == "passk":
         rewards_G = list(algo.passk_rewards(rewards_G, cfg.passk))
     return algo.group_advantages(rewards_G, cfg.normalize_std)
+
+
+def _trained_groups(cfg: TrainConfig, groups: list[Group], advantages_BG: list[tuple[float, ...]],
+                    degenerate_B: list[bool]) -> list[Advantaged]:
+    """``(group, advantages)`` of the groups the update sees: all of them, unless groups of equal
+    rewards are dropped (``--drop-degenerate-groups``, or any refill rounds)."""
+    drop = cfg.drop_degenerate_groups or cfg.refill_rounds > 0
+    return [(g, a) for g, a, degenerate in zip(groups, advantages_BG, degenerate_B) if not (drop and degenerate)]
+
+
+def _datums(cfg: TrainConfig, trained: list[Advantaged]) -> list[Datum]:
+    """One datum per trajectory with a trained token (``--overlong mask``: truncated ones left out)."""
+    datums = [algo.trajectory_datum(t, a) for g, advantages_G in trained for t, a in zip(g, advantages_G)
+              if not (cfg.overlong == "mask" and algo.is_truncated(t))]
+    return [d for d in datums if d.num_trained > 0]
+
+
+def _update(trainer: Trainer, step: int, datums: list[Datum]) -> dict[str, float]:
+    """forward_backward and optim_step on ``datums`` (nothing without any); their metrics.
+
+    A non-finite loss or gradient (or an out-of-memory error) stops the run with a
+    :class:`StepError` and the update not applied."""
+    if not datums:
+        return {}
+    cfg = trainer.config
+    adam = AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
+                      grad_clip_norm=cfg.grad_clip_norm)
+    fb_future = trainer.engine.submit_forward_backward(datums, cfg.loss, _loss_config(cfg))
+    opt_future = trainer.engine.submit_optim_step(adam)  # taken before the first is done, as services allow
+    try:
+        fb, opt = fb_future.result(), opt_future.result()
+    except (FloatingPointError, RuntimeError, ValueError) as err:  # non-finite loss/inputs, OOM
+        raise StepError(f"step {step}: the update failed and was not applied "
+                        f"({type(err).__name__}: {err}); resume from the last checkpoint "
+                        "after fixing the cause (e.g. a lower --lr or --micro-batch-tokens)") from err
+    return {**fb.metrics, **opt.metrics, "train/sampler_nll": algo.sampler_nll(datums)}
 
 
 def _loss_config(cfg: TrainConfig) -> dict[str, float]:
@@ -378,55 +498,36 @@ def _loss_config(cfg: TrainConfig) -> dict[str, float]:
     return out
 
 
+def _step_metrics(trainer: Trainer, groups: list[Group], degenerate_B: list[bool], datums: list[Datum],
+                  trained_groups: int, refills: int) -> dict[str, float]:
+    """The step's reward, rollout, behaviour, sandbox, curriculum and token figures; adds
+    the step's tokens and sandbox CPU time to the running totals."""
+    flat = [t for g in groups for t in g]
+    usage = trainer.rollout.take_usage()
+    trained = float(sum(d.num_trained for d in datums))
+    metrics = rollout_metrics(flat)
+    metrics.update({f"behaviour/{k}": v for k, v in behaviour_figures(trajectory_stats(flat)).items()})
+    metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
+    _add_totals(trainer.totals, usage.prefill, usage.sampled, trained, metrics.get("sandbox/cpu_s", 0.0))
+    if trainer.pool is not None:
+        metrics.update(curriculum.pool_metrics(trainer.pool, trainer.problems, trainer.config.curriculum_floor))
+    metrics.update({
+        "rollout/degenerate_group_rate": sum(degenerate_B) / len(groups),
+        "rollout/informative_group_rate": (len(groups) - sum(degenerate_B)) / len(groups),
+        "train/datums": float(len(datums)),
+        "train/groups": float(trained_groups),
+        "rollout/groups": float(len(groups)), "rollout/refill_rounds": float(refills),
+        "tokens/prefill": float(usage.prefill), "tokens/sampled": float(usage.sampled),
+        "tokens/trained": trained, **trainer.totals,
+    })
+    return metrics
+
+
 def _add_totals(totals: dict[str, float], prefill: int, sampled: int, trained: float, cpu_s: float) -> None:
     totals["tokens/prefill_total"] += prefill
     totals["tokens/sampled_total"] += sampled
     totals["tokens/trained_total"] += trained
     totals["sandbox/cpu_s_total"] = totals.get("sandbox/cpu_s_total", 0.0) + cpu_s
-
-
-def _rollout_with_retries(trainer: Trainer, problems: list, step: int, round_: int) -> list:
-    from retool.rollout import RolloutError
-
-    for attempt in range(trainer.config.max_retries + 1):
-        try:
-            return asyncio.run(_rollout_groups(trainer, problems, step, round_))
-        except RolloutError as err:
-            if not err.transient:
-                raise StepError(f"step {step}: rollout failed: {err}") from err
-            if attempt == trainer.config.max_retries:
-                raise StepError(f"step {step}: rollout failed after {attempt + 1} attempt(s): {err}") from err
-            print(f"step {step}: rollout failed ({err}); retrying ({attempt + 1}/{trainer.config.max_retries})",
-                  file=sys.stderr)
-    raise AssertionError("unreachable")
-
-
-async def _rollout_groups(trainer: Trainer, problems: list, step: int, round_: int) -> list:
-    """One group per problem, all at once, in the order of ``problems``.
-
-    Every group is seeded from (run seed, step, round, position), so it is the same
-    whenever and with whatever else it is rolled out. With a :class:`runs.GroupStore`,
-    a group an interrupted run of this step already finished is reused (its token usage
-    and sandbox outcomes counted as if sampled now), and each new group is kept as it
-    finishes.
-    """
-    cfg = trainer.config
-
-    async def one(index: int, problem: Any) -> list:
-        key = runs.GroupKey(step, round_, index, problem.id)
-        stored = trainer.store.load(key) if trainer.store is not None else None
-        if stored is not None:
-            trainer.reuse(stored)
-            return list(stored.trajectories)
-        usage = UsageMeter()
-        group = await trainer.rollout.group(problem, cfg.group_size, seed=derive_seed(cfg.seed, step, round_, index),
-                                            usage=usage)
-        if trainer.store is not None:
-            trainer.store.save(key, group, usage.total)
-            runs.failpoint("group_saved", step)
-        return group
-
-    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(problems))))
 
 
 # ---------------------------------------------------------------- building a run
@@ -440,7 +541,7 @@ TRAIN_DATA_RECORD = "train_data.json"
 class CheckedInputs:
     """What :func:`check_inputs` read and found usable."""
 
-    problems: list
+    problems: list[Problem]
     fingerprint: dict[str, str]
 
 
@@ -452,8 +553,6 @@ def check_inputs(cfg: TrainConfig, *, resume: bool = False) -> CheckedInputs:
     Raises :class:`ConfigError` or :class:`retool.data.DataError`, each one line that says
     what to fix.
     """
-    from retool.data import DataError, read_problems, require_usable_golds
-
     runs.refuse_existing_run(Path(cfg.run_dir), resume=resume)
     try:
         data = read_problems(cfg.train_data)
@@ -468,13 +567,8 @@ def check_inputs(cfg: TrainConfig, *, resume: bool = False) -> CheckedInputs:
     return CheckedInputs(list(data.problems), fingerprint)
 
 
-def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
+def build_trainer(cfg: TrainConfig, problems: list[Problem] | None = None) -> Trainer:
     """Load data (unless given), engine, renderer, sandbox and rollout for ``cfg``."""
-    from retool.data import load_problems
-    from retool.render import Renderer
-    from retool.reward import agrade
-    from retool.rollout import Rollout
-
     cost = cost_meter(cfg, cfg.engine, cfg.model)  # a bad price table fails before anything loads
     problems = load_problems(cfg.train_data) if problems is None else problems
     tools = cfg.mode == "retool"
@@ -491,10 +585,9 @@ def build_trainer(cfg: TrainConfig, problems: list | None = None) -> Trainer:
         raise
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model,
                         interpreter=cfg.interpreter)
-    # no sampler yet: every step takes one on its current weights (train_step), so none is
-    # made on untrained weights that a resume would replace at once
-    rollout = Rollout(renderer, None, sandbox, agrade,  # type: ignore[arg-type]
-                      cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
+    # no sampler of its own: every step hands the rollout one on its current weights
+    # (train_step), so none is made on untrained weights that a resume would replace at once
+    rollout = Rollout(renderer, None, sandbox, agrade, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     guard = guard_for(cfg.engine, cfg.weight_sync_check_every, renderer, cfg.weight_sync_tolerance,
                       half_precision=_half_precision(cfg))
@@ -512,8 +605,6 @@ def _half_precision(cfg: TrainConfig) -> bool:
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
     """Run (or resume) RL training as configured; return the run folder."""
-    from retool.atomic import atomic_write_json
-
     run_dir = Path(cfg.run_dir)
     cfg = runs.with_absolute_paths(cfg)
     inputs = check_inputs(cfg, resume=resume)
@@ -525,7 +616,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
         runs.create_run(run_dir, cfg)
         atomic_write_json(run_dir / TRAIN_DATA_RECORD, {**inputs.fingerprint, "problems": len(inputs.problems)})
         runs.run_steps(runs.StepLoop(
-            run_dir, cfg, cfg.max_steps, trainer.engine, step=lambda step: _step_with_trajectories(trainer, run_dir, step),
+            run_dir, cfg, cfg.max_steps, trainer.engine, step=trainer.run_step,
             progress_fields=_progress_fields, checkpoint_state=trainer.checkpoint_state,
             restore_state=trainer.restore_state, stop=trainer.cost.stop_reason if trainer.cost else None),
             resume=resume)
@@ -537,18 +628,6 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
         if trainer.sandbox is not None:
             trainer.sandbox.close()
     return run_dir
-
-
-def _step_with_trajectories(trainer: Trainer, run_dir: Path, step: int) -> dict[str, float]:
-    """One step; its trajectories go to the run folder when ``save_trajectories`` is on."""
-    metrics, groups = train_step(trainer, step)
-    if trainer.cost is not None:  # the cost hook (a run with a price table)
-        metrics.update(trainer.cost.charge(metrics, trainer.totals))
-    if trainer.config.save_trajectories:
-        runs.save_trajectories(run_dir, step, groups)
-    if trainer.store is not None:
-        trainer.store.clear(step)
-    return metrics
 
 
 def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -577,9 +656,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_train_command(args: argparse.Namespace) -> int:
-    from retool.data import DataError
-    from retool.sandbox import SandboxUnavailableError
-
     try:
         if args.resume:
             cfg = resumed_config(TrainConfig, args)

@@ -33,6 +33,10 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     gain = summaries.pop("rl_vs_sft")
     assert summaries.pop("peak_rss_mb") > 100 and "peak memory: " in printed  # the process tree's peak RSS
     rollouts = summaries.pop("rl_rollouts")
+    # each stage's wall time in this invocation, printed and in summary.json
+    stage_seconds = summaries.pop("stage_seconds")
+    assert list(stage_seconds) == ["data", "eval before SFT", "SFT", "eval after SFT", "RL", "eval after RL"]
+    assert stage_seconds["RL"] > 0 and "stages (wall time): data " in printed and ", RL " in printed
     assert list(summaries) == list(STAGES)
     # the base model is evaluated on the first --base-eval-problems only; SFT and RL on all
     assert [s["num_problems"] for s in summaries.values()] == [1, 2, 2]

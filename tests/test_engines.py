@@ -157,12 +157,12 @@ def test_only_transient_sampler_failures_are_retried(monkeypatch):
         return train.Trainer(cfg, engine=None, rollout=FakeRollout(errors), problems=[], sandbox=None)
 
     problem = Problem("p0", "question", "1")
-    assert train._rollout_with_retries(trainer([RolloutError("x", transient=True)]), [problem], 1, 0) == [
+    assert train._rollout_with_retries(trainer([RolloutError("x", transient=True)]), [problem], 1, 0, sampler=None) == [
         ["trajectory"]]
     assert len(calls) == 2
     calls.clear()
     with pytest.raises(train.StepError, match="step 3: rollout failed: a bug"):
-        train._rollout_with_retries(trainer([RolloutError("a bug")]), [problem], 3, 0)
+        train._rollout_with_retries(trainer([RolloutError("a bug")]), [problem], 3, 0, sampler=None)
     assert len(calls) == 1
 
 

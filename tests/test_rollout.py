@@ -214,6 +214,21 @@ def test_sampler_failure_names_the_problem(sandbox):
         run_group(rollout, 2)
 
 
+def test_a_group_samples_from_the_sampler_it_is_handed(sandbox):
+    """The trainer builds its rollout without a sampler and hands each step's to ``group``:
+    that one is sampled, every turn of every trajectory; none at all is a clear error."""
+    tok = qwen25_tokenizer()
+    scripts = [[hermes_call("print(6*7)", "[traj 0] "), "\\boxed{42}"], ["[traj 1] \\boxed{7}"]]
+    rollout, own = make_rollout(tok, [["[own] \\boxed{1}"]] * 2, sandbox)
+    handed = ScriptedSampler(tok, scripts)
+    good, wrong = asyncio.run(rollout.group(PROBLEM, 2, sampler=handed))
+    assert good.grade.correct and not wrong.grade.correct and good.turns[0].exchange is not None
+    assert len(handed.requests) == 2 and own.requests == []  # the fork, then trajectory 0's second turn
+    bare = Rollout(Renderer(tok), None, sandbox, agrade)
+    with pytest.raises(ValueError, match="no sampler: build the Rollout with one or pass sampler="):
+        run_group(bare, 2)
+
+
 def test_metrics_and_token_accounting(sandbox):
     tok = qwen25_tokenizer()
     scripts = [[hermes_call("print(6*7)", "[traj 0] "), "\\boxed{42}"], ["[traj 1] \\boxed{7}"],

@@ -8,6 +8,7 @@ Mechanisms are asserted to be in force first; with ``CI=true`` a missing one fai
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import glob
 import json
@@ -307,6 +308,50 @@ def test_a_session_s_daemon_thread_does_not_run_between_calls(sb):
     assert during_call > 0.01, f"the probe is blind: the spinner never ran ({later.stdout})"
     assert idle < max(0.1, 0.5 * during_call), f"the session ran for {idle} CPU s while idle ({later.stdout})"
     assert gap.ok
+
+
+OWN_GROUP = 'print([line.strip().split(":", 2) for line in open("/proc/self/cgroup")])'
+
+
+def _host_group(sb: Sandbox, lines: list[list[str]]) -> tuple[str, str]:
+    """(freezer directory, CPU directory) on the host of the group a call reported
+    (``/proc/self/cgroup`` inside the sandbox names it relative to each hierarchy's root)."""
+    if "cgroup_v1" in sb.isolation:
+        path = {names: path for _, names, path in lines}
+        return f"/sys/fs/cgroup/freezer{path['freezer']}", f"/sys/fs/cgroup/cpuacct{path['cpuacct']}"
+    root = next(t for t in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified") if os.path.exists(f"{t}/cgroup.controllers"))
+    path = f"{root}{next(p for _, names, p in lines if names == '')}"
+    return path, path
+
+
+def _group_state(freezer_dir: str, cpu_dir: str) -> tuple[bool, float]:
+    """(frozen, CPU seconds used so far) of a group, read from the host."""
+    if os.path.exists(f"{freezer_dir}/freezer.state"):
+        frozen = open(f"{freezer_dir}/freezer.state").read().strip() == "FROZEN"
+        return frozen, int(open(f"{cpu_dir}/cpuacct.usage").read()) / 1e9
+    stat = dict(line.split() for line in open(f"{cpu_dir}/cpu.stat"))
+    return "frozen 1" in open(f"{freezer_dir}/cgroup.events").read().splitlines(), int(stat["usage_usec"]) / 1e6
+
+
+def test_a_session_called_back_to_back_is_still_frozen_as_soon_as_it_is_idle(sb):
+    """Calls that come back to back find the session unfrozen (freezing is left to idle
+    time): with a daemon thread spinning all along, the group is frozen within a moment
+    of the last call, and stays at rest while idle."""
+    require(sb, "pidns")
+    _require_cgroups(sb)
+    with sb.session() as s:
+        assert s.run_sync(SPIN_BETWEEN_CALLS).ok
+        group = _host_group(sb, ast.literal_eval(s.run_sync(OWN_GROUP).stdout))
+        for _ in range(20):
+            assert s.run_sync("pass").ok
+        time.sleep(0.2)  # far longer than the idle time after which a session is frozen
+        frozen, cpu_before = _group_state(*group)
+        time.sleep(0.5)
+        _, cpu_after = _group_state(*group)
+        spun = s.run_sync("print(time.process_time() - start)")
+    assert float(spun.stdout) > 0.005, f"the probe is blind: the spinner never ran ({spun})"
+    assert frozen, f"the session's group {group[0]} was not frozen 0.2 s after its last call"
+    assert cpu_after - cpu_before < 0.02, f"the idle session used {cpu_after - cpu_before:.3f} CPU s in 0.5 s"
 
 
 def _require_cgroups(sb: Sandbox) -> None:

@@ -104,10 +104,15 @@ def test_the_service_engines_probe_passes_and_a_kept_sampling_client_is_caught(f
     install(FakeService(tmp_path / "service", flavour), monkeypatch)
     trainer = build_trainer(tiny_config(tmp_path, engine=flavour, lora_rank=4, lora_alpha=32.0, lr=1e-2))
     try:
+        swap, kept = trainer.engine.save_weights_for_sampler, []
+
+        def keep_the_first(name=None):
+            kept or kept.append(swap())
+            return kept[0]
+
+        monkeypatch.setattr(trainer.engine, "save_weights_for_sampler", keep_the_first)
         metrics, _ = train_step(trainer, 1)
         assert metrics["weight_sync/max_abs_diff"] <= 1e-4  # the fake's sampler and trainer are one stack
-        kept = trainer.rollout.sampler
-        monkeypatch.setattr(trainer.engine, "save_weights_for_sampler", lambda name=None: kept)
         with pytest.raises(WeightSyncError, match=f"on engine {flavour} at step 2: "):
             train_step(trainer, 2)
     finally:

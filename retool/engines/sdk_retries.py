@@ -205,7 +205,7 @@ def _watch_pytrio_once() -> bool:
     global _pytrio_watched
     if _pytrio_watched:
         return True
-    from pytrio.transport import retry
+    from pytrio.transport import retry  # optional SDK: only a pytrio run has it
     from pytrio.transport.actor import http_base
 
     found = 0

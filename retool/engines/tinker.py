@@ -80,21 +80,31 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import json
 import logging
 import math
 import os
+import shutil
 import sys
+import tarfile
+import tempfile
 import threading
+import urllib.request
 import uuid
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from retool import algo
 from retool.atomic import atomic_write_json
+from retool.bundled import resolve_model_name
 from retool.config import ConfigError
+from retool.engines import EngineSampler, ServiceSettings
 from retool.engines.base import (
     ENGINE_STATE_FILE,
     AdamParams,
@@ -166,8 +176,6 @@ FLAVOURS = {f.name: f for f in (TINKER, PYTRIO)}
 def sdk_datum(flavour: Flavour, datum: Datum, loss_fn: str, total_weight: float) -> Any:
     """Our :class:`~retool.types.Datum` as the SDK's ``Datum`` for ``loss_fn``, scaled so
     that the service's reduction of the call gives our token mean (module docstring)."""
-    import numpy as np
-
     t = flavour.types()
     weights_N = datum.weights_N
     targets_N = list(datum.target_tokens_N)
@@ -257,7 +265,7 @@ def target_logprobs(output: Any) -> tuple[tuple[float, ...], ...]:
 def loss_metrics(data: Sequence[Datum], logprobs_D: Sequence[Sequence[float]], loss_fn: str,
                  config: Mapping[str, float]) -> dict[str, float]:
     """The local engine's ``train/*`` metrics, from the logprobs the service returned."""
-    import torch
+    import torch  # heavy: only these metrics need it (the service holds the model)
 
     weights_N = torch.tensor([w for d in data for w in d.weights_N], dtype=torch.float64)
     mask_N = weights_N != 0
@@ -558,7 +566,7 @@ class ServiceTrainingClient:
         if self.flavour is TINKER:
             kwargs: dict[str, Any] = {}
             if self.retry_timeout_s is not None:
-                from tinker.lib.retry_handler import RetryConfig
+                from tinker.lib.retry_handler import RetryConfig  # optional SDK: only this flavour has it
 
                 kwargs["retry_config"] = RetryConfig(progress_timeout=self.retry_timeout_s)
             fn = lambda: self.sdk_client.save_weights_and_get_sampling_client(**kwargs).result()  # noqa: E731
@@ -651,7 +659,7 @@ def _sampling_client(flavour: Flavour, service: Any, model: str, path: str | Non
     if flavour is TINKER:
         kwargs: dict[str, Any] = {"model_path": path} if path else {"base_model": model}
         if retry_timeout_s is not None:
-            from tinker.lib.retry_handler import RetryConfig
+            from tinker.lib.retry_handler import RetryConfig  # optional SDK: only this flavour has it
 
             kwargs["retry_config"] = RetryConfig(progress_timeout=retry_timeout_s)
         return _create(flavour, counters, "create_sampling_client", lambda: service.create_sampling_client(**kwargs))
@@ -702,8 +710,6 @@ def close_service(flavour: Flavour, service: Any, status: str = "success") -> No
 
 
 def _engine_json(path: str | Path) -> dict[str, Any]:
-    import json
-
     return json.loads((Path(path) / ENGINE_STATE_FILE).read_text())
 
 
@@ -717,9 +723,7 @@ def _read_checkpoint(flavour: Flavour, path: str | Path) -> EngineCheckpoint:
 def load_tokenizer(model: str, folder: str | None = None) -> Any:
     """The model's Hugging Face tokenizer, loaded here (the service holds the model): from
     the local ``folder`` when given (offline), else by the model's name."""
-    from transformers import AutoTokenizer
-
-    from retool.bundled import resolve_model_name
+    from transformers import AutoTokenizer  # heavy: only the tokenizer needs it
 
     tokenizer = AutoTokenizer.from_pretrained(folder or resolve_model_name(model))
     if tokenizer.pad_token_id is None:
@@ -773,7 +777,6 @@ def training_client(cfg: Any, seed: int, init_from: str | None, flavour: Flavour
 
 def sampler(request: Any, flavour: Flavour = TINKER) -> Any:
     """A sampler only, for ``retool eval``: the base model, or a checkpoint's sampler weights."""
-    from retool.engines import EngineSampler, ServiceSettings
 
     settings = request.settings or ServiceSettings()
     service = service_client(flavour, settings.base_url, settings.retry_timeout_s)
@@ -811,9 +814,7 @@ def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path,
     checkpoint is looked up among the user's checkpoints and downloaded as one archive
     (tar or zip), which is unpacked.
     """
-    import tempfile
-
-    from retool.export import build_peft_adapter
+    from retool.export import build_peft_adapter  # import cycle: retool.export imports this module
 
     _read_checkpoint(flavour, engine_dir)
     meta = _engine_json(engine_dir)
@@ -836,8 +837,6 @@ def export_adapter(flavour: Flavour, engine_dir: str | Path, output: str | Path,
 
 def _export(flavour: Flavour, service: Any, counters: _Counters, meta: dict[str, Any], output: Path,
             base_url: str | None) -> None:
-    import tempfile
-
     if flavour is TINKER:
         trainer = _create(flavour, counters, "create_training_client_from_state",
                           lambda: service.create_training_client_from_state(meta["weights"]))
@@ -872,9 +871,6 @@ def _delete_export(flavour: Flavour, rest: Any, path: str) -> None:
 
 def _download(url: str, folder: Path, relative: str) -> None:
     """One signed URL's file into ``folder`` (a name that leaves it is refused)."""
-    import shutil
-    import urllib.request
-
     target = (folder / relative).resolve()
     if not target.is_relative_to(folder.resolve()):
         raise RuntimeError(f"the service named a file outside the download folder: {relative!r}")
@@ -899,11 +895,6 @@ def _pytrio_checkpoint_id(flavour: Flavour, rest: Any, path: str, page: int = 10
 
 def _unpack(archive: Path, output: Path) -> None:
     """Unpack a tar or zip archive into ``output``, flattening a single top folder."""
-    import shutil
-    import tarfile
-    import tempfile
-    import zipfile
-
     with tempfile.TemporaryDirectory() as tmp:
         if tarfile.is_tarfile(archive):
             with tarfile.open(archive) as tar:

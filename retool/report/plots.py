@@ -198,7 +198,7 @@ BEHAVIOUR_TITLES = {"response_tokens": "response tokens", "call_rate": "samples 
 
 def _behaviour_figure(points: list[CheckpointPoint], title: str):
     """One bar panel per behaviour figure, a bar per checkpoint (missing: no calls there)."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: only drawing needs it
 
     fig = Figure(figsize=(max(9.0, 0.9 * len(points) * 3 + 1), 5.2))
     axes = fig.subplots(2, 3, squeeze=False)

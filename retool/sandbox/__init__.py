@@ -39,10 +39,13 @@ are the warm parent's, per call. The interpreter is pid 1 of its own PID namespa
 when it dies the kernel kills every process of the session. After each call the
 interpreter kills every other process there (whatever the call started and left running,
 setsid and double forks included); with control groups, the session's group is then
-frozen — nothing of it runs between calls, daemon threads included — and, once it is
-frozen, the warm parent, which the snippet cannot reach, checks that the interpreter is
-alone in it (else, before the next call, it kills every other process there); the next
-call thaws it. A call that times out,
+frozen once the session has been idle for 10 ms — nothing of it runs between calls,
+daemon threads included, beyond those 10 ms, and what its threads use of the CPU before
+the freeze is charged to the next call's CPU-time bound — and, once it is frozen, the
+warm parent, which the snippet cannot reach, checks that the interpreter is alone in it;
+the next call thaws it. Before every next call the warm parent kills every other process
+in the group, frozen (a call that comes back to back, before the freeze, finds the group
+unfrozen: with the interpreter alone in it, it needs neither freeze nor thaw). A call that times out,
 exceeds memory (``MemoryError``), floods output or ends the process ends the interpreter;
 the session's next call gets a fresh one and its observation begins with a note that the
 state was lost (``ExecutionResult.state_lost``). Closing the session (also on errors and
@@ -151,7 +154,10 @@ Not isolated / known limits:
   session is then frozen and cleared of strays early). It can only spoil its own
   session: another session or call, the trainer and the warm parent stay out of reach,
   and everything of the session dies when it is closed. With control groups, daemon
-  threads do not run between calls (the session is frozen). Files a session's calls write stay in its
+  threads do not run between calls once the session has been idle for 10 ms (it is
+  frozen); in those 10 ms they run, charged to the next call's CPU time, and a process
+  they fork there, after the warm parent's look before a back-to-back call, lives into
+  that call (as one forked during it would) and is killed after it. Files a session's calls write stay in its
   directory until the session ends. Session calls take no ``stdin``, ``files`` or
   ``fetch_files``. Without a PID namespace (degraded isolation) processes a call leaves
   running live until the session ends, not the call.

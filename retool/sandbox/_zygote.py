@@ -108,6 +108,12 @@ CPU_POLL_S = 0.05
 """How often the zygote reads the CPU time of running calls' groups to enforce their bound."""
 SETTLE_POLL_S = 0.001
 """How often the zygote looks whether a session's group, frozen after its call, is frozen yet."""
+FREEZE_IDLE_S = 0.01
+"""How long a session's group stays unfrozen after its call: a next call that comes
+sooner (back to back) finds it unfrozen and needs neither freeze nor thaw, only a look at
+who is in the group; one that comes later (in training: the seconds a model takes to
+write it) finds it frozen. What the session's threads use of the CPU meanwhile is
+charged to its next call."""
 PREFORK_IDLE_S = 0.05
 """How long the zygote must have had nothing to do before it forks a child ahead: longer
 than a session's calls are apart when they come back to back, far shorter than the time
@@ -360,7 +366,7 @@ class Call:
         self.baseline: int | None = None  # address space the call started from (sessions)
         self.cpu_before = 0.0  # interpreter CPU seconds before the call (sessions)
         self.group = None  # its control group (the slot's or the session's), if any
-        self.group_cpu_base = 0.0  # the group's CPU seconds when the call started
+        self.group_cpu_base = 0.0  # the group's CPU seconds when the call started (sessions: when the last ended)
 
 
 class Session:
@@ -385,6 +391,8 @@ class Session:
         self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
         self.group = None  # its control group, if any (frozen between calls)
         self.settled = False  # frozen since its last call with the interpreter alone in it
+        self.idle_since = 0.0  # when its last call ended (it is frozen FREEZE_IDLE_S later)
+        self.cpu_mark: float | None = None  # its group's CPU seconds when its last call ended
 
 
 class Child:
@@ -443,6 +451,7 @@ class Zygote:
         self.priority = os.getpriority(os.PRIO_PROCESS, 0)  # the zygote's nice value
         self.ready_calls: dict[int, Child] = {}  # call slot -> its runner, forked ahead
         self.ready_sessions: dict[int, Child] = {}  # session slot -> its interpreter, forked ahead
+        self.idle: list[Session] = []  # sessions between calls, not frozen yet (see FREEZE_IDLE_S)
         self.settling: list[Session] = []  # sessions between calls, freezing, not yet checked
 
     # ---- start-up
@@ -770,11 +779,7 @@ class Zygote:
         """Kill a child that will not get (or could not take) its work and free what it held."""
         while child.template is not None and not child.pid and child.error is None:
             child.template.receive()
-        for pid in (child.init_pid, child.pid):
-            if pid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                _reap_within(pid, DISCARD_WAIT_S)
+        _end_runner(child.pid, child.init_pid)
         child.pid = child.init_pid = 0
         for fd in child.fds.values():
             os.close(fd)
@@ -924,6 +929,9 @@ class Zygote:
             timeout = wait if timeout is None else min(timeout, wait)
         if self.settling:
             timeout = SETTLE_POLL_S if timeout is None else min(timeout, SETTLE_POLL_S)
+        if self.idle:
+            wait = max(0.0, min(s.idle_since for s in self.idle) + FREEZE_IDLE_S - time.monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
         if self._wanted():
             wait = max(0.0, self.last_busy + PREFORK_IDLE_S - time.monotonic())
             timeout = wait if timeout is None else min(timeout, wait)
@@ -1045,7 +1053,7 @@ class Zygote:
         call.cpu_before = float(session.reported.get("cpu_total", 0.0))
         call.group = session.group
         if session.group is not None:
-            call.group_cpu_base = session.group.cpu_seconds()
+            call.group_cpu_base = session.cpu_mark if session.cpu_mark is not None else session.group.cpu_seconds()
         session.calls += 1
         session.call = self.calls[call.id] = call
         request = {"id": call.id, "code": req["code"], "auto_print": req.get("auto_print", True),
@@ -1171,10 +1179,12 @@ class Zygote:
         if ended:  # killed as it ended, or out of memory (its state may be half-built): start afresh
             self._end_interpreter(session, ended)
             reply["ended_interpreter"] = ended
-        if not ended and session.group is not None:
-            session.group.freeze(wait=False)  # nothing of the session runs until its next call
-            self.settling.append(session)
+        if not ended and session.group is not None:  # frozen once idle (see FREEZE_IDLE_S)
+            session.idle_since = time.monotonic()
+            self.idle.append(session)
         self._reply(reply)
+        if not ended and session.group is not None:  # off the reply's path
+            session.cpu_mark = session.group.cpu_seconds()
         self._start_queued()
 
     def _session_result(self, call: Call, fields: dict) -> dict:
@@ -1224,10 +1234,19 @@ class Zygote:
         self._start_queued()
 
     def _settle_sessions(self) -> None:
-        """Between a session's calls, off the request's path: once its group is frozen, check
-        that the interpreter is alone in it. Then nothing can start there until it is thawed,
-        so its next call only thaws it (:meth:`_resume`). A group that holds other
-        processes is left to that next call, which kills them."""
+        """Between a session's calls, off the request's path: freeze its group once it has
+        been idle for :data:`FREEZE_IDLE_S`; once frozen, check that the interpreter is
+        alone in it. Then nothing can start there until it is thawed, so its next call only
+        thaws it (:meth:`_resume`). A group that holds other processes is left to that next
+        call, which kills them."""
+        now = time.monotonic()
+        for session in list(self.idle):
+            if session.call is not None or not session.pid or session.group is None:
+                self.idle.remove(session)
+            elif now - session.idle_since >= FREEZE_IDLE_S:
+                self.idle.remove(session)
+                session.group.freeze(wait=False)  # nothing of the session runs until its next call
+                self.settling.append(session)
         for session in list(self.settling):
             if session.call is not None or not session.pid or session.group is None:
                 self.settling.remove(session)
@@ -1236,10 +1255,15 @@ class Zygote:
                 session.settled = session.group.pids() == [session.pid]
 
     def _resume(self, session: Session) -> bool:
-        """Before a session's next call: its group has been frozen since the last call
-        ended; kill every process in it but the interpreter (from here, where the snippet
-        cannot reach: whatever a call left, whatever its threads started after it), then
-        thaw it. False when processes keep appearing: the interpreter must end."""
+        """Before a session's next call: kill every process in its group but the
+        interpreter (from here, where the snippet cannot reach: whatever a call left,
+        whatever its threads started after it), frozen, then thaw it. A group not frozen
+        yet (the call came back to back) with the interpreter alone in it needs neither.
+        False when processes keep appearing: the interpreter must end."""
+        if session in self.idle:
+            self.idle.remove(session)
+            if session.group.pids() == [session.pid]:
+                return True
         if session in self.settling:
             self.settling.remove(session)
         if not session.settled:
@@ -1254,9 +1278,11 @@ class Zygote:
     def _end_interpreter(self, session: Session, reason: str) -> None:
         """Kill the session's interpreter and everything it started, wait until they are
         gone, remove its directory; the session's next call starts a fresh one."""
-        session.settled = False
+        session.settled, session.cpu_mark = False, None
         if session in self.settling:
             self.settling.remove(session)
+        if session in self.idle:
+            self.idle.remove(session)
         if session.group is not None:
             session.group.kill_all()  # frozen or not, every process of the session dies
         if session.pid:
@@ -1499,19 +1525,33 @@ def _reap(pid: int) -> None:
             pass
 
 
-DISCARD_WAIT_S = 2.0
-"""How long discarding a ready child waits for it to be reaped. A blocking wait there hung
-the zygote's shutdown after its trainer was SIGKILLed mid-run (seen in the scale
-harness's kill/resume test: the zygote waited forever and its processes outlived the
-run); bounded, the zygote goes on and exits, and as its namespace's init its exit takes
-every process left with it."""
+def _end_runner(runner: int, init: int) -> None:
+    """SIGKILL a call's runner and the init of its PID namespace, and reap them: the runner
+    first. The init (pid 1 there) cannot finish exiting before every process of its
+    namespace has been reaped (the kernel's ``zap_pid_ns_processes`` waits for that), and
+    the runner is the zygote's own child (``CLONE_PARENT``): a zygote that waits for the
+    init first waits for itself. (It did: discarding the children forked ahead hung every
+    shutdown, until the trainer's side gave up after 5 s and killed the sandbox.)"""
+    for pid in (runner, init):
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for pid in (runner, init):
+        _reap_within(pid, REAP_WAIT_S)
+
+
+REAP_WAIT_S = 2.0
+"""How long :func:`_end_runner` waits for a killed process (it is dead within
+milliseconds; a wait this long means the process is stuck in the kernel, whose state
+the warning names)."""
 
 
 def _reap_within(pid: int, timeout_s: float) -> bool:
-    """Reap ``pid`` if it exits within ``timeout_s``; False if it did not (left to the
-    namespace's end)."""
+    """Reap ``pid`` (if non-zero) if it exits within ``timeout_s``; False if it did not
+    (said once, with the state the kernel reports for it: the process ends with the
+    sandbox's namespace)."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    while pid:
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
@@ -1519,10 +1559,22 @@ def _reap_within(pid: int, timeout_s: float) -> bool:
         if done:
             return True
         if time.monotonic() >= deadline:
-            sys.stderr.write(f"retool sandbox: process {pid} did not exit within {timeout_s:.0f} s of SIGKILL; "
-                             "it ends with the sandbox\n")
+            sys.stderr.write(f"retool sandbox: process {pid} did not exit within {timeout_s:.0f} s of SIGKILL "
+                             f"({_process_state(pid)}); it ends with the sandbox\n")
             return False
-        time.sleep(0.01)
+        time.sleep(0.001)
+    return True
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's state of ``pid`` and where it waits, e.g. ``S in zap_pid_ns_processes``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            return f"state {state} in {f.read().strip() or '?'}"
+    except OSError as exc:
+        return f"state unknown: {exc.strerror}"
 
 
 def _b64(data: bytes | bytearray) -> str:

@@ -38,6 +38,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from retool.bundled import resolve_model_name
 from retool.config import ConfigError
 from retool.engines import EngineSampler, ModelConfig, SamplerRequest, VLLMSettings
 from retool.engines.base import AdamParams, ENGINE_STATE_FILE, ForwardBackwardOutput, OptimStepOutput
@@ -89,8 +90,6 @@ class Server:
 
 def _server_options(model: str, settings: VLLMSettings, *, rank: int, mode: str, dtype: str,
                     seed: int) -> ServerOptions:
-    from retool.bundled import resolve_model_name
-
     return ServerOptions(model_dir=resolve_model_name(model), venv=settings.venv, max_lora_rank=rank,
                          logprobs_mode=mode, dtype=dtype, seed=seed, kv_cache_gib=settings.kv_cache_gib,
                          gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -211,7 +210,8 @@ class VLLMTrainingClient:
 def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> VLLMTrainingClient:
     """The training client a ``retool train``/``sft`` config describes: the server starts
     first and loads while the local trainer loads its model."""
-    from retool.engines.local import default_stop_token_ids, training_client as local_training_client
+    from retool.engines.local import default_stop_token_ids  # heavy (torch): only training needs the local trainer
+    from retool.engines.local import training_client as local_training_client
 
     if cfg.full_finetune:
         raise ConfigError("engine vllm does not support full fine-tuning (it hot-swaps LoRA adapters); "
@@ -245,7 +245,11 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> VLLMT
 def create_training_client(**options: Any) -> VLLMTrainingClient:
     """The local trainer's options (``LocalEngineConfig`` fields) plus ``vllm`` (a
     :class:`VLLMSettings`) and ``temperature``/``top_p`` (the training rollouts')."""
-    from retool.engines.local import LocalEngineConfig, LocalTrainingClient, default_stop_token_ids
+    from retool.engines.local import (  # heavy (torch): only training needs the local trainer
+        LocalEngineConfig,
+        LocalTrainingClient,
+        default_stop_token_ids,
+    )
 
     settings = options.pop("vllm", None) or VLLMSettings()
     mode = logprobs_mode_for(options.pop("temperature", 1.0), options.pop("top_p", 1.0))
@@ -268,9 +272,7 @@ def create_training_client(**options: Any) -> VLLMTrainingClient:
 def sampler(request: SamplerRequest) -> EngineSampler:
     """A sampler only, for ``retool eval``: the base model, or a checkpoint's adapter
     loaded into the server. Evaluation ignores logprobs, so any sampling setting is served."""
-    from transformers import AutoTokenizer
-
-    from retool.bundled import resolve_model_name
+    from transformers import AutoTokenizer  # heavy: only the tokenizer needs it
 
     settings: VLLMSettings = request.settings or VLLMSettings()
     checkpoint = request.checkpoint
@@ -304,7 +306,7 @@ def sampler(request: SamplerRequest) -> EngineSampler:
 def _stop_ids(model_dir: str, tokenizer: Any) -> list[int]:
     """End-of-sequence ids from the model's generation config and its tokenizer (as the
     local engine's ``default_stop_token_ids``, without loading the weights)."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # heavy: only reading the stop ids needs it
 
     try:
         found = GenerationConfig.from_pretrained(model_dir).eos_token_id

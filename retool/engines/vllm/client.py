@@ -42,6 +42,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import aiohttp
+
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams, TransientEngineError
 from retool.engines.vllm.server import FAILED_REQUEST_GRACE_S
 from retool.seeding import context_digest, derive_seed
@@ -85,8 +87,6 @@ class VLLMSamplingClient:
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int,
                      sampling_params: SamplingParams) -> SampleResult:
         """``num_samples`` seeded continuations, all requested at once."""
-        import aiohttp
-
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         problem = mode_problem(self.mode, sampling_params)
@@ -120,8 +120,6 @@ class VLLMSamplingClient:
                 "skip_special_tokens": False, "return_token_ids": True, "return_tokens_as_token_ids": True}
 
     async def _one(self, session: Any, prompt: list[int], params: SamplingParams, seed: int) -> SampledSequence:
-        import aiohttp
-
         try:
             async with session.post(f"{self.url}/v1/completions",
                                     json=self.request_body(prompt, params, seed)) as response:

@@ -50,6 +50,7 @@ from retool.protocol import build_messages
 from retool.render import Renderer
 from retool.reward import agrade
 from retool.rollout import Rollout, RolloutBudgets, RolloutConfig, rollout_metrics
+from retool.sandbox import Sandbox
 from retool.types import ExecStatus, Grade, InvalidToolCall, Problem, Trajectory
 
 AGENT_NAME = "retool"
@@ -87,12 +88,10 @@ def shared_sandbox(settings: LoopSettings) -> Any:
     key = (settings.sandbox_url, settings.sandbox_config())
     if key not in _SANDBOXES:
         if settings.sandbox_url:
-            from retool.sandbox.client import SandboxClient
+            from retool.sandbox.client import SandboxClient  # aiohttp: only a sandbox server needs it
 
             _SANDBOXES[key] = SandboxClient(settings.sandbox_url)
         else:
-            from retool.sandbox import Sandbox
-
             _SANDBOXES[key] = Sandbox(settings.sandbox_config())
     return _SANDBOXES[key]
 
