@@ -48,7 +48,10 @@ def fake(tmp_path, monkeypatch):
 
 
 def http_train_args(tmp_path, fake: PytrioHTTPFake, steps: int = 2) -> list[str]:
-    return train_args(tmp_path, tmp_path / "run", "pytrio", steps=steps) + ["--pytrio-base-url", fake.url]
+    # the HTTP fake serves no prompt logprobs (compute_logprobs): these runs test the SDK's retries, and the
+    # weight-sync guard runs against the in-process fake (tests/test_weight_sync.py)
+    return train_args(tmp_path, tmp_path / "run", "pytrio", steps=steps) + ["--pytrio-base-url", fake.url,
+                                                                         "--weight-sync-check-every", "0"]
 
 
 def assert_no_secret(tmp_path, captured) -> None:

@@ -32,7 +32,10 @@ def fake(tmp_path, monkeypatch):
 
 
 def http_train_args(tmp_path, fake: TinkerHTTPFake, steps: int = 2) -> list[str]:
-    return train_args(tmp_path, tmp_path / "run", "tinker", steps=steps) + ["--tinker-base-url", fake.url]
+    # the HTTP fake serves no prompt logprobs (compute_logprobs): these runs test the SDK's retries, and the
+    # weight-sync guard runs against the in-process fake (tests/test_weight_sync.py)
+    return train_args(tmp_path, tmp_path / "run", "tinker", steps=steps) + ["--tinker-base-url", fake.url,
+                                                                         "--weight-sync-check-every", "0"]
 
 
 def test_faults_below_the_sdk_are_retried_by_it_counted_and_applied_once(tmp_path, fake, capsys):
