@@ -176,7 +176,8 @@ def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, 
     argv = [sys.executable, "-m", "retool", "train", "--config", str(CONFIG), "--save-every", str(args.save_every),
             "--max-steps", str(args.steps), "--train-data", str(data), "--run-dir", str(run),
             "--tinker-base-url", url, "--tinker-tokenizer", str(tokenizer), "--sinks", "jsonl",
-            "--batch-size", str(args.batch_size), "--group-size", str(args.group_size), "--seed", str(args.seed)]
+            "--batch-size", str(args.batch_size), "--group-size", str(args.group_size), "--seed", str(args.seed),
+            "--weight-sync-check-every", "0"]  # the latency model has no weights, so no logprobs to check
     if args.sandbox_timeout_s is not None:
         argv += ["--sandbox-timeout-s", str(args.sandbox_timeout_s)]
     if args.sandbox_workers is not None:

@@ -405,7 +405,7 @@ class ServiceSamplingClient:
         loop = asyncio.get_running_loop()
         scores = await loop.run_in_executor(self._pool, lambda: _call(
             self.flavour, self._counters, "compute_logprobs", lambda: self.sdk_client.compute_logprobs(prompt).result()))
-        if len(scores) != len(tokens) or any(s is None for s in scores[start:]):
+        if scores is None or len(scores) != len(tokens) or any(s is None for s in scores[start:]):
             raise RuntimeError(f"engine {self.flavour.name}: compute_logprobs returned no logprob for some tokens")
         return tuple(float(s) for s in scores[start:])
 
