@@ -32,9 +32,16 @@ with its own ``compute_logprobs(tokens, start)`` — the logprob of every token 
 The last check's logprobs go into each checkpoint (``trainer_state.json``), so a resumed
 run compares against the same previous check as an unbroken one.
 
+On a service (``tinker``, ``pytrio``: ``Capabilities.weight_sync_repeatable`` false) rule 2
+keeps only its first half: a sampler whose logprobs are bit-identical to the previous
+check's while the trainer's moved kept the old weights. The second half would stop a paid
+run on numerical noise between two sampling clients of the same weights, which the
+services do not document as absent.
+
 Not covered: what the probe does not exercise (a stale *part* of the weights the probe's
 tokens barely touch shows up only as a small change); a service whose trainer-side
-``forward`` is not deterministic would make rule 2 see an update that did not happen.
+``forward`` is not deterministic would make rule 2 see an update that did not happen (a
+noisy re-scoring of stale weights passes rule 2 there; rule 1 still bounds it).
 """
 
 from __future__ import annotations
@@ -119,6 +126,9 @@ class WeightSyncGuard:
     probe: Probe
     tolerance: float
     every: int = 1
+    repeatable: bool = True
+    """Both sides give the same floats for the same weights (``Capabilities.weight_sync_repeatable``):
+    only then does a sampler that moved after a step without an update stop the run."""
     previous: ProbeScores | None = None
 
     def due(self, step: int) -> bool:
@@ -160,7 +170,7 @@ class WeightSyncGuard:
                                   f"(its logprobs moved by up to {trainer_moved:.3g}) but the sampler's logprobs "
                                   f"are identical to step {before.step}'s: the sampler kept the old weights "
                                   f"(max |Δlogprob| sampler vs trainer {diff:.3g}, tolerance {self.tolerance:g})")
-        if trainer_moved == 0 and sampler_moved > 0:
+        if trainer_moved == 0 and sampler_moved > 0 and self.repeatable:
             raise WeightSyncError(f"{self._where(step)}: no update was applied since step {before.step}, but the "
                                   f"sampler's logprobs moved by up to {sampler_moved:.3g} (max |Δlogprob| sampler "
                                   f"vs trainer {diff:.3g}, tolerance {self.tolerance:g})")
@@ -205,9 +215,10 @@ def guard_for(engine: str, every: int, renderer: Any, tolerance: float | None, *
 
     if every == 0:
         return None
+    capabilities = engine_spec(engine).capabilities
     if tolerance is None:
-        engine_tolerance = engine_spec(engine).capabilities.weight_sync_tolerance
+        engine_tolerance = capabilities.weight_sync_tolerance
         if engine_tolerance is None:
             raise ValueError(f"engine {engine} has no weight-sync check")
         tolerance = max(engine_tolerance, HALF_PRECISION_TOLERANCE) if half_precision else engine_tolerance
-    return WeightSyncGuard(engine, build_probe(renderer), tolerance, every)
+    return WeightSyncGuard(engine, build_probe(renderer), tolerance, every, capabilities.weight_sync_repeatable)

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from retool.engines import engine_spec
 from retool.log import read_metrics
 from retool.train import build_trainer, train, train_step
 from retool.weight_sync import Probe, WeightSyncError, WeightSyncGuard
@@ -92,6 +93,15 @@ def test_a_sampler_that_moves_without_an_update_is_caught_and_checks_run_every_n
     g.check(1, ScriptedSide((-1.0, -2.0)), ScriptedSampler((-1.0, -2.0)))
     with pytest.raises(WeightSyncError, match="no update was applied since step 1, but the sampler's logprobs moved"):
         g.check(2, ScriptedSide((-1.0, -2.0)), ScriptedSampler((-1.0, -2.0001)))
+    # A service's two sampling clients of the same weights may differ by noise: only the stale
+    # direction (trainer moved, sampler bit-identical) stops a run there.
+    service = WeightSyncGuard("tinker", Probe((1, 2, 3), 1), 0.25, repeatable=False)
+    service.check(1, ScriptedSide((-1.0, -2.0)), ScriptedSampler((-1.0, -2.0)))
+    assert service.check(2, ScriptedSide((-1.0, -2.0)), ScriptedSampler((-1.0, -2.0001)))["weight_sync/changed"] == 0
+    with pytest.raises(WeightSyncError, match="the sampler kept the old weights"):
+        service.check(3, ScriptedSide((-1.1, -2.0)), ScriptedSampler((-1.0, -2.0001)))
+    assert not engine_spec("tinker").capabilities.weight_sync_repeatable
+    assert engine_spec("local").capabilities.weight_sync_repeatable
     every = WeightSyncGuard("local", Probe((1, 2, 3), 1), 1e-3, every=3)
     assert every.check(2, ScriptedSide(), ScriptedSampler()) == {}  # not due: neither side is asked
     assert every.check(3, ScriptedSide((-1.0, -1.0)), ScriptedSampler((-1.0, -1.0)))["weight_sync/max_abs_diff"] == 0

@@ -92,6 +92,11 @@ class Capabilities:
     weight_sync_tolerance: float | None = 1e-3
     """The weight-sync guard's bound on max |sampler - trainer logprob| of its probe in
     float32 (``retool.weight_sync``); ``None``: the engine cannot run the check."""
+    weight_sync_repeatable: bool = True
+    """Scoring the same tokens on the same weights gives the same floats on both sides, so
+    the guard may also require identical probe logprobs after a step that applied no
+    update (a service whose numerics are not documented as repeatable is ``False``: only
+    a sampler whose logprobs did not move while the trainer's did is flagged)."""
 
 
 ENGINE_STATE_FILE = "engine.json"

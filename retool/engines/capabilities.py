@@ -66,7 +66,8 @@ CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
     ("top-p < 1 in training", lambda c: _yes(c.train_top_p)),
     ("temperature ≠ 1 in training", lambda c: _yes(c.train_temperature)),
     ("exact resume", lambda c: _yes(c.resume)),
-    ("weight-sync tolerance", lambda c: "no check" if c.weight_sync_tolerance is None else f"{c.weight_sync_tolerance:g}"),
+    ("weight-sync tolerance", lambda c: "no check" if c.weight_sync_tolerance is None else
+     f"{c.weight_sync_tolerance:g}" + ("" if c.weight_sync_repeatable else " (not repeatable: stale rule only)")),
 )
 
 

@@ -31,7 +31,8 @@ class EngineSpec:
 
 
 SERVICE_CAPABILITIES = Capabilities(full_finetune=False, dual_clip=False, behaviour_is=False, train_top_p=False,
-                                    train_temperature=False, weight_sync_tolerance=0.25)
+                                    train_temperature=False, weight_sync_tolerance=0.25,
+                                    weight_sync_repeatable=False)
 """A Tinker-style service: LoRA only, no dual-clip, no temperature input, and logprobs it
 does not document as taken before top-p, so no top-p < 1 in training. No sampler-trainer
 correction: its losses are ``-A * exp(logprob - sampler_logprob)`` (PPO: clipped) with
