@@ -89,6 +89,9 @@ class Capabilities:
     """``save_state``/``load_state`` restore the optimiser too (exact ``--resume``)."""
     training: bool = True
     """Has a training client at all (a sampler-only engine evaluates only)."""
+    stream_groups: bool = True
+    """Takes ``forward_backward`` calls while its sampler is still sampling with the same
+    weights, and losses positively homogeneous in the advantages (``--stream-groups``)."""
 
 
 ENGINE_STATE_FILE = "engine.json"

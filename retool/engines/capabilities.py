@@ -26,6 +26,7 @@ class Requirements:
     train_top_p: float = 1.0
     train_temperature: float = 1.0
     resume: bool = False
+    stream_groups: bool = False
 
 
 def reads_checkpoint(engine: str, written_by: str) -> bool:
@@ -48,6 +49,8 @@ def check_supported(engine: str, needs: Requirements) -> None:
         (caps.train_top_p or needs.train_top_p == 1.0, "top_p < 1 in training rollouts (use --top-p 1)"),
         (caps.train_temperature or needs.train_temperature == 1.0, "a training temperature other than 1"),
         (caps.resume or not needs.resume, "--resume (its checkpoints hold no optimiser state)"),
+        (caps.stream_groups or not needs.stream_groups,
+         "--stream-groups (it cannot train while it samples; leave --stream-groups off)"),
     ) if not ok]
     if problems:
         raise ConfigError(f"engine {engine} does not support {problems[0]}")
@@ -63,6 +66,7 @@ CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
     ("top-p < 1 in training", lambda c: _yes(c.train_top_p)),
     ("temperature ≠ 1 in training", lambda c: _yes(c.train_temperature)),
     ("exact resume", lambda c: _yes(c.resume)),
+    ("streaming (`--stream-groups`)", lambda c: _yes(c.stream_groups)),
 )
 
 
