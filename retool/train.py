@@ -7,6 +7,10 @@ One step, top to bottom (:func:`train_step`):
     datums (interpreter tokens weight 0) → forward_backward(ppo) → optim_step →
     metrics → (every N steps) checkpoint
 
+With ``--stream-groups`` (:func:`_streamed_step`, :mod:`retool.streaming`) the stages from
+the reward to the forward_backward run per group as the rollout goes on, and the
+optim_step follows the last group.
+
 The loop around it: :func:`train` builds the :class:`Trainer` and hands
 :meth:`Trainer.run_step` to :func:`retool.runs.run_steps` (metric sinks, progress bar,
 checkpoints, resume), which calls it once per step; ``run_step`` runs :func:`train_step`
