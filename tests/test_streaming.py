@@ -170,12 +170,14 @@ def test_a_streamed_step_is_the_synchronous_gradient_times_its_logged_scale(engi
 # ---------------------------------------------------------------- a whole run: versions, refills, refusals
 
 
-def test_a_streamed_run_with_refills_trains_only_informative_groups_and_records_versions(tmp_path):
-    cfg = tiny_config(tmp_path, max_steps=3, group_size=2, refill_rounds=3, save_trajectories=True,
-                      save_every=100, stream_groups=True)
+@pytest.mark.parametrize("dropping", [{"refill_rounds": 3}, {"drop_degenerate_groups": True}],
+                         ids=["refills", "drop-degenerate"])
+def test_a_streamed_run_trains_only_informative_groups_and_records_versions(tmp_path, dropping):
+    cfg = tiny_config(tmp_path, max_steps=3, group_size=2, save_trajectories=True, save_every=100,
+                      stream_groups=True, **dropping)
     run = train(cfg)
     rows = read_metrics(run / "metrics.jsonl")
-    assert sum(r["rollout/refill_rounds"] for r in rows) >= 1, rows
+    assert sum(r["rollout/refill_rounds"] for r in rows) >= (1 if cfg.refill_rounds else 0), rows
     for row in rows:
         with gzip.open(run / "trajectories" / f"step_{row['step']:06d}.jsonl.gz", "rt") as f:
             lines = [json.loads(line) for line in f]
@@ -189,6 +191,21 @@ def test_a_streamed_run_with_refills_trains_only_informative_groups_and_records_
         assert row["train/datums"] == informative * cfg.group_size
         assert row.get("train/stream_calls", 0) == informative  # one forward_backward per trained group
         assert ("train/loss" in row) == (informative > 0)
+
+
+def test_versions_round_trip_and_old_trajectories_read_as_unrecorded():
+    from retool.serialize import to_jsonable, trajectory_from_jsonable
+    from retool.types import Grade, Trajectory
+
+    t = Trajectory("p", 2, (1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.5, -0.1), (), Grade(1.0, True, True),
+                   versions_T=(NOT_SAMPLED, NOT_SAMPLED, 7, 7))
+    row = to_jsonable(t)
+    assert trajectory_from_jsonable(row) == t
+    del row["versions_T"]  # a file written before versions were recorded
+    assert trajectory_from_jsonable(row).versions_T is None
+    assert "versions_T" not in to_jsonable(trajectory_from_jsonable(row))  # and it is written back unchanged
+    with pytest.raises(ValueError, match="versions_T has 3 entries, tokens_T 4"):
+        dataclasses.replace(t, versions_T=(7, 7, 7))
 
 
 def test_an_engine_that_cannot_stream_refuses_before_anything_loads(monkeypatch, tmp_path):
