@@ -86,7 +86,8 @@ def off_policy(trajectory, reward: float):
     """``trajectory`` with the given reward and sampler logprobs moved +-0.4 (so PPO clips)."""
     logprobs = tuple(lp + 0.4 * (-1) ** k if m else lp
                      for k, (lp, m) in enumerate(zip(trajectory.logprobs_T, trajectory.mask_T)))
-    return dataclasses.replace(trajectory, logprobs_T=logprobs, grade=dataclasses.replace(trajectory.grade, reward=reward))
+    grade = dataclasses.replace(trajectory.grade, reward=reward)
+    return dataclasses.replace(trajectory, logprobs_T=logprobs, grade=grade)
 
 
 def recorded_grads(trainer, monkeypatch) -> list:
