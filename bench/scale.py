@@ -20,9 +20,16 @@ SIGKILLed at a random point after step 100 and ``retool train --resume`` finishe
 asked the service for the same things, step by step (samples by prompt and seed,
 forward_backward by datums, optim_step by parameters): the same data order.
 
+With ``--stream-groups`` the same steps run a second time, uninterrupted, with
+``retool train --stream-groups`` against a fresh service: both runs' totals, their
+steps per hour and ratio, the training time left after each step's rollout, and the
+ratio the latency model would allow if every forward_backward but the last group's hid
+behind the rollout.
+
 Usage::
 
     python bench/scale.py --steps 20                   # the unscaled overhead figure
+    python bench/scale.py --steps 4 --stream-groups    # synchronous vs streamed steps, in one run
     nice -n 10 python bench/scale.py --time-scale 10   # the 200-step soak, with kill + resume
     python bench/scale.py --steps 3 --batch-size 2 --group-size 4   # a quick check
 
@@ -172,7 +179,8 @@ def _read_rows(path: Path) -> list[dict]:
     return [r for r in rows if "step" in r and "time/step" in r]
 
 
-def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, data: Path, run: Path) -> list[str]:
+def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, data: Path, run: Path,
+               stream: bool = False) -> list[str]:
     argv = [sys.executable, "-m", "retool", "train", "--config", str(CONFIG), "--save-every", str(args.save_every),
             "--max-steps", str(args.steps), "--train-data", str(data), "--run-dir", str(run),
             "--tinker-base-url", url, "--tinker-tokenizer", str(tokenizer), "--sinks", "jsonl",
@@ -182,6 +190,8 @@ def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, 
         argv += ["--sandbox-timeout-s", str(args.sandbox_timeout_s)]
     if args.sandbox_workers is not None:
         argv += ["--sandbox-workers", str(args.sandbox_workers)]
+    if stream:
+        argv.append("--stream-groups")
     return argv
 
 
@@ -208,15 +218,15 @@ class Outcome:
 
 
 def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenizer_dir: Path, data: Path,
-             kill: bool) -> Outcome:
-    """One run against a fresh latency-model service; with ``kill``, SIGKILLed after step
-    100 at a random point and resumed."""
+             kill: bool, stream: bool = False) -> Outcome:
+    """One run against a fresh latency-model service (``stream``: with ``--stream-groups``);
+    with ``kill``, SIGKILLed after step 100 at a random point and resumed."""
     from tests.tokenizers import qwen35_tokenizer
 
     run = work / "run"
     env = {**os.environ, "TINKER_API_KEY": API_KEY, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model) as server:
-        argv = train_argv(args, work, server.url, tokenizer_dir, data, run)
+        argv = train_argv(args, work, server.url, tokenizer_dir, data, run, stream)
         client = ClientRun(argv, run, env)
         codes, resumed_from = [], None
         if kill:
@@ -360,6 +370,29 @@ def print_totals(label: str, totals: dict[str, float], model: LatencyModel) -> N
           f"{t['turns']:.2f} turns on average")
 
 
+def print_stream_comparison(sync: dict[str, float], streamed: dict[str, float], sync_rows: list[dict],
+                            streamed_rows: list[dict], model: LatencyModel, batch_size: int) -> float:
+    """Print streamed against synchronous steps; return the measured steps-per-hour ratio.
+
+    The ideal: the synchronous step with its training time (``time/train``) hidden behind
+    the rollout except the last group's forward_backward (1 / batch_size of it) and the
+    optim_step, which streaming cannot hide."""
+    train_s, tail_s = _mean(sync_rows, "time/train"), _mean(streamed_rows, "time/train")
+    optim_s = model.scaled(model.optim_step_s)
+    ideal_step_s = sync["step_s"] - train_s + max(train_s - optim_s, 0.0) / batch_size + optim_s
+    ratio = sync["step_s"] / streamed["step_s"]
+    print(f"\n== --stream-groups vs synchronous ({int(sync['steps'])} steps each, same seed; load {os.getloadavg()})")
+    print(f"steps/hour: synchronous {3600 / sync['step_s']:.0f} ({sync['step_s']:.2f} s/step), streamed "
+          f"{3600 / streamed['step_s']:.0f} ({streamed['step_s']:.2f} s/step): {ratio:.3f}x")
+    print(f"training after the rollout: synchronous {train_s:.2f} s/step, streamed {tail_s:.2f} s/step; rollout "
+          f"{_mean(sync_rows, 'time/rollout'):.2f} vs {_mean(streamed_rows, 'time/rollout'):.2f} s/step; service busy "
+          f"{sync['service_s'] / max(sync['steps'], 1):.2f} vs {streamed['service_s'] / max(streamed['steps'], 1):.2f}"
+          f" s/step")
+    print(f"ideal under this latency model (all training but the last group's share and the optim_step hidden): "
+          f"{ideal_step_s:.2f} s/step = {sync['step_s'] / ideal_step_s:.3f}x")
+    return ratio
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, LatencyModel]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200, the reference run's)")
@@ -377,6 +410,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
                         help="the kill comes at a random point after this step (default 100)")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=False,
                         help="also run uninterrupted and check both asked the service the same things")
+    parser.add_argument("--stream-groups", action=argparse.BooleanOptionalAction, default=False,
+                        help="also run the steps with retool train --stream-groups (uninterrupted, fresh service) "
+                             "and print both, their steps/hour and ratio")
     parser.add_argument("--per-step", action=argparse.BooleanOptionalAction, default=True, help="print every step")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep runs here (default: a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="also write the totals here")
@@ -393,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         parser.error("--steps, --batch-size, --group-size, --problems and --save-every must be >= 1")
     if args.kill is None:
         args.kill = args.steps > args.kill_after + 1
+    if args.kill and args.stream_groups:
+        parser.error("--stream-groups compares uninterrupted runs: add --no-kill (or run fewer steps)")
     if args.kill and args.steps <= args.kill_after + 1:
         parser.error(f"--kill needs --steps > {args.kill_after + 1} (the kill comes after step {args.kill_after})")
     return args, model
@@ -423,6 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service calls and data order equal to an uninterrupted run's: {same} ({detail})")
         ok = ok and same
         totals["same_calls"] = float(same)
+    if args.stream_groups:
+        streamed = rehearse(args, model, work / "streamed", tokenizer_dir, data, kill=False, stream=True)
+        streamed_totals = report(streamed, model, args.per_step)
+        print_totals("streamed (--stream-groups)", streamed_totals, model)
+        totals["streamed_step_s"] = streamed_totals["step_s"]
+        totals["streamed_ratio"] = print_stream_comparison(totals, streamed_totals, outcome.rows, streamed.rows,
+                                                           model, args.batch_size)
+        ok = ok and all(code == 0 for code in streamed.returncodes)
     if args.json:
         args.json.write_text(json.dumps(totals, indent=1))
     return 0 if ok else 1

@@ -61,6 +61,7 @@ from retool.sandbox.executor import MAX_TIMEOUT_S
 from retool.seeding import derive_seed
 from retool.stats import trajectory_stats
 from retool.types import (
+    NOT_SAMPLED,
     ExecutionResult,
     Grade,
     InvalidToolCall,
@@ -205,12 +206,14 @@ class CodeRunner:
 
 @dataclass(frozen=True)
 class _Group:
-    """What every request of one group shares: its problem, sampler, seed and usage meter."""
+    """What every request of one group shares: its problem, sampler (and the weight version
+    it samples with), seed and usage meter."""
 
     problem: Problem
     sampler: SamplingClient
     seed: int | None
     usage: UsageMeter | None
+    version: int = 0
 
 
 @dataclass
@@ -235,6 +238,9 @@ class _State:
     tokens: list[int]
     mask: list[int]
     logprobs: list[float]
+    versions: list[int]
+    version: int
+    """The weight version sampling this trajectory's turns."""
     turns: list[Turn] = field(default_factory=list)
     code_calls: int = 0
     final_text: str = ""
@@ -243,9 +249,11 @@ class _State:
     """The trajectory's interpreter session (stateful mode), from its first code call on."""
 
     def extend(self, segment: Segment) -> None:
+        """Append ``segment``; its policy tokens were sampled by weight version ``version``."""
         self.tokens.extend(segment.tokens)
         self.mask.extend(segment.mask)
         self.logprobs.extend(segment.logprobs)
+        self.versions.extend(self.version if m else NOT_SAMPLED for m in segment.mask)
 
 
 @dataclass
@@ -286,7 +294,8 @@ class Rollout:
     # ------------------------------------------------------------ groups
 
     async def group(self, problem: Problem, group_size: int, *, sampler: SamplingClient | None = None,
-                    seed: int | None = None, usage: UsageMeter | None = None) -> list[Trajectory]:
+                    seed: int | None = None, usage: UsageMeter | None = None,
+                    weight_version: int = 0) -> list[Trajectory]:
         """Roll out ``group_size`` trajectories for ``problem`` (first turn forked) with
         ``sampler`` (default: the rollout's own).
 
@@ -297,11 +306,13 @@ class Rollout:
         gets what the uninterrupted step got). Without it, the fork uses
         ``config.seed`` and later turns draw from the engine's stream. ``usage``, when
         given, also receives this group's token usage (as :attr:`usage` does).
+        ``weight_version`` is recorded on every policy token (``Trajectory.versions_T``):
+        the trainer passes the step whose weights ``sampler`` holds.
         """
         sampler = sampler if sampler is not None else self.sampler
         if sampler is None:
             raise ValueError("no sampler: build the Rollout with one or pass sampler= to group()")
-        ctx = _Group(problem, sampler, seed, usage)
+        ctx = _Group(problem, sampler, seed, usage, weight_version)
         prompt = self.renderer.prompt_tokens(self.renderer.messages(problem.question))
         budget = self._turn_budget(len(prompt))
         if budget < 1:  # e.g. a long problem under a short --max-trajectory-tokens
@@ -330,11 +341,12 @@ class Rollout:
         return Trajectory(
             problem_id=problem.id, prompt_len=len(prompt), tokens_T=tuple(prompt), mask_T=(0,) * len(prompt),
             logprobs_T=(0.0,) * len(prompt), turns=(), grade=await self.grader("", problem.answer),
-            stop_reason=StopReason.PROMPT,
+            stop_reason=StopReason.PROMPT, versions_T=(NOT_SAMPLED,) * len(prompt),
         )
 
     async def _trajectory(self, ctx: _Group, index: int, prompt: list[int], first: SampledSequence) -> Trajectory:
-        state = _State(tokens=list(prompt), mask=[0] * len(prompt), logprobs=[0.0] * len(prompt))
+        state = _State(tokens=list(prompt), mask=[0] * len(prompt), logprobs=[0.0] * len(prompt),
+                       versions=[NOT_SAMPLED] * len(prompt), version=ctx.version)
         try:
             await self._turns(ctx, index, state, first)
         finally:  # also on errors and cancellation: no interpreter outlives its trajectory
@@ -345,7 +357,7 @@ class Rollout:
         return Trajectory(
             problem_id=problem.id, prompt_len=len(prompt), tokens_T=tuple(state.tokens),
             mask_T=tuple(state.mask), logprobs_T=tuple(state.logprobs), turns=tuple(state.turns),
-            grade=grade, stop_reason=state.stop_reason,
+            grade=grade, stop_reason=state.stop_reason, versions_T=tuple(state.versions),
         )
 
     async def _turns(self, ctx: _Group, index: int, state: _State, first: SampledSequence) -> None:

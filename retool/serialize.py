@@ -105,4 +105,5 @@ def trajectory_from_jsonable(d: dict) -> Trajectory:
         turns=tuple(_turn_from(t) for t in d["turns"]),
         grade=Grade(**d["grade"]),
         stop_reason=StopReason(d.get("stop_reason", "stop")),
+        versions_T=tuple(d["versions_T"]) if d.get("versions_T") is not None else None,
     )

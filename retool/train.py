@@ -7,6 +7,10 @@ One step, top to bottom (:func:`train_step`):
     datums (interpreter tokens weight 0) → forward_backward(ppo) → optim_step →
     metrics → (every N steps) checkpoint
 
+With ``--stream-groups`` (:func:`_streamed_step`, :mod:`retool.streaming`) the stages from
+the reward to the forward_backward run per group as the rollout goes on, and the
+optim_step follows the last group.
+
 The loop around it: :func:`train` builds the :class:`Trainer` and hands
 :meth:`Trainer.run_step` to :func:`retool.runs.run_steps` (metric sinks, progress bar,
 checkpoints, resume), which calls it once per step; ``run_step`` runs :func:`train_step`
@@ -40,11 +44,11 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool import algo, curriculum, runs
+from retool import algo, curriculum, runs, streaming
 from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostMeter, CostOptions, cost_meter
@@ -133,6 +137,10 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     beta2: float = option(0.95, "Adam beta2")
     weight_decay: float = option(0.0, "decoupled weight decay")
     grad_clip_norm: float | None = option(None, "clip the global gradient norm; none = only measure")
+    stream_groups: bool = option(False, "forward_backward on each group as soon as it (and every group before it) "
+                                        "has ended, optim_step once all have, overlapping the rollout's tail; the "
+                                        "loss becomes token sum / (batch_size x group_size x policy-token budget), "
+                                        "the synchronous update times train/stream_scale (docs/train.md)")
 
     # ---- run bookkeeping
     run_dir: str = option("runs/retool", "where the run writes metrics, trajectories and checkpoints")
@@ -193,7 +201,8 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         return Requirements(full_finetune=self.full_finetune, loss=self.loss, dual_clip=self.dual_clip is not None,
                             behaviour_is=self.behaviour_is != "off",
                             packing=self.packing, train_top_p=self.top_p, train_temperature=self.temperature,
-                            resume=True, weight_sync=self.weight_sync_check_every > 0)
+                            resume=True, weight_sync=self.weight_sync_check_every > 0,
+                            stream_groups=self.stream_groups)
 
 
 class StepError(RuntimeError):
@@ -205,6 +214,9 @@ Group = list[Trajectory]
 
 Advantaged = tuple[Group, tuple[float, ...]]
 """A group and the advantage of each of its trajectories."""
+
+GroupCallback = Callable[[int, int, Group], None]
+"""Told ``(round, position, group)`` as each group of a rollout ends."""
 
 
 # ---------------------------------------------------------------- one step
@@ -294,6 +306,9 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Adva
     #    first the weight-sync guard checks that sampler against the trainer (retool/weight_sync.py)
     sampler = _current_sampler(trainer, step)
     sync_metrics = trainer.weight_sync.check(step, trainer.engine, sampler) if trainer.weight_sync else {}
+    if cfg.stream_groups:  # stages 2-6 overlapped: each group trained as soon as it ends
+        metrics, groups_and_advantages = _streamed_step(trainer, sampler, step, batch, t0)
+        return {**metrics, **sync_metrics}, groups_and_advantages
     groups, refills = _roll_out(trainer, sampler, step, batch)
     t_rollout = time.monotonic() - t0
     # 3. reward: each trajectory was graded as it ended (the rollout's grader, retool.reward.agrade);
@@ -317,6 +332,43 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Adva
     return metrics, list(zip(groups, advantages_BG))
 
 
+def _streamed_step(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[int],
+                   t0: float) -> tuple[dict[str, float], list[Advantaged]]:
+    """:func:`train_step` from stage 2 on with ``--stream-groups`` (:mod:`retool.streaming`):
+    as each group ends, its reward, advantages and datums (stages 3-5), and its
+    forward_backward in rollout order while later groups still roll out; one optim_step
+    once every group has ended (stage 6). Then stages 3-5 once more over the whole batch
+    for the log (the same datums, unscaled) and stage 7 as in the synchronous step."""
+    cfg = trainer.config
+    divisor = streaming.token_divisor(cfg.batch_size, cfg.group_size, _policy_budget(cfg, None))
+    with streaming.StreamedUpdate(trainer.engine, cfg.loss, _loss_config(cfg), divisor,
+                                  lambda group: _group_datums(cfg, group)) as stream:
+        groups, refills = _roll_out(trainer, sampler, step, batch, on_group=stream.add)
+        t_rollout = time.monotonic() - t0
+        try:
+            update = stream.finish(_adam(cfg))
+        except (FloatingPointError, RuntimeError, ValueError) as err:  # non-finite loss/inputs, OOM
+            raise _update_failed(step, err) from err
+    t_train = time.monotonic() - t0 - t_rollout
+    rewards_BG, metrics = _shaped_rewards(cfg, groups)
+    degenerate_B = [algo.is_degenerate(rewards_G) for rewards_G in rewards_BG]
+    advantages_BG = [_advantages(cfg, rewards_G) for rewards_G in rewards_BG]
+    trained = _trained_groups(cfg, groups, advantages_BG, degenerate_B)
+    datums = _datums(cfg, trained)
+    if update:
+        metrics.update({**update, "train/sampler_nll": algo.sampler_nll(datums)})
+    metrics.update(_step_metrics(trainer, groups, degenerate_B, datums, len(trained), refills))
+    metrics.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0})
+    return metrics, list(zip(groups, advantages_BG))
+
+
+def _group_datums(cfg: TrainConfig, group: Group) -> list[Datum]:
+    """Stages 3-5 for one group: the datums it adds to the update (none when dropped)."""
+    (rewards_G,), _ = _shaped_rewards(cfg, [group])
+    advantages_G = _advantages(cfg, rewards_G)
+    return _datums(cfg, _trained_groups(cfg, [group], [advantages_G], [algo.is_degenerate(rewards_G)]))
+
+
 # ---------------------------------------------------------------- the stages' details
 
 
@@ -329,17 +381,19 @@ def _current_sampler(trainer: Trainer, step: int) -> SamplingClient:
         raise StepError(f"step {step}: the sampler could not get the current weights: {err}") from err
 
 
-def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[int]) -> tuple[list[Group], int]:
+def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[int], *,
+              on_group: GroupCallback | None = None) -> tuple[list[Group], int]:
     """The step's trajectory groups, and how many refill rounds it took.
 
     First a group for each problem of ``batch``; then, with ``refill_rounds``, up to that
     many rounds of fresh problems while fewer than ``batch_size`` groups are informative
     (DAPO's dynamic sampling). The resume plumbing sits here too: groups an interrupted run
     of this step finished are reused (said once on stderr), and the ``after_rollout``
-    failpoint may end the process (:func:`runs.failpoint`).
+    failpoint may end the process (:func:`runs.failpoint`). ``on_group(round, position,
+    group)`` is called as each group ends (or is reused).
     """
     cfg = trainer.config
-    groups = _rollout_round(trainer, sampler, step, 0, batch)
+    groups = _rollout_round(trainer, sampler, step, 0, batch, on_group)
     taken, rounds = list(batch), 0
     while rounds < cfg.refill_rounds:
         missing = cfg.batch_size - len(groups) + algo.count_degenerate_groups(_rewards(groups))
@@ -348,7 +402,7 @@ def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[
         rounds += 1
         refill = trainer.choose(step, rounds, missing, taken)
         taken += refill
-        groups += _rollout_round(trainer, sampler, step, rounds, refill)
+        groups += _rollout_round(trainer, sampler, step, rounds, refill, on_group)
     if trainer.reused_groups:
         print(f"step {step}: reused {trainer.reused_groups} trajectory group(s) that an interrupted run had "
               "finished; rolled out the rest", file=sys.stderr)
@@ -358,23 +412,23 @@ def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[
 
 
 def _rollout_round(trainer: Trainer, sampler: SamplingClient, step: int, round_: int,
-                   chosen: list[int]) -> list[Group]:
+                   chosen: list[int], on_group: GroupCallback | None) -> list[Group]:
     """Roll out a group for each problem ``chosen`` (indices) in rollout round ``round_``
     (0 = the batch, then refills), and record the groups in the difficulty pool (when on)."""
     problems = [trainer.problems[i] for i in chosen]
-    groups = _rollout_with_retries(trainer, problems, step, round_, sampler=sampler)
+    groups = _rollout_with_retries(trainer, problems, step, round_, sampler=sampler, on_group=on_group)
     if trainer.pool is not None:
         trainer.pool = curriculum.record(trainer.pool, problems, _rewards(groups))
     return groups
 
 
 def _rollout_with_retries(trainer: Trainer, problems: list[Problem], step: int, round_: int, *,
-                          sampler: SamplingClient | None) -> list[Group]:
+                          sampler: SamplingClient | None, on_group: GroupCallback | None = None) -> list[Group]:
     """The groups of ``problems``, retrying a rollout that failed transiently up to
     ``max_retries`` times; any other failure is a :class:`StepError` at once."""
     for attempt in range(trainer.config.max_retries + 1):
         try:
-            return asyncio.run(_rollout_groups(trainer, sampler, problems, step, round_))
+            return asyncio.run(_rollout_groups(trainer, sampler, problems, step, round_, on_group))
         except RolloutError as err:
             if not err.transient:
                 raise StepError(f"step {step}: rollout failed: {err}") from err
@@ -386,32 +440,39 @@ def _rollout_with_retries(trainer: Trainer, problems: list[Problem], step: int, 
 
 
 async def _rollout_groups(trainer: Trainer, sampler: SamplingClient | None, problems: list[Problem], step: int,
-                          round_: int) -> list[Group]:
+                          round_: int, on_group: GroupCallback | None = None) -> list[Group]:
     """One group per problem, all at once, in the order of ``problems``.
 
     Every group is seeded from (run seed, step, round, position), so it is the same
     whenever and with whatever else it is rolled out. With a :class:`runs.GroupStore`,
     a group an interrupted run of this step already finished is reused (its token usage
     and sandbox outcomes counted as if sampled now), and each new group is kept as it
-    finishes.
+    finishes. Every group is handed to ``on_group`` (when given) as it ends.
     """
-    cfg = trainer.config
 
     async def one(index: int, problem: Problem) -> Group:
-        key = runs.GroupKey(step, round_, index, problem.id)
-        stored = trainer.store.load(key) if trainer.store is not None else None
-        if stored is not None:
-            trainer.reuse(stored)
-            return list(stored.trajectories)
-        usage = UsageMeter()
-        group = await trainer.rollout.group(problem, cfg.group_size, sampler=sampler,
-                                            seed=derive_seed(cfg.seed, step, round_, index), usage=usage)
-        if trainer.store is not None:
-            trainer.store.save(key, group, usage.total)
-            runs.failpoint("group_saved", step)
+        group = await _group(trainer, sampler, problem, runs.GroupKey(step, round_, index, problem.id))
+        if on_group is not None:
+            on_group(round_, index, group)
         return group
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(problems))))
+
+
+async def _group(trainer: Trainer, sampler: SamplingClient | None, problem: Problem, key: runs.GroupKey) -> Group:
+    """The group of ``key``: the one an interrupted run stored, or a new one (then stored)."""
+    stored = trainer.store.load(key) if trainer.store is not None else None
+    if stored is not None:
+        trainer.reuse(stored)
+        return list(stored.trajectories)
+    usage, cfg = UsageMeter(), trainer.config
+    group = await trainer.rollout.group(problem, cfg.group_size, sampler=sampler,
+                                        seed=derive_seed(cfg.seed, key.step, key.round, key.index), usage=usage,
+                                        weight_version=key.step)
+    if trainer.store is not None:
+        trainer.store.save(key, group, usage.total)
+        runs.failpoint("group_saved", key.step)
+    return group
 
 
 def _rewards(groups: list[Group]) -> list[list[float]]:
@@ -438,9 +499,10 @@ def _shaped_rewards(cfg: TrainConfig, groups: list[Group]) -> tuple[list[list[fl
             for rewards_G, penalties_G in zip(_rewards(groups), penalties_BG)], metrics
 
 
-def _policy_budget(cfg: TrainConfig, trajectory: Trajectory) -> int:
+def _policy_budget(cfg: TrainConfig, trajectory: Trajectory | None) -> int:
+    """The most policy tokens ``trajectory`` could hold (``None``: any, an empty prompt's)."""
     return algo.policy_token_budget(cfg.max_trajectory_tokens, cfg.max_turn_tokens, cfg.max_assistant_turns,
-                                    trajectory.prompt_len)
+                                    trajectory.prompt_len if trajectory is not None else 0)
 
 
 def _advantages(cfg: TrainConfig, rewards_G: list[float]) -> tuple[float, ...]:
@@ -472,17 +534,23 @@ def _update(trainer: Trainer, step: int, datums: list[Datum]) -> dict[str, float
     if not datums:
         return {}
     cfg = trainer.config
-    adam = AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
-                      grad_clip_norm=cfg.grad_clip_norm)
     fb_future = trainer.engine.submit_forward_backward(datums, cfg.loss, _loss_config(cfg))
-    opt_future = trainer.engine.submit_optim_step(adam)  # taken before the first is done, as services allow
+    opt_future = trainer.engine.submit_optim_step(_adam(cfg))  # taken before the first is done, as services allow
     try:
         fb, opt = fb_future.result(), opt_future.result()
     except (FloatingPointError, RuntimeError, ValueError) as err:  # non-finite loss/inputs, OOM
-        raise StepError(f"step {step}: the update failed and was not applied "
-                        f"({type(err).__name__}: {err}); resume from the last checkpoint "
-                        "after fixing the cause (e.g. a lower --lr or --micro-batch-tokens)") from err
+        raise _update_failed(step, err) from err
     return {**fb.metrics, **opt.metrics, "train/sampler_nll": algo.sampler_nll(datums)}
+
+
+def _adam(cfg: TrainConfig) -> AdamParams:
+    return AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
+                      grad_clip_norm=cfg.grad_clip_norm)
+
+
+def _update_failed(step: int, err: Exception) -> StepError:
+    return StepError(f"step {step}: the update failed and was not applied ({type(err).__name__}: {err}); resume "
+                     "from the last checkpoint after fixing the cause (e.g. a lower --lr or --micro-batch-tokens)")
 
 
 def _loss_config(cfg: TrainConfig) -> dict[str, float]:

@@ -178,13 +178,21 @@ class Turn:
     exchange: ToolExchange | None = None
 
 
+NOT_SAMPLED = -1
+"""The weight version of a token no policy sampled (prompt, template, interpreter)."""
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """One complete multi-turn rollout for one problem.
 
     ``tokens_T`` is the whole context (prompt included); ``mask_T`` is 1 on tokens
     sampled by the policy and 0 on prompt, template and interpreter tokens;
-    ``logprobs_T`` holds the sampler's logprob for policy tokens and 0.0 elsewhere.
+    ``logprobs_T`` holds the sampler's logprob for policy tokens and 0.0 elsewhere;
+    ``versions_T`` the weight version that sampled each policy token (the trainer's step
+    whose sampler drew it: the weights after every earlier step's update) and
+    :data:`NOT_SAMPLED` elsewhere; ``None`` when not recorded (files written before it
+    was).
     """
 
     problem_id: str
@@ -195,6 +203,12 @@ class Trajectory:
     turns: tuple[Turn, ...]
     grade: Grade
     stop_reason: StopReason = StopReason.STOP
+    versions_T: tuple[int, ...] | None = field(default=None, metadata={"omit_if_none": True})
+
+    def __post_init__(self) -> None:
+        if self.versions_T is not None and len(self.versions_T) != len(self.tokens_T):
+            raise ValueError(f"trajectory {self.problem_id!r}: versions_T has {len(self.versions_T)} entries, "
+                             f"tokens_T {len(self.tokens_T)}")
 
     @property
     def num_code_calls(self) -> int:

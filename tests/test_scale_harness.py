@@ -51,6 +51,24 @@ def test_the_real_sdk_trains_three_steps_against_the_latency_service(rehearsal):
     assert len(outcome.marks) == 4  # the first request, then one mark per optim_step
 
 
+def test_the_streamed_mode_trains_each_group_in_its_own_call_and_compares_in_one_run(rehearsal, capsys):
+    run, outcome, args, model = rehearsal
+    streamed = scale.rehearse(args, model, run.parents[1] / "streamed", run.parents[1] / "tokenizer",
+                              run.parents[1] / "train.jsonl", kill=False, stream=True)
+    assert streamed.returncodes == [0]
+    assert [r["step"] for r in streamed.rows] == [1, 2, 3]
+    for row in streamed.rows:
+        calls = [c for c in streamed.calls if c.endpoint == "forward_backward" and c.step == row["step"] - 1]
+        assert len(calls) == row.get("train/stream_calls", 0) <= args.batch_size
+        assert ("train/stream_scale" in row) == bool(calls)
+    assert sorted({c.step for c in streamed.calls if c.endpoint == "optim_step"}) == [0, 1, 2]
+    sync_totals, streamed_totals = (scale.report(o, model, per_step=False) for o in (outcome, streamed))
+    ratio = scale.print_stream_comparison(sync_totals, streamed_totals, outcome.rows, streamed.rows, model,
+                                          args.batch_size)
+    assert ratio == pytest.approx(sync_totals["step_s"] / streamed_totals["step_s"])
+    assert "steps/hour: synchronous" in capsys.readouterr().out
+
+
 def test_the_metrics_the_bench_reads_exist_and_its_totals_are_sane(rehearsal):
     _, outcome, _, model = rehearsal
     for key in BENCH_KEYS:
@@ -192,7 +210,8 @@ def test_a_tokenizer_setting_must_be_a_folder(tmp_path):
 @pytest.mark.parametrize("flags, message", [(["--time-scale", "0"], "time_scale must be > 0"),
                                             (["--decode-rate", "-5"], "decode_rate must be > 0"),
                                             (["--steps", "0"], "must be >= 1"),
-                                            (["--steps", "50", "--kill"], "--kill needs --steps > 101")])
+                                            (["--steps", "50", "--kill"], "--kill needs --steps > 101"),
+                                            (["--steps", "200", "--stream-groups"], "add --no-kill")])
 def test_bad_bench_flags_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         scale.parse_args(flags)

@@ -389,11 +389,13 @@ def test_docs_list_every_flag():
     assert markdown_table(TrainConfig) in (REPO / "docs" / "cli.md").read_text()
 
 
-def test_a_non_finite_update_stops_the_run_with_the_step(tmp_path):
-    """A NaN in the sampler logprobs makes the PPO loss non-finite: the run stops, says where."""
+@pytest.mark.parametrize("stream_groups", [False, True], ids=["sync", "streamed"])
+def test_a_non_finite_update_stops_the_run_with_the_step(tmp_path, stream_groups):
+    """A NaN in the sampler logprobs makes the PPO loss non-finite: the run stops, says where
+    (streamed: the poisoned group's call fails, so no optim_step follows the others')."""
     from retool.train import StepError, build_trainer, train_step
 
-    trainer = build_trainer(tiny_config(tmp_path))
+    trainer = build_trainer(tiny_config(tmp_path, stream_groups=stream_groups))
     real_group = trainer.rollout.group
 
     async def poisoned(problem, group_size, **kwargs):

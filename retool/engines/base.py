@@ -97,6 +97,9 @@ class Capabilities:
     the guard may also require identical probe logprobs after a step that applied no
     update (a service whose numerics are not documented as repeatable is ``False``: only
     a sampler whose logprobs did not move while the trainer's did is flagged)."""
+    stream_groups: bool = True
+    """Takes ``forward_backward`` calls while its sampler is still sampling with the same
+    weights, and losses positively homogeneous in the advantages (``--stream-groups``)."""
 
 
 ENGINE_STATE_FILE = "engine.json"

@@ -27,6 +27,7 @@ class Requirements:
     train_temperature: float = 1.0
     resume: bool = False
     weight_sync: bool = False
+    stream_groups: bool = False
 
 
 def reads_checkpoint(engine: str, written_by: str) -> bool:
@@ -51,6 +52,8 @@ def check_supported(engine: str, needs: Requirements) -> None:
         (caps.resume or not needs.resume, "--resume (its checkpoints hold no optimiser state)"),
         (caps.weight_sync_tolerance is not None or not needs.weight_sync,
          "the weight-sync check (use --weight-sync-check-every 0)"),
+        (caps.stream_groups or not needs.stream_groups,
+         "--stream-groups (it cannot train while it samples; leave --stream-groups off)"),
     ) if not ok]
     if problems:
         raise ConfigError(f"engine {engine} does not support {problems[0]}")
@@ -68,6 +71,7 @@ CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
     ("exact resume", lambda c: _yes(c.resume)),
     ("weight-sync tolerance", lambda c: "no check" if c.weight_sync_tolerance is None else
      f"{c.weight_sync_tolerance:g}" + ("" if c.weight_sync_repeatable else " (not repeatable: stale rule only)")),
+    ("streaming (`--stream-groups`)", lambda c: _yes(c.stream_groups)),
 )
 
 

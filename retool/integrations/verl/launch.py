@@ -100,6 +100,8 @@ class VerlConfig(VerlSettings, TrainConfig):
         require(self.loss == "ppo", "verl-config writes the PPO-clip loss only (loss = ppo)")
         require(self.refill_rounds == 0 and not self.drop_degenerate_groups,
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
+        require(not self.stream_groups, "--stream-groups is retool train's own pipeline (verl schedules its own "
+                "rollout and update); leave it off")
         require(self.curriculum == "none", "the difficulty curriculum has no verl equivalent here (verl's "
                 "dataloader draws the batches); drop --curriculum")
         require(self.advantage == "grpo" and self.overlong == "none" and self.behaviour_is == "off",
