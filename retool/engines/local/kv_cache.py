@@ -2,13 +2,16 @@
 
 - Shared-prefix cache: when the rows of one ``generate`` call share a prompt prefix of
   at least :data:`MIN_SHARED_PREFIX` tokens (system prompt and tool declaration; a GRPO
-  group's whole question), :func:`prefix_cache` runs it once and repeats its KV for
-  every row; :func:`left_pad` lays rows out ``[prefix, padding, own tokens]`` so the
-  prefix sits at the same positions in every row.
+  group's whole question), :func:`prefix_kv` runs it once (the HF paths repeat its KV
+  for every row, :func:`repeated_cache`; the lean steps read one copy);
+  :func:`left_pad` lays rows out ``[prefix, padding, own tokens]`` so the prefix sits
+  at the same positions in every row.
 - :class:`KVStore`: an LRU store, bounded in bytes, of the KV of earlier sequences
   (prompt + sampled tokens but the last) keyed by their tokens. :func:`stored_layout`
   lays rows that continue stored sequences out ``[padding, stored tokens, padding, new
   tokens]`` with the stored KV in place, so only the new tokens are prefilled;
+  :func:`restored_layout` does the same for the lean prefill without building an HF
+  cache (:class:`Restored`: the shared prefix once, each row's stored KV referenced);
   :func:`store_rows` fills the store after a ``generate`` call.
 
 Both work on plain tensors; turning them into and out of HF cache objects (and the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from retool.engines.local import hf_compat
@@ -96,17 +100,23 @@ def shared_prefix_length(prompts: list[tuple[int, ...]]) -> int:
     return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
-def prefix_cache(model: Any, prefix: tuple[int, ...], rows: int, store: KVStore) -> Any:
-    """The HF cache of ``prefix`` repeated for ``rows`` rows (the prefix's KV also goes
-    into ``store``), or ``None`` when the model's cache is not pure attention."""
+def prefix_kv(model: Any, prefix: tuple[int, ...], store: KVStore) -> KV | None:
+    """The KV of ``prefix`` (one row; it also goes into ``store``), or ``None`` when the
+    model's cache is not pure attention."""
     import torch
 
     out = model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True, logits_to_keep=1)
     cache = hf_compat.cache_of(out)
     if not hf_compat.pure_attention(cache):
         return None
-    store.remember(prefix, hf_compat.row_kv(cache, 0))
-    return hf_compat.repeat_rows(cache, rows)
+    kv = hf_compat.row_kv(cache, 0)
+    store.remember(prefix, kv)
+    return kv
+
+
+def repeated_cache(kv: KV, rows: int) -> Any:
+    """An HF cache holding one row's KV repeated for ``rows`` rows (the HF paths' prefix cache)."""
+    return hf_compat.repeat_rows(hf_compat.cache_from_kv([(k[None], v[None]) for k, v in kv]), rows)
 
 
 def left_pad(prompts: list[tuple[int, ...]], pad_id: int, device: Any, keep: int = 0) -> tuple[Any, Any]:
@@ -120,36 +130,100 @@ def left_pad(prompts: list[tuple[int, ...]], pad_id: int, device: Any, keep: int
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
-def stored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, pad_id: int,
-                  device: Any) -> tuple[Any, Any, Any, int] | None:
-    """Cache, ids, mask and reused token count that reuse stored KV for every row, or
-    ``None`` when a row continues nothing stored or the shared-prefix layout (``shared``
-    tokens computed once) would prefill fewer tokens."""
-    import torch
-    import torch.nn.functional as F
+@dataclass(frozen=True)
+class Restored:
+    """KV a lean prefill starts from (``lean_decode.LeanCache.prefill``), without an HF
+    cache: the rows' shared prefix once (per layer ``(kv_heads, P, head_dim)``; ``()`` for
+    none) and, for rows that continue stored sequences, each row's stored columns after
+    that prefix: ``rows[i] = (column, kv)`` puts ``kv`` (per layer ``(kv_heads, n,
+    head_dim)``) at the row's own columns ``column .. column + n`` of ``width`` restored
+    own columns (the others are padding)."""
 
+    prefix: KV = ()
+    rows: tuple[tuple[int, KV], ...] = ()
+    width: int = 0
+
+    @property
+    def prefix_len(self) -> int:
+        return self.prefix[0][0].shape[1] if self.prefix else 0
+
+    @property
+    def columns(self) -> int:
+        """Leading columns of the batch whose KV this holds."""
+        return self.prefix_len + self.width
+
+
+def _hits(store: KVStore, prompts: list[tuple[int, ...]], shared: int) -> list[tuple[int, KV]] | None:
+    """The stored sequence every prompt continues, or ``None`` when a row continues
+    nothing stored or the shared-prefix layout (``shared`` tokens computed once) would
+    prefill fewer tokens."""
     if not store.budget_bytes or not store.entries:
         return None
     hits = [store.lookup(p) for p in prompts]
     if any(h is None or h[0] < MIN_SHARED_PREFIX for h in hits):
         return None
     rows, longest = len(prompts), max(len(p) for p in prompts)
-    reuse_len = max(h[0] for h in hits)
     new_len = max(len(p) - h[0] for p, h in zip(prompts, hits))
     if rows * new_len >= shared + rows * (longest - shared):  # prefill work of each layout
         return None
+    return hits
+
+
+def _stored_ids(prompts: list[tuple[int, ...]], reused_R: list[int], keep: int, pad_id: int,
+                device: Any) -> tuple[Any, Any]:
+    """Ids and mask ``[first keep tokens, padding, rest of the reused tokens, padding, new tokens]``."""
+    import torch
+
+    reuse_len = max(reused_R)
+    new_len = max(len(p) - n for p, n in zip(prompts, reused_R))
     ids, mask = [], []
-    for p, (n, _) in zip(prompts, hits):
+    for p, n in zip(prompts, reused_R):
         a, b = reuse_len - n, new_len - (len(p) - n)
-        ids.append([pad_id] * a + list(p[:n]) + [pad_id] * b + list(p[n:]))
-        mask.append([0] * a + [1] * n + [0] * b + [1] * (len(p) - n))
+        ids.append(list(p[:keep]) + [pad_id] * a + list(p[keep:n]) + [pad_id] * b + list(p[n:]))
+        mask.append([1] * keep + [0] * a + [1] * (n - keep) + [0] * b + [1] * (len(p) - n))
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+
+
+def stored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, pad_id: int,
+                  device: Any) -> tuple[Any, Any, Any, int] | None:
+    """HF cache, ids, mask and reused token count that reuse stored KV for every row
+    (laid out ``[padding, stored tokens, padding, new tokens]``), or ``None`` (see
+    :func:`_hits`)."""
+    import torch
+    import torch.nn.functional as F
+
+    hits = _hits(store, prompts, shared)
+    if hits is None:
+        return None
+    reuse_len = max(n for n, _ in hits)
+    ids, mask = _stored_ids(prompts, [n for n, _ in hits], 0, pad_id, device)
     layers = []
     for layer in range(len(hits[0][1])):
         keys = [F.pad(kv[layer][0][:, :n], (0, 0, reuse_len - n, 0)) for n, kv in hits]
         values = [F.pad(kv[layer][1][:, :n], (0, 0, reuse_len - n, 0)) for n, kv in hits]
         layers.append((torch.stack(keys), torch.stack(values)))
-    return (hf_compat.cache_from_kv(layers), torch.tensor(ids, device=device),
-            torch.tensor(mask, device=device), sum(n for n, _ in hits))
+    return hf_compat.cache_from_kv(layers), ids, mask, sum(n for n, _ in hits)
+
+
+def restored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, pad_id: int,
+                    device: Any) -> tuple[Restored, Any, Any, int] | None:
+    """:class:`Restored` KV, ids, mask and reused token count that reuse stored KV for
+    every row, for the lean prefill, or ``None`` (see :func:`_hits`). Rows are laid out
+    ``[shared prefix, padding, rest of the stored tokens, padding, new tokens]``: the
+    prefix the prompts share within their stored tokens (at least
+    :data:`MIN_SHARED_PREFIX`, else none) is kept once (the first row's stored KV of it),
+    each row's other stored KV is referenced, not copied."""
+    hits = _hits(store, prompts, shared)
+    if hits is None:
+        return None
+    reused_R = [n for n, _ in hits]
+    keep = min(common_prefix(prompts), min(reused_R))
+    keep = keep if keep >= MIN_SHARED_PREFIX else 0
+    width = max(reused_R) - keep
+    ids, mask = _stored_ids(prompts, reused_R, keep, pad_id, device)
+    prefix = tuple((k[:, :keep], v[:, :keep]) for k, v in hits[0][1]) if keep else ()
+    rows = tuple((width - (n - keep), tuple((k[:, keep:n], v[:, keep:n]) for k, v in kv)) for n, kv in hits)
+    return Restored(prefix, rows, width), ids, mask, sum(reused_R)
 
 
 def store_rows(store: KVStore, cache: Any, attention_mask: Any, prompts: list[tuple[int, ...]],

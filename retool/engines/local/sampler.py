@@ -208,13 +208,13 @@ class LocalSamplingClient:
         seeds = decoding.row_seeds(self.seed, self.calls, [(r.params.seed, i) for r, i in rows])
         sampler = decoding.RowSampler(params, decoding.row_generators(seeds, device), self.nucleus_candidates)
         with self._lock, torch.no_grad(), model_mode(self.model, train=False):
-            cache, input_ids, attention_mask, shared, prefix_saved, reused = self._layout(prompts)
             lean = self._lean() if self.decode_loop == "lean" else None
+            cache, input_ids, attention_mask, prefix_saved, reused = self._layout(prompts, lean is not None)
             if self.reserve_kv and lean is None:
                 cache = hf_compat.with_reserved_room(cache, self.model.config, max(max_tokens_R))
             if self.decode_loop != "generate":
                 sequences = self._decode(cache, input_ids, attention_mask, prompts, sampler, max_tokens_R,
-                                         set(stop_ids), lean, shared)
+                                         set(stop_ids), lean)
             else:
                 sequences = self._generate_call(cache, input_ids, attention_mask, prompts, sampler, max_tokens_R,
                                                 stop_ids)
@@ -228,7 +228,7 @@ class LocalSamplingClient:
 
     def _decode(self, cache: Any, input_ids: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
                 sampler: decoding.RowSampler, max_tokens_R: list[int], stop_ids: set[int],
-                lean: lean_decode.DecodeWeights | None, shared: int) -> list[SampledSequence]:
+                lean: lean_decode.DecodeWeights | None) -> list[SampledSequence]:
         """The rows sampled by the sampler's own decode loop (lean steps with ``lean``
         weights); each finished row's KV goes to the store."""
         def keep_kv(row_kv: Any, row: int, tokens: list[int]) -> None:
@@ -236,7 +236,7 @@ class LocalSamplingClient:
                 kv_cache.store_row(self.kv_store, row_kv(), attention_mask[row], prompts[row], tuple(tokens))
 
         rows_R = decode(self.model, cache, input_ids, attention_mask, sampler, max_tokens_R, stop_ids,
-                        on_finished=keep_kv, lean=lean, shared=shared)
+                        on_finished=keep_kv, lean=lean)
         return [decoding.finish_row(tokens, logprobs, budget, stop_ids)
                 for (tokens, logprobs), budget in zip(rows_R, max_tokens_R)]
 
@@ -260,22 +260,28 @@ class LocalSamplingClient:
         self._store_rows(out, attention_mask, prompts, sequences)
         return sequences
 
-    def _layout(self, prompts: list[tuple[int, ...]]) -> tuple[Any, Any, Any, int, int, int]:
-        """Cache (``None``: none), input ids, attention mask, the leading columns every row
-        shares (the prefix cache's; else 0), and the prompt tokens saved by the prefix cache
-        and by the KV store, for one call: stored KV of earlier turns,
-        else a shared prefix computed once, else plain left padding."""
+    def _layout(self, prompts: list[tuple[int, ...]], lean: bool) -> tuple[Any, Any, Any, int, int]:
+        """Cache, input ids, attention mask, and the prompt tokens saved by the prefix cache
+        and by the KV store, for one call: stored KV of earlier turns, else a shared prefix
+        computed once, else plain left padding. With ``lean`` the cache is a
+        ``kv_cache.Restored`` for the lean prefill (the prefix once, not repeated per
+        row), else an HF cache (``None``: none)."""
         pad, device = self.tokenizer.pad_token_id, self.model.device
         shared = kv_cache.shared_prefix_length(prompts) if self.prefix_cache else 0
-        stored = kv_cache.stored_layout(self.kv_store, prompts, shared, pad, device)
+        layout = kv_cache.restored_layout if lean else kv_cache.stored_layout
+        stored = layout(self.kv_store, prompts, shared, pad, device)
         if stored is not None:
             cache, input_ids, attention_mask, reused = stored
-            return cache, input_ids, attention_mask, 0, 0, reused
-        cache = self._prefix_cache(prompts[0][:shared], len(prompts)) if shared else None
-        if cache is None:
+            return cache, input_ids, attention_mask, 0, reused
+        prefix = self._prefix_kv(prompts[0][:shared]) if shared else None
+        if prefix is None:
             shared = 0
         input_ids, attention_mask = kv_cache.left_pad(prompts, pad, device, keep=shared)
-        return cache, input_ids, attention_mask, shared, shared * (len(prompts) - 1), 0
+        if prefix is None:
+            cache = None
+        else:
+            cache = kv_cache.Restored(prefix) if lean else kv_cache.repeated_cache(prefix, len(prompts))
+        return cache, input_ids, attention_mask, shared * (len(prompts) - 1), 0
 
     def _lean(self) -> lean_decode.DecodeWeights | None:
         """The lean step's weights for the model's current weights (merged again only
@@ -283,14 +289,14 @@ class LocalSamplingClient:
         self._lean_weights = lean_decode.decode_weights(self.model, self._lean_weights)
         return self._lean_weights
 
-    def _prefix_cache(self, prefix: tuple[int, ...], rows: int) -> Any:
-        """The KV cache of ``prefix`` repeated for ``rows`` rows, or ``None`` when the
-        model's cache is not pure attention (then the prefix cache and store stay off)."""
-        cache = kv_cache.prefix_cache(self.model, prefix, rows, self.kv_store)
-        if cache is None:
+    def _prefix_kv(self, prefix: tuple[int, ...]) -> Any:
+        """The KV of ``prefix`` (one row), or ``None`` when the model's cache is not pure
+        attention (then the prefix cache and store stay off)."""
+        kv = kv_cache.prefix_kv(self.model, prefix, self.kv_store)
+        if kv is None:
             self.prefix_cache = False
             self.kv_cache_bytes = 0
-        return cache
+        return kv
 
     def _store_rows(self, out: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
                     sequences: list[SampledSequence]) -> None:
