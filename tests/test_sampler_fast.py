@@ -33,9 +33,10 @@ STOPS = tuple(range(3, 9))  # ~1 in 10 tokens ends a row: rows finish at differe
 
 
 def engine(tiny_model: str, loop: str, **overrides) -> LocalTrainingClient:
-    """A local engine whose LoRA adapters have non-zero (seeded) weights."""
+    """A local engine whose LoRA adapters have non-zero (seeded) weights; ``overrides`` are
+    ``LocalSettings`` fields."""
     client = LocalTrainingClient(LocalEngineConfig(model=tiny_model, lora_rank=8, lora_alpha=16.0,
-                                                   decode_loop=loop, **overrides))
+                                                   sampler=LocalSettings(decode_loop=loop, **overrides)))
     perturb_lora(client.model, seed=3)
     return client
 
@@ -65,8 +66,8 @@ PROMPTS = [SYSTEM + [10, 11], SYSTEM + [12], SYSTEM + [13, 14, 15, 16], [2, 20, 
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_own_loop_samples_what_generate_samples(tiny_model, prefix_cache, loop):
     params = base.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, stop_token_ids=STOPS, seed=5)
-    own = flat(batch(engine(tiny_model, loop, sample_prefix_cache=prefix_cache), PROMPTS, 4, params))
-    hf = flat(batch(engine(tiny_model, "generate", sample_prefix_cache=prefix_cache), PROMPTS, 4, params))
+    own = flat(batch(engine(tiny_model, loop, prefix_cache=prefix_cache), PROMPTS, 4, params))
+    hf = flat(batch(engine(tiny_model, "generate", prefix_cache=prefix_cache), PROMPTS, 4, params))
     assert [s.tokens for s in own] == [s.tokens for s in hf]
     assert [s.stop_reason for s in own] == [s.stop_reason for s in hf]
     assert len({len(s.tokens) for s in own}) > 2  # rows really finished at different steps
@@ -119,7 +120,7 @@ def test_own_loop_fills_the_kv_store_that_the_next_turn_reuses(tiny_model, loop)
     contexts = [SYSTEM + [7, 8, 9] + list(s.tokens) + [40 + i, 41, 42] for i, s in enumerate(first)]
     second = flat(batch(client, contexts, 1, params))
     assert client.sampler.kv_reused_tokens == sum(len(SYSTEM) + 3 + len(s.tokens) - 1 for s in first)
-    fresh = flat(batch(engine(tiny_model, loop, sample_kv_cache_mb=0), contexts, 1, params))
+    fresh = flat(batch(engine(tiny_model, loop, kv_cache_mb=0), contexts, 1, params))
     assert [s.tokens for s in second] == [s.tokens for s in fresh]
     for context, seq in zip(contexts, second):
         expected = teacher_forced_logprobs(client, context, seq.tokens, 0.9)
@@ -129,8 +130,9 @@ def test_own_loop_fills_the_kv_store_that_the_next_turn_reuses(tiny_model, loop)
 def test_an_unknown_decode_loop_is_a_clear_error(tiny_model):
     client = engine(tiny_model, "own")
     with pytest.raises(ValueError, match="decode_loop must be one of lean, own, generate"):
-        LocalSamplingClient(client.model, client.tokenizer, threading.Lock(), decode_loop="fast")
-    assert LocalSettings().decode_loop == "lean" == LocalEngineConfig(model=tiny_model).decode_loop
+        LocalSamplingClient(client.model, client.tokenizer, threading.Lock(),
+                            settings=LocalSettings(decode_loop="fast"))
+    assert LocalSettings().decode_loop == "lean" == LocalEngineConfig(model=tiny_model).sampler.decode_loop
 
 
 def test_lean_steps_follow_new_weights(tiny_model):
@@ -275,3 +277,28 @@ def test_tree_pss_counts_pages_a_forked_child_shares_once():
     assert reading.unreadable == 0
     assert reading.rss_bytes - reading.pss_bytes >= 150 * 2**20
     del held
+
+
+@pytest.mark.parametrize("loop", ["lean", "own"])
+def test_a_batch_over_its_kv_budget_is_split_and_samples_the_same(tiny_model, loop):
+    """Rows whose KV would exceed ``batch_kv_mb`` run as several smaller batches (the
+    lean path counts the shared prefix once, the HF paths once per row), with the tokens
+    an unlimited batch samples and logprobs within 1e-4 of the model's own forward."""
+    params = base.SamplingParams(max_tokens=8, temperature=1.0, stop_token_ids=STOPS, seed=5)
+    prompts = [SYSTEM + [10 + i, 11] for i in range(6)]
+    whole = engine(tiny_model, loop, batch_kv_mb=0)
+    expected = flat(batch(whole, prompts, 2, params))
+    split = engine(tiny_model, loop)
+    sampler = split.sampler
+    per_token = sampler.kv_bytes_per_token
+    own = 2 + 8 if loop == "lean" else len(SYSTEM) + 2 + 8  # columns per row the estimate counts
+    shared = len(SYSTEM) if loop == "lean" else 0
+    sampler.batch_kv_bytes = (4 * own + shared) * per_token  # room for four rows
+    got = flat(batch(split, prompts, 2, params))
+    assert whole.sampler.calls == 1 and sampler.calls == 3  # 12 rows: 4 + 4 + 4
+    assert [s.tokens for s in got] == [s.tokens for s in expected]
+    for prompt, seq in zip([p for p in prompts for _ in range(2)], got):
+        want = teacher_forced_logprobs(split, prompt, seq.tokens, 1.0)
+        assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4)
+    sampler.batch_kv_bytes = 1  # less than one row: still one row per batch
+    assert len(flat(batch(split, prompts[:2], 1, params))) == 2 and sampler.calls == 5

@@ -90,12 +90,8 @@ class LocalTrainingClient:
         self.vocab_size = base.get_input_embeddings().num_embeddings
         self._lock = threading.Lock()
         self._pending_gradient = False
-        self.sampler = LocalSamplingClient(self.model, self.tokenizer, self._lock,
-                                           seed=config.seed, window_s=config.sample_window_s,
-                                           max_rows=config.max_sample_rows,
-                                           prefix_cache=config.sample_prefix_cache,
-                                           kv_cache_mb=config.sample_kv_cache_mb,
-                                           fast=config.fast_sampling, decode_loop=config.decode_loop)
+        self.sampler = LocalSamplingClient(self.model, self.tokenizer, self._lock, seed=config.seed,
+                                           settings=config.sampler)
         if config.logprob_chunk_tokens:
             check_chunkable(self.model)
         if config.packing != "bucketed":
@@ -439,7 +435,7 @@ class LocalTrainingClient:
 
     def close(self, status: str = "success") -> None:
         """End the run's use of the client: the local engine holds no process or session,
-        so this frees the sampler's stored KV caches (up to ``sample_kv_cache_mb``); the
+        so this frees the sampler's stored KV caches (up to ``sampler.kv_cache_mb``); the
         model and optimiser go with the client. ``status`` is not recorded anywhere.
         Harmless to call twice; the client still works afterwards (caches refill)."""
         self.sampler.clear_kv_cache()
