@@ -296,8 +296,9 @@ def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
 
 
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
-           peak_rss_bytes: int = 0) -> list[Path]:
-    """Plots, the HTML viewer and the summary files (with the process tree's peak RSS)."""
+           memory: PeakRSS | None = None) -> list[Path]:
+    """Plots, the HTML viewer and the summary files (with the process tree's peak memory:
+    ``peak_pss_mb``, its real footprint, and ``peak_rss_mb``, RSS summed over it)."""
     written = plots.plot_checkpoints(out / "eval", out / "plots", order=STAGES)
     written += plots.plot_training(rl_dir, out / "plots")
     written.append(view.write_view([eval_path(out, STAGES[2])], out / "view.html",
@@ -308,7 +309,8 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
                              **{m.name: {"before": m.before, "after": m.after, "difference": m.difference,
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
                              "significant": accuracy.significant},
-               "peak_rss_mb": round(peak_rss_bytes / 2**20)}
+               "peak_pss_mb": round(memory.peak_bytes / 2**20) if memory else 0,
+               "peak_rss_mb": round(memory.sampled_bytes / 2**20) if memory else 0}
     rollouts = rl_rollouts(rl_dir)
     if rollouts is not None:
         summary["rl_rollouts"] = rollouts.to_json()
@@ -389,7 +391,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
         rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
         summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
-    report(cfg, out, summaries, gain, rl_dir, memory.peak_bytes)
+    report(cfg, out, summaries, gain, rl_dir, memory)
     print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir))
     print(memory.sentence())
     return summaries

@@ -38,6 +38,7 @@ from retool import algo
 from retool.atomic import replace_folder
 from retool.engines.base import AdamParams, ForwardBackwardOutput, OptimStepOutput, run_now
 from retool.engines.local.config import LocalEngineConfig
+from retool.engines.local import memory
 from retool.engines.local.kv_cache import common_prefix
 from retool.engines.local.model import (
     apply_lora,
@@ -125,6 +126,10 @@ class LocalTrainingClient:
         stats = _LossStats()
         logprobs_D: list[tuple[float, ...]] = [()] * len(data)
         with self._lock, model_mode(self.model, train=True):
+            # The weights change at the next optim_step: the sampler's merged lean weights and
+            # stored KV (up to the model's size + kv_cache_mb) would be dropped then; dropping
+            # them now keeps them out of the training step's peak memory.
+            self.sampler.clear_kv_cache()
             try:
                 for indices in plan:
                     logprobs_B = self._micro_batch_backward(data, indices, loss_fn, config,
@@ -134,6 +139,7 @@ class LocalTrainingClient:
             except BaseException:  # no partial gradient may reach a later optim_step
                 self._discard_gradient()
                 raise
+        memory.release_free_memory()  # the micro-batches' activations and logits are freed now
         self._pending_gradient = True
         return ForwardBackwardOutput(tuple(logprobs_D), stats.metrics(loss_fn, len(data), len(plan)))
 
