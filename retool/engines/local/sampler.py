@@ -205,14 +205,23 @@ class LocalSamplingClient:
 
     def _chunks(self, rows: list[tuple[_Request, int]]) -> list[list[tuple[_Request, int]]]:
         """``rows`` in order, as batches of at most ``max_rows`` whose KV cache (estimated
-        by :meth:`_kv_bytes`) fits ``batch_kv_bytes``; at least one row each."""
+        by :meth:`_kv_bytes`) fits ``batch_kv_bytes``, at least one row each; as many
+        batches as filling each in turn needs, of even sizes where they fit (not 63 + 1)."""
+        chunks = self._fill(rows, self.max_rows)
+        if len(chunks) > 1:
+            even = self._fill(rows, -(-len(rows) // len(chunks)))
+            chunks = even if len(even) == len(chunks) else chunks
+        return chunks
+
+    def _fill(self, rows: list[tuple[_Request, int]], most: int) -> list[list[tuple[_Request, int]]]:
+        """``rows`` in order, each batch filled while it has fewer than ``most`` rows and fits."""
         chunks: list[list[tuple[_Request, int]]] = []
         current: list[tuple[_Request, int]] = []
         shared = 0
         for row in rows:
             prompt = row[0].prompt
             with_row = min(shared, kv_cache.common_prefix([current[0][0].prompt, prompt])) if current else len(prompt)
-            if current and (len(current) == self.max_rows
+            if current and (len(current) == most
                             or 0 < self.batch_kv_bytes < self._kv_bytes(current + [row], with_row)):
                 chunks.append(current)
                 current, with_row = [], len(prompt)
