@@ -101,8 +101,10 @@ class KVStore:
         return tuple((torch.cat([hk, k[:, :stop - base]], dim=1), torch.cat([hv, v[:, :stop - base]], dim=1))
                      for (hk, hv), (k, v) in zip(head, entry.tail))
 
-    def remember(self, tokens: tuple[int, ...], kv: KV) -> None:
-        """Store the KV of ``tokens`` (per layer ``(kv_heads, len(tokens), head_dim)``)."""
+    def remember(self, tokens: tuple[int, ...], kv: KV, positions: Any = None) -> None:
+        """Store the KV of ``tokens``: per layer ``(kv_heads, columns, head_dim)``, the
+        tokens' columns being ``positions`` (a 1-D index; ``None``: all, in order). Only
+        the columns after a stored parent are copied."""
         if not self.budget_bytes or len(tokens) < MIN_SHARED_PREFIX:
             return
         if tokens in self.entries:
@@ -112,7 +114,10 @@ class KVStore:
         if parent is not None and len(parent) < MIN_SHARED_PREFIX:
             parent = None
         cut = 0 if parent is None else len(parent)
-        tail = tuple((k[:, cut:].clone(), v[:, cut:].clone()) if cut else (k, v) for k, v in kv)
+        if positions is not None:
+            tail = tuple((k[:, positions[cut:]], v[:, positions[cut:]]) for k, v in kv)  # copies
+        else:
+            tail = tuple((k[:, cut:].clone(), v[:, cut:].clone()) if cut else (k, v) for k, v in kv)
         size = nbytes(tail)
         if size > self.budget_bytes:
             return
@@ -312,7 +317,7 @@ def store_rows(store: KVStore, cache: Any, attention_mask: Any, prompts: list[tu
         kept = len(tokens) - 1
         positions = torch.cat([attention_mask[k].nonzero().squeeze(1),
                                torch.arange(width, width + kept, device=attention_mask.device)])
-        store.remember(prompt + tokens[:kept], hf_compat.row_kv(cache, k, positions))
+        store.remember(prompt + tokens[:kept], hf_compat.row_kv(cache, k), positions)
     return True
 
 
@@ -325,4 +330,4 @@ def store_row(store: KVStore, row_kv: KV, prompt_mask: Any, prompt: tuple[int, .
     width, kept = prompt_mask.shape[0], len(tokens) - 1
     positions = torch.cat([prompt_mask.nonzero().squeeze(1),
                            torch.arange(width, width + kept, device=prompt_mask.device)])
-    store.remember(prompt + tokens[:kept], tuple((k[:, positions], v[:, positions]) for k, v in row_kv))
+    store.remember(prompt + tokens[:kept], row_kv, positions)
