@@ -318,8 +318,10 @@ class LeanCache:
         return _linear(F.rms_norm(last, (hidden,), w.final_norm, w.eps), w.head)
 
     def keep_rows(self, index: Any) -> None:
-        """Keep only the batch rows ``index``."""
-        self.own = [(k[:, index], v[:, index]) for k, v in self.own]
+        """Keep only the batch rows ``index`` (layer by layer, so that the old and the new
+        buffers of one layer, not of all, are alive at once)."""
+        for layer, (k, v) in enumerate(self.own):
+            self.own[layer] = (k[:, index], v[:, index])
         self.bias = self.bias[index]
 
     def row_kv(self, row: int) -> KV:
@@ -370,7 +372,8 @@ class LeanCache:
         import torch.nn.functional as F
 
         extra = max(16, self.width)
-        self.own = [(F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra))) for k, v in self.own]
+        for layer, (k, v) in enumerate(self.own):
+            self.own[layer] = (F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)))
         self.bias = F.pad(self.bias, (0, extra))
 
 
