@@ -20,6 +20,7 @@ import asyncio
 import time
 
 from retool.engines.base import SamplingParams
+from retool.engines import LocalSettings
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 
 TOOL_MESSAGE = "<|im_start|>user\n<tool_response>\n1707336\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -52,7 +53,7 @@ def main() -> None:
     from sampling import tool_prompts  # the rollout's own prompts
 
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
-                                                   max_sample_rows=args.requests))
+                                                   sampler=LocalSettings(max_sample_rows=args.requests)))
     sampler, tokenizer = engine.save_weights_for_sampler(), engine.get_tokenizer()
     first_P = tool_prompts(tokenizer, args.requests)
     first = asyncio.run(batch(sampler, first_P, SamplingParams(max_tokens=args.first_tokens, stop_token_ids=(0,),

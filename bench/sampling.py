@@ -42,6 +42,7 @@ import os
 import time
 
 from retool.engines.base import SamplingParams
+from retool.engines import LocalSettings
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 
 QUESTIONS = [
@@ -110,7 +111,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
-                                                   max_sample_rows=args.requests))
+                                                   sampler=LocalSettings(max_sample_rows=args.requests)))
     sampler = engine.save_weights_for_sampler()
     sampler.kv_cache_bytes = 0  # the store of earlier turns is bench/multiturn.py's subject
     make = tool_prompts if args.tool_prompts or args.loops else prompts

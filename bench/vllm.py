@@ -124,6 +124,7 @@ def main() -> None:
 
     from retool.bundled import smollm2_path
     from retool.engines import VLLMSettings
+    from retool.engines import LocalSettings
     from retool.engines.local import LocalEngineConfig, LocalTrainingClient, default_stop_token_ids
     from retool.engines.vllm import Server, VLLMTrainingClient
     from retool.engines.vllm.server import ServerOptions
@@ -135,7 +136,7 @@ def main() -> None:
         server = Server(VLLMSettings(url=args.url, adapter_dir=tmp if args.url else None), options)
         try:
             trainer = LocalTrainingClient(LocalEngineConfig(model="bundled:smollm2", lora_rank=32, lora_alpha=32.0,
-                                                            max_sample_rows=64))
+                                                            sampler=LocalSettings(max_sample_rows=64)))
             server.wait_ready()
             print(f"vLLM server ready {time.monotonic() - t0:.0f} s after its start (not counted below)")
             engine = VLLMTrainingClient(trainer, server, mode="raw_logprobs", seed=0,

@@ -296,9 +296,10 @@ def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
 
 
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
-           peak_rss_bytes: int = 0, stage_seconds: dict[str, float] | None = None) -> list[Path]:
-    """Plots, the HTML viewer and the summary files (with the process tree's peak RSS and,
-    when given, each stage's wall time in this invocation)."""
+           memory: PeakRSS | None = None, stage_seconds: dict[str, float] | None = None) -> list[Path]:
+    """Plots, the HTML viewer and the summary files (with the process tree's peak memory:
+    ``peak_pss_mb``, its real footprint, and ``peak_rss_mb``, RSS summed over it; and, when
+    given, each stage's wall time in this invocation)."""
     written = plots.plot_checkpoints(out / "eval", out / "plots", order=STAGES)
     written += plots.plot_training(rl_dir, out / "plots")
     written.append(view.write_view([eval_path(out, STAGES[2])], out / "view.html",
@@ -309,7 +310,8 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
                              **{m.name: {"before": m.before, "after": m.after, "difference": m.difference,
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
                              "significant": accuracy.significant},
-               "peak_rss_mb": round(peak_rss_bytes / 2**20)}
+               "peak_pss_mb": round(memory.peak_bytes / 2**20) if memory else 0,
+               "peak_rss_mb": round(memory.rss_peak_bytes / 2**20) if memory else 0}
     if stage_seconds is not None:
         summary["stage_seconds"] = {stage: round(seconds, 1) for stage, seconds in stage_seconds.items()}
     rollouts = rl_rollouts(rl_dir)
@@ -421,7 +423,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
         with clock("eval after RL"):
             summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
-    report(cfg, out, summaries, gain, rl_dir, memory.peak_bytes, clock.seconds)
+    report(cfg, out, summaries, gain, rl_dir, memory, clock.seconds)
     print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir))
     print(clock.sentence())
     print(memory.sentence())

@@ -1,14 +1,24 @@
-"""The peak resident memory of this process and every process it started (``PeakRSS``).
+"""The peak memory of this process and every process it started (``PeakRSS``).
 
 ``retool demo`` reports it at the end: the sandbox's worker processes and the grader
 pool run beside the model, so the process's own peak (``resource.getrusage``) would
-miss them. A daemon thread sums the resident set size (RSS) of the process tree every
-``interval_s`` seconds (psutil) and keeps the largest sum; the process's own exact peak
-(``ru_maxrss``) is reported too, as a floor the sampling cannot miss.
+miss them. A daemon thread reads the process tree every ``interval_s`` seconds (psutil)
+and keeps two peaks:
 
-Not covered: memory shared between processes is counted once per process (RSS), so the
-sum can overstate a forked tree's use; spikes shorter than the interval between samples
-are seen only in the process's own peak.
+- the summed **PSS** (proportional set size: a page shared by n processes counts 1/n in
+  each), the tree's real footprint: forked sandbox children share the copy-on-write
+  pages of their warm parent (interpreter, numpy, sympy), which a sum of RSS counts once
+  per child. A process whose PSS cannot be read (another user's, e.g. a sandbox child
+  that dropped its uid) counts with its RSS, and ``unreadable`` says how many did;
+- the summed **RSS**, the upper bound the first version of this module reported.
+
+The process's own exact peak (``ru_maxrss``) is reported too, and ``peak_bytes`` (what
+the demo prints first and records as ``peak_pss_mb``) is the larger of the PSS peak and
+that floor, which the sampling cannot miss.
+
+Not covered: spikes shorter than the interval between samples are seen only in the
+process's own peak; memory the kernel holds for the processes (page tables, tmpfs
+files of the sandbox's scratch folders) is not in either sum.
 """
 
 from __future__ import annotations
@@ -16,24 +26,48 @@ from __future__ import annotations
 import resource
 import sys
 import threading
+from dataclasses import dataclass
 
 import psutil
 
 
-def tree_rss_bytes(process: psutil.Process) -> int:
-    """The summed RSS of ``process`` and all its descendants (processes that exit while
-    being read count as 0)."""
-    total = 0
+@dataclass(frozen=True)
+class TreeMemory:
+    """One reading of a process tree: summed RSS, summed PSS (RSS where unreadable)."""
+
+    rss_bytes: int
+    pss_bytes: int
+    unreadable: int
+    """Processes whose PSS could not be read (counted with their RSS)."""
+
+
+def tree_memory(process: psutil.Process) -> TreeMemory:
+    """RSS and PSS summed over ``process`` and all its descendants (processes that exit
+    while being read count as 0)."""
+    rss = pss = unreadable = 0
     try:
         members = [process, *process.children(recursive=True)]
     except psutil.Error:
-        return 0
+        return TreeMemory(0, 0, 0)
     for member in members:
         try:
-            total += member.memory_info().rss
+            own_rss = member.memory_info().rss
         except psutil.Error:
             continue  # it exited between the listing and the read
-    return total
+        rss += own_rss
+        try:
+            pss += member.memory_full_info().pss
+        except psutil.AccessDenied:
+            pss += own_rss
+            unreadable += 1
+        except psutil.Error:
+            continue
+    return TreeMemory(rss, pss, unreadable)
+
+
+def tree_rss_bytes(process: psutil.Process) -> int:
+    """The summed RSS of ``process`` and all its descendants."""
+    return tree_memory(process).rss_bytes
 
 
 def own_peak_bytes() -> int:
@@ -43,12 +77,15 @@ def own_peak_bytes() -> int:
 
 
 class PeakRSS:
-    """Samples the process tree's RSS while in a ``with`` block; ``peak_bytes`` is the
-    largest sum seen (at least this process's own peak)."""
+    """Samples the process tree's memory while in a ``with`` block: ``sampled_bytes`` is
+    the largest summed RSS seen, ``sampled_pss_bytes`` the largest summed PSS, and
+    ``peak_bytes`` the PSS peak (at least this process's own peak)."""
 
     def __init__(self, interval_s: float = 0.5) -> None:
         self.interval_s = interval_s
         self.sampled_bytes = 0
+        self.sampled_pss_bytes = 0
+        self.unreadable = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
 
@@ -62,17 +99,27 @@ class PeakRSS:
 
     @property
     def peak_bytes(self) -> int:
+        return max(self.sampled_pss_bytes, own_peak_bytes())
+
+    @property
+    def rss_peak_bytes(self) -> int:
+        """The largest summed RSS seen (at least this process's own peak, as ``peak_bytes``)."""
         return max(self.sampled_bytes, own_peak_bytes())
 
     def _sample(self) -> None:
         process = psutil.Process()
         while True:
-            self.sampled_bytes = max(self.sampled_bytes, tree_rss_bytes(process))
+            reading = tree_memory(process)
+            self.sampled_bytes = max(self.sampled_bytes, reading.rss_bytes)
+            if reading.pss_bytes > self.sampled_pss_bytes:
+                self.sampled_pss_bytes, self.unreadable = reading.pss_bytes, reading.unreadable
             if self._stop.wait(self.interval_s):
                 return
 
     def sentence(self) -> str:
         """One line for the demo's output."""
-        return (f"peak memory: {self.peak_bytes / 2**30:.2f} GiB resident, this process and its sandbox and "
-                f"grader processes together (sampled every {self.interval_s:g} s; this process alone "
-                f"peaked at {own_peak_bytes() / 2**30:.2f} GiB)")
+        unreadable = f"; {self.unreadable} processes' PSS unreadable, counted at their RSS" if self.unreadable else ""
+        return (f"peak memory: {self.peak_bytes / 2**30:.2f} GiB (PSS, shared pages split between processes), "
+                f"this process and its sandbox and grader processes together; their RSS summed peaked at "
+                f"{self.rss_peak_bytes / 2**30:.2f} GiB (counts shared pages once per process), this process "
+                f"alone at {own_peak_bytes() / 2**30:.2f} GiB (sampled every {self.interval_s:g} s{unreadable})")

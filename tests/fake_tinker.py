@@ -155,16 +155,18 @@ class FakeService:
     # ------------------------------------------------------------ clients
 
     def lora_trainer(self, base_model: str, rank: int, seed: int | None, train_unembed: bool) -> FakeTrainer:
+        from retool.engines import LocalSettings
         from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 
         self.check("create_lora_training_client")
         if not Path(base_model).is_dir():
             raise self.error(404)
         local = LocalTrainingClient(LocalEngineConfig(model=base_model, lora_rank=rank, lora_alpha=self.lora_alpha,
-                                                      seed=seed or 0, sample_kv_cache_mb=0))
+                                                      seed=seed or 0, sampler=LocalSettings(kv_cache_mb=0)))
         return self._register(FakeTrainer(self, local, base_model))
 
     def trainer_from_state(self, path: str, with_optimizer: bool) -> FakeTrainer:
+        from retool.engines import LocalSettings
         from retool.engines.base import EngineCheckpoint
         from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 
@@ -173,7 +175,7 @@ class FakeService:
         saved = EngineCheckpoint.read(folder)
         local = LocalTrainingClient(LocalEngineConfig(
             model=saved.model, lora_rank=saved.lora["rank"], lora_alpha=saved.lora["alpha"],
-            init_from=None if with_optimizer else str(folder), sample_kv_cache_mb=0))
+            init_from=None if with_optimizer else str(folder), sampler=LocalSettings(kv_cache_mb=0)))
         if with_optimizer:
             local.load_state(folder)
         return self._register(FakeTrainer(self, local, saved.model))

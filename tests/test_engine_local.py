@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from retool import algo
-from retool.engines import base, create_training_client
+from retool.engines import LocalSettings, base, create_training_client
 from retool.engines.local import decoding, hf_compat, trainer
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 from retool.types import StopReason
@@ -378,7 +378,7 @@ def test_sampler_logprobs_are_the_unfiltered_policy_at_temperature(make_engine):
 
 
 def test_sampled_tokens_follow_the_filtered_distribution(make_engine):
-    engine = make_engine(max_sample_rows=1000)
+    engine = make_engine(sampler=LocalSettings(max_sample_rows=1000))
     prompt = [2, 5]
     with torch.no_grad():
         logits = engine.model(input_ids=torch.tensor([prompt])).logits[0, -1] / 0.8
@@ -501,7 +501,7 @@ def test_shared_prefix_cache_samples_what_plain_padding_samples(make_engine):
             return await asyncio.gather(*(engine.sampler.sample(p, 2, params) for p in prompts))
         return asyncio.run(run())
 
-    cached, plain = make_engine(), make_engine(sample_prefix_cache=False)
+    cached, plain = make_engine(), make_engine(sampler=LocalSettings(prefix_cache=False))
     with_cache, without = together(cached), together(plain)
     assert cached.sampler.prefix_cached_tokens == 20 * 7 and plain.sampler.prefix_cached_tokens == 0
     for prompt, a, b in zip(prompts, with_cache, without):
@@ -522,7 +522,7 @@ def test_next_turns_reuse_the_stored_kv_and_sample_what_a_full_prefill_samples(m
     tokens: same tokens as an engine without the store, policy logprobs, counted reuse."""
     system = [2] + [3 + (5 * i) % 40 for i in range(19)]
     params = base.SamplingParams(max_tokens=6, temperature=0.9, seed=11)
-    stored, plain = make_engine(), make_engine(sample_kv_cache_mb=0)
+    stored, plain = make_engine(), make_engine(sampler=LocalSettings(kv_cache_mb=0))
 
     def turn_two(engine):
         first = sample(engine, system + [7, 8, 9], 3, params).sequences
@@ -612,13 +612,46 @@ def test_reserved_kv_layers_sample_what_growing_by_concatenation_samples(make_en
 
 
 def test_the_kv_store_stays_within_its_memory_budget(make_engine):
-    engine = make_engine(sample_kv_cache_mb=1)
+    engine = make_engine(sampler=LocalSettings(kv_cache_mb=1))
     params = base.SamplingParams(max_tokens=8, temperature=1.0, seed=1)
     for i in range(40):
         sample(engine, [2] + [3 + (i * 7 + j) % 50 for j in range(60)], 2, params)
     sampler = engine.sampler
     assert 0 < sampler.kv_store.size <= 2**20
-    assert sampler.kv_store.size == sum(k.nbytes + v.nbytes for kv in sampler.kv_store.entries.values() for k, v in kv)
+    entries = sampler.kv_store.entries
+    assert sampler.kv_store.size == sum(k.nbytes + v.nbytes for e in entries.values() for k, v in e.tail)
+    assert all(e.parent in entries and entries[e.parent].children > 0 for e in entries.values() if e.parent)
+
+
+def test_the_kv_store_keeps_a_shared_system_prompt_once():
+    """Sequences that extend a stored one keep only their own columns; columns across the
+    split read the same KV as was stored; the referred-to entry outlives those that refer
+    to it, and eviction keeps the size within budget."""
+    from retool.engines.local.kv_cache import MIN_SHARED_PREFIX, KVStore
+
+    generator = torch.Generator().manual_seed(0)
+    system = tuple(range(MIN_SHARED_PREFIX + 4))
+    def kv(n):
+        return tuple((torch.randn(2, n, 4, generator=generator), torch.randn(2, n, 4, generator=generator))
+                     for _ in range(3))
+    per_column = 3 * 2 * 2 * 4 * 4  # layers x (k, v) x kv_heads x head_dim x 4 bytes
+    store = KVStore(budget_bytes=per_column * (len(system) + 3 * 10))
+    prefix = kv(len(system))
+    store.remember(system, prefix)
+    rows = []
+    for i in range(4):  # the fourth row evicts the oldest row, never the system prompt
+        tokens, full = system + tuple(100 + 10 * i + j for j in range(10)), kv(len(system) + 10)
+        store.remember(tokens, full)
+        rows.append((tokens, full))
+    assert store.size <= store.budget_bytes and rows[0][0] not in store.entries and system in store.entries
+    assert store.entries[system].children == 3 and store.size == per_column * (len(system) + 30)
+    tokens, full = rows[-1]
+    n, key = store.lookup(tokens + (7,))
+    assert (n, key) == (len(tokens), tokens)
+    across = store.columns(key, 2, len(tokens))  # system prompt columns (as stored first), then the row's
+    for (k, v), (pk, pv), (fk, fv) in zip(across, prefix, full):
+        assert torch.equal(k[:, :len(system) - 2], pk[:, 2:]) and torch.equal(k[:, len(system) - 2:], fk[:, len(system):])
+        assert torch.equal(v[:, :len(system) - 2], pv[:, 2:]) and torch.equal(v[:, len(system) - 2:], fv[:, len(system):])
 
 
 def multi_turn_samples(engine) -> list[list[tuple[int, ...]]]:
@@ -649,7 +682,7 @@ def test_fast_sampling_off_samples_what_the_fast_path_samples(make_engine, monke
     expected = multi_turn_samples(fast)
     assert fast.sampler.prefix_cached_tokens > 0 and fast.sampler.kv_reused_tokens > 0
     forbid_cache_internals(monkeypatch)
-    plain = make_engine(fast_sampling=False)
+    plain = make_engine(sampler=LocalSettings(fast_sampling=False))
     assert multi_turn_samples(plain) == expected
     assert plain.sampler.prefix_cached_tokens == plain.sampler.kv_reused_tokens == 0
     monkeypatch.setenv(hf_compat.FAST_SAMPLING_ENV, "0")  # the environment switch

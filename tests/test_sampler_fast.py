@@ -13,6 +13,7 @@ the lean step's logits equal the model's own forward pass.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 import pytest
@@ -32,9 +33,10 @@ STOPS = tuple(range(3, 9))  # ~1 in 10 tokens ends a row: rows finish at differe
 
 
 def engine(tiny_model: str, loop: str, **overrides) -> LocalTrainingClient:
-    """A local engine whose LoRA adapters have non-zero (seeded) weights."""
+    """A local engine whose LoRA adapters have non-zero (seeded) weights; ``overrides`` are
+    ``LocalSettings`` fields."""
     client = LocalTrainingClient(LocalEngineConfig(model=tiny_model, lora_rank=8, lora_alpha=16.0,
-                                                   decode_loop=loop, **overrides))
+                                                   sampler=LocalSettings(decode_loop=loop, **overrides)))
     perturb_lora(client.model, seed=3)
     return client
 
@@ -64,8 +66,8 @@ PROMPTS = [SYSTEM + [10, 11], SYSTEM + [12], SYSTEM + [13, 14, 15, 16], [2, 20, 
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_own_loop_samples_what_generate_samples(tiny_model, prefix_cache, loop):
     params = base.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, stop_token_ids=STOPS, seed=5)
-    own = flat(batch(engine(tiny_model, loop, sample_prefix_cache=prefix_cache), PROMPTS, 4, params))
-    hf = flat(batch(engine(tiny_model, "generate", sample_prefix_cache=prefix_cache), PROMPTS, 4, params))
+    own = flat(batch(engine(tiny_model, loop, prefix_cache=prefix_cache), PROMPTS, 4, params))
+    hf = flat(batch(engine(tiny_model, "generate", prefix_cache=prefix_cache), PROMPTS, 4, params))
     assert [s.tokens for s in own] == [s.tokens for s in hf]
     assert [s.stop_reason for s in own] == [s.stop_reason for s in hf]
     assert len({len(s.tokens) for s in own}) > 2  # rows really finished at different steps
@@ -118,7 +120,7 @@ def test_own_loop_fills_the_kv_store_that_the_next_turn_reuses(tiny_model, loop)
     contexts = [SYSTEM + [7, 8, 9] + list(s.tokens) + [40 + i, 41, 42] for i, s in enumerate(first)]
     second = flat(batch(client, contexts, 1, params))
     assert client.sampler.kv_reused_tokens == sum(len(SYSTEM) + 3 + len(s.tokens) - 1 for s in first)
-    fresh = flat(batch(engine(tiny_model, loop, sample_kv_cache_mb=0), contexts, 1, params))
+    fresh = flat(batch(engine(tiny_model, loop, kv_cache_mb=0), contexts, 1, params))
     assert [s.tokens for s in second] == [s.tokens for s in fresh]
     for context, seq in zip(contexts, second):
         expected = teacher_forced_logprobs(client, context, seq.tokens, 0.9)
@@ -128,8 +130,9 @@ def test_own_loop_fills_the_kv_store_that_the_next_turn_reuses(tiny_model, loop)
 def test_an_unknown_decode_loop_is_a_clear_error(tiny_model):
     client = engine(tiny_model, "own")
     with pytest.raises(ValueError, match="decode_loop must be one of lean, own, generate"):
-        LocalSamplingClient(client.model, client.tokenizer, threading.Lock(), decode_loop="fast")
-    assert LocalSettings().decode_loop == "lean" == LocalEngineConfig(model=tiny_model).decode_loop
+        LocalSamplingClient(client.model, client.tokenizer, threading.Lock(),
+                            settings=LocalSettings(decode_loop="fast"))
+    assert LocalSettings().decode_loop == "lean" == LocalEngineConfig(model=tiny_model).sampler.decode_loop
 
 
 def test_lean_steps_follow_new_weights(tiny_model):
@@ -160,13 +163,16 @@ def tiny_config(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_lean_step_equals_the_model_forward_on_qwen(kind):
-    """Shared prefix + padded own columns (prefilled by the model, or by the lean
-    prefill) + three lean steps: the logits of the model's own forward pass over the
-    same rows (same positions, same mask)."""
+def test_lean_step_equals_the_model_forward_on_qwen(kind, monkeypatch):
+    """Shared prefix + padded own columns, prefilled by the lean prefill from nothing,
+    from the prefix's KV, or from each row's restored KV of its first columns (as a next
+    turn over stored KV), + three lean steps: the logits of the model's own forward pass
+    over the same rows (same positions, same mask), whether the prefill takes all rows at
+    once or one at a time."""
     from transformers import AutoModelForCausalLM
 
     from retool.engines.local import lean_decode
+    from retool.engines.local.kv_cache import Restored
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
@@ -177,23 +183,32 @@ def test_lean_step_equals_the_model_forward_on_qwen(kind):
     weights = lean_decode.decode_weights(model)
     assert weights is not None
     prefix = [5, 6, 7, 8, 9]
-    ids = torch.tensor([prefix + [0, 0, 11, 12], prefix + [0, 13, 14, 15], prefix + [16, 17, 18, 19]])
+    ids = torch.tensor([prefix + [0, 0, 11, 12, 0, 30], prefix + [0, 13, 14, 15, 31, 32],
+                        prefix + [16, 17, 18, 19, 0, 33]])
     mask = (ids != 0).long()
     steps = torch.tensor([[20, 21, 22], [23, 24, 25], [26, 27, 28]])
     with torch.no_grad():
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        lean = lean_decode.LeanCache.from_hf(weights, out.past_key_values, mask, len(prefix), reserve=1)
         full_ids, full_mask = torch.cat([ids, steps], 1), torch.cat([mask, torch.ones_like(steps)], 1)
         full_positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
         expected = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
-        prefix_cache = model(input_ids=ids[:1, :len(prefix)], use_cache=True).past_key_values
-        prefilled, first = lean_decode.LeanCache.prefill(weights, prefix_cache, len(prefix), ids, mask, positions, 1)
-        assert torch.allclose(first, expected[:, ids.shape[1] - 1], atol=1e-4)
-        for step in range(3):  # the third step outgrows the reserved room
-            for cache in (lean, prefilled):
+        prefix_kv = [(k[0], v[0]) for k, v in
+                     ((layer.keys, layer.values) for layer in
+                      model(input_ids=ids[:1, :len(prefix)], use_cache=True).past_key_values.layers)]
+        restored_columns = 4  # each row's columns 5..8 restored, as a later turn over stored KV
+        early = model(input_ids=ids[:, :9], attention_mask=mask[:, :9], position_ids=positions[:, :9],
+                      use_cache=True).past_key_values
+        rows = tuple((0, tuple((layer.keys[r, :, 5:9], layer.values[r, :, 5:9]) for layer in early.layers))
+                     for r in range(3))
+        starts = {"nothing": None, "prefix": Restored(tuple(prefix_kv)),
+                  "stored": Restored(tuple(prefix_kv), rows, restored_columns)}
+        for (name, start), chunk_bytes in itertools.product(starts.items(), (2**30, 1)):  # 1: a row at a time
+            monkeypatch.setattr(lean_decode, "PREFILL_SCORES_BYTES", chunk_bytes)
+            cache, first = lean_decode.LeanCache.prefill(weights, start, ids, mask, positions, 1)
+            assert torch.allclose(first, expected[:, ids.shape[1] - 1], atol=1e-4), name
+            for step in range(3):  # the third step outgrows the reserved room
                 got = cache.step(steps[:, step], full_positions[:, ids.shape[1] + step])
-                assert torch.allclose(got, expected[:, ids.shape[1] + step], atol=1e-4)
+                assert torch.allclose(got, expected[:, ids.shape[1] + step], atol=1e-4), (name, step)
 
 
 def test_models_the_lean_step_does_not_cover_fall_back_to_the_model_forward():
@@ -230,5 +245,60 @@ def test_peak_rss_counts_child_processes():
         child.kill()
         child.wait()
     assert memory.sampled_bytes >= before + 150 * 2**20  # the child's pages, on top of this process
-    assert memory.peak_bytes >= memory.sampled_bytes
-    assert "GiB resident" in memory.sentence()
+    assert memory.sampled_pss_bytes >= before + 150 * 2**20 - 50 * 2**20  # its own pages are not shared
+    assert memory.peak_bytes >= memory.sampled_pss_bytes
+    assert "GiB (PSS" in memory.sentence() and "RSS summed" in memory.sentence()
+
+
+def test_tree_pss_counts_pages_a_forked_child_shares_once():
+    """A forked child shares its parent's 200 MB copy-on-write: the RSS sum counts them
+    twice, the PSS sum once (the demo's first figure)."""
+    import os
+    import time
+
+    import psutil
+
+    from retool.peak_rss import tree_memory
+
+    held = bytearray(200 * 2**20)
+    held[::4096] = b"x" * len(held[::4096])
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: touches nothing, says it is up, waits
+        os.write(write, b"1")
+        time.sleep(3)
+        os._exit(0)
+    try:
+        os.read(read, 1)
+        reading = tree_memory(psutil.Process())
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert reading.unreadable == 0
+    assert reading.rss_bytes - reading.pss_bytes >= 150 * 2**20
+    del held
+
+
+@pytest.mark.parametrize("loop", ["lean", "own"])
+def test_a_batch_over_its_kv_budget_is_split_and_samples_the_same(tiny_model, loop):
+    """Rows whose KV would exceed ``batch_kv_mb`` run as several smaller batches (the
+    lean path counts the shared prefix once, the HF paths once per row), with the tokens
+    an unlimited batch samples and logprobs within 1e-4 of the model's own forward."""
+    params = base.SamplingParams(max_tokens=8, temperature=1.0, stop_token_ids=STOPS, seed=5)
+    prompts = [SYSTEM + [10 + i, 11] for i in range(6)]
+    whole = engine(tiny_model, loop, batch_kv_mb=0)
+    expected = flat(batch(whole, prompts, 2, params))
+    split = engine(tiny_model, loop)
+    sampler = split.sampler
+    per_token = sampler.kv_bytes_per_token
+    own = 2 + 8 if loop == "lean" else len(SYSTEM) + 2 + 8  # columns per row the estimate counts
+    shared = len(SYSTEM) if loop == "lean" else 0
+    sampler.batch_kv_bytes = (5 * own + shared) * per_token  # room for five rows
+    got = flat(batch(split, prompts, 2, params))
+    assert whole.sampler.calls == 1 and sampler.calls == 3  # 12 rows: 4 + 4 + 4, not 5 + 5 + 2
+    assert [s.tokens for s in got] == [s.tokens for s in expected]
+    for prompt, seq in zip([p for p in prompts for _ in range(2)], got):
+        want = teacher_forced_logprobs(split, prompt, seq.tokens, 1.0)
+        assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4)
+    sampler.batch_kv_bytes = 1  # less than one row: still one row per batch
+    assert len(flat(batch(split, prompts[:2], 1, params))) == 2 and sampler.calls == 5

@@ -25,14 +25,17 @@ run's. The demo passes its own (``bundled:smollm2``); engines take the model the
 
 @dataclass(frozen=True)
 class LocalSettings:
-    """Settings of the local engine's sampler (``--local-*``; ``[local]`` in a preset)."""
+    """Settings of the local engine's sampler (``--local-*``; ``[local]`` in a preset),
+    handed as one record to ``LocalEngineConfig.sampler`` and ``LocalSamplingClient``."""
 
     sample_window_s: float = option(0.01, "how long the sampler gathers concurrent requests into one "
                                           "generate call")
     max_sample_rows: int = option(64, "most sequences generated together in one generate call")
     prefix_cache: bool = option(True, "compute a prompt prefix the rows of a generate call share once")
-    kv_cache_mb: int = option(1024, "memory for earlier sequences' KV, so a trajectory's next turn prefills "
-                                    "only its new tokens; 0 = off")
+    kv_cache_mb: int = option(512, "memory for earlier sequences' KV, so a trajectory's next turn prefills "
+                                   "only its new tokens (a shared system prompt is kept once); 0 = off")
+    batch_kv_mb: int = option(512, "most memory one decode batch's KV cache may take: a batch holds fewer "
+                                   "rows (down to one) when theirs would take more; 0 = no limit")
     fast_sampling: bool = option(True, "the sampler's fast path (prefix cache, KV store, reserved decode room, "
                                        "own decode loop) on a tested transformers release; off = plain generate, "
                                        "same tokens, slower")
@@ -46,6 +49,7 @@ class LocalSettings:
         require(self.sample_window_s >= 0, f"local_sample_window_s must be >= 0, got {self.sample_window_s}")
         require(self.max_sample_rows >= 1, f"local_max_sample_rows must be >= 1, got {self.max_sample_rows}")
         require(self.kv_cache_mb >= 0, f"local_kv_cache_mb must be >= 0, got {self.kv_cache_mb}")
+        require(self.batch_kv_mb >= 0, f"local_batch_kv_mb must be >= 0, got {self.batch_kv_mb}")
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ tokens instead of the whole context; any change of weights (``optim_step``,
 
 Fast path: the prefix cache, the KV store and the decode steps' reserved room reach into
 transformers' cache internals; they run only on a transformers release in
-``hf_compat.TESTED_TRANSFORMERS`` and can be switched off (``fast_sampling=False`` or
-``RETOOL_FAST_SAMPLING=0``). Off, the sampler calls plain ``generate``: same tokens, slower.
+``hf_compat.TESTED_TRANSFORMERS`` and can be switched off (``LocalSettings.fast_sampling=False``
+or ``RETOOL_FAST_SAMPLING=0``). Off, the sampler calls plain ``generate``: same tokens, slower.
 
 Modules, each using only the ones listed after it:
 
@@ -85,13 +85,6 @@ __all__ = [
 ]
 
 
-def _settings_options(settings: LocalSettings | None) -> dict[str, Any]:
-    settings = settings or LocalSettings()
-    return {"sample_window_s": settings.sample_window_s, "max_sample_rows": settings.max_sample_rows,
-            "sample_prefix_cache": settings.prefix_cache, "sample_kv_cache_mb": settings.kv_cache_mb,
-            "fast_sampling": settings.fast_sampling, "decode_loop": settings.decode_loop}
-
-
 def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> LocalTrainingClient:
     """The training client a ``retool train``/``retool sft`` config describes, starting
     from the weights in the checkpoint folder ``init_from`` when given."""
@@ -101,13 +94,12 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> Local
         lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
         gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
         packing=cfg.packing, logprob_chunk_tokens=cfg.logprob_chunk_tokens, seed=seed, init_from=init_from,
-        **_settings_options(cfg.local)))
+        sampler=cfg.local))
 
 
 def sampler(request: SamplerRequest) -> EngineSampler:
     """A sampler only, for ``retool eval``: the base model, or a checkpoint's weights in
     the adapter shape it was saved with. No optimiser and no gradients are set up."""
-    options = _settings_options(request.settings)
     model, tokenizer = load_model(request.model, device=request.device, dtype=request.dtype)
     checkpoint = request.checkpoint
     if checkpoint is not None:
@@ -116,10 +108,7 @@ def sampler(request: SamplerRequest) -> EngineSampler:
         load_weights(model, Path(request.checkpoint_dir), checkpoint.full_finetune)
     model.requires_grad_(False)
     client = LocalSamplingClient(model, tokenizer, threading.Lock(), seed=request.seed,
-                                 window_s=options["sample_window_s"], max_rows=options["max_sample_rows"],
-                                 prefix_cache=options["sample_prefix_cache"],
-                                 kv_cache_mb=options["sample_kv_cache_mb"], fast=options["fast_sampling"],
-                                 decode_loop=options["decode_loop"])
+                                 settings=request.settings or LocalSettings())
     return EngineSampler(tokenizer, client)
 
 

@@ -1,4 +1,5 @@
-"""``LocalEngineConfig``: every setting of the local engine, one flat frozen record.
+"""``LocalEngineConfig``: every setting of the local engine, one frozen record (the
+sampler's own settings are the ``LocalSettings`` record the ``--local-*`` flags fill).
 
 Not covered: what the settings do (``trainer``, ``sampler``, ``model``); the trainer's
 own step settings (``retool.engines.base.AdamParams``, ``SamplingParams``).
@@ -7,6 +8,8 @@ own step settings (``retool.engines.base.AdamParams``, ``SamplingParams``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from retool.engines.settings import LocalSettings
 
 
 @dataclass(frozen=True)
@@ -47,27 +50,10 @@ class LocalEngineConfig:
     log-softmax N tokens at a time, recomputed in the backward, so the logits' memory is
     ``N x vocabulary`` whatever the micro-batch (same values and gradients; one extra
     output-layer matmul). E.g. 1024 for a 150-250k vocabulary on a GPU."""
-    sample_window_s: float = 0.01
-    """How long the sampler waits for concurrent requests before a ``generate`` call."""
-    max_sample_rows: int = 64
-    """Most sequences generated together in one ``generate`` call."""
-    sample_prefix_cache: bool = True
-    """Compute a prompt prefix the rows of a ``generate`` call share once (see
-    ``LocalSamplingClient``); off for models whose cache is not pure attention."""
-    sample_kv_cache_mb: int = 1024
-    """Memory for the KV caches of earlier sequences that later turns continue (see
-    ``LocalSamplingClient``); 0 turns the reuse off. Pure-attention models only."""
-    fast_sampling: bool = True
-    """Let the sampler use its prefix cache, KV store, reserved decode room and own decode
-    loop, which reach into transformers' cache internals (``hf_compat``); it uses them
-    only on a tested transformers release and unless ``RETOOL_FAST_SAMPLING=0``. Off:
-    plain ``generate``, the same tokens, slower."""
-    decode_loop: str = "lean"
-    """``lean``: the sampler's own decode loop with lean decode steps (merged LoRA weights,
-    the shared prefix's KV read once; Llama/Qwen2/Qwen3 models, others get ``own``);
-    ``own``: that loop through the model's forward pass, once per token, finished rows
-    dropped from the batch; ``generate``: one HF ``generate`` call per batch (the first
-    path). All give the same tokens up to float rounding. See ``LocalSamplingClient``."""
+    sampler: LocalSettings = LocalSettings()
+    """The sampler's settings (request window, rows per batch, prefix cache, KV store,
+    batch KV budget, fast path, decode loop): ``retool.engines.LocalSettings``, the record
+    the ``--local-*`` flags fill; see ``LocalSamplingClient``."""
     seed: int = 42
     """Seeds the adapter initialisation and the sampling stream."""
     init_from: str | None = None

@@ -23,11 +23,10 @@ different batch composition causes (tested within 1e-4).
 
 With ``lean`` weights (``lean_decode``, the sampler's default for Llama/Qwen models) the
 prefill of the rows' own columns (after a shared prefix) and every decode step skip the
-model's modules: a ``LeanCache`` (the shared prefix once, each row's own columns) is
-filled by ``LeanCache.prefill`` and stepped by ``LeanCache.step``. Rows laid out over
-stored KV of earlier turns are prefilled by the model and their HF cache converted
-(``LeanCache.from_hf``). Without lean weights a step is the model's forward pass over
-its HF cache.
+model's modules: a ``LeanCache`` (the shared prefix once, each row's own columns,
+started from stored KV of earlier turns where rows continue them) is filled by
+``LeanCache.prefill`` and stepped by ``LeanCache.step``. Without lean weights the
+prefill and every step are the model's forward pass over its HF cache.
 
 Not covered: beam search, stop strings, speculative decoding; caches that are not pure
 attention are decoded without dropping rows and without lean steps.
@@ -55,31 +54,28 @@ values over every column so far, the HF cache's layout)."""
 
 def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler: RowSampler,
            max_tokens_R: Sequence[int], stop_ids: set[int], on_finished: OnFinished | None = None,
-           lean: DecodeWeights | None = None, shared: int = 0) -> list[tuple[list[int], list[float]]]:
+           lean: DecodeWeights | None = None) -> list[tuple[list[int], list[float]]]:
     """Tokens and logprobs of every row, each cut at its first stop token (kept) or budget.
 
-    ``cache`` holds the KV of the first ``cache.get_seq_length()`` columns of
-    ``input_ids`` (or is ``None``); ``attention_mask`` marks padding with 0. With
-    ``lean`` weights (``lean_decode``) the decode steps after the prefill are lean steps;
-    the first ``shared`` columns of the prefilled cache must then be the same in every
-    row (the shared-prefix layout; 0 when none).
+    Without ``lean`` weights, ``cache`` is an HF cache holding the KV of the first
+    ``cache.get_seq_length()`` columns of ``input_ids`` (or ``None``); with them
+    (``lean_decode``) it is a ``kv_cache.Restored`` (or ``None``) and the prefill and
+    every step are lean. ``attention_mask`` marks padding with 0.
     """
     import torch
 
     rows = len(max_tokens_R)
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    past = 0 if cache is None else cache.get_seq_length()
-    if lean is not None and past == shared and (cache is None or hf_compat.pure_attention(cache)):
-        step, logits_B = LeanCache.prefill(lean, cache, shared, input_ids, attention_mask, positions,
-                                           max(max_tokens_R))
+    if lean is not None:
+        step, logits_B = LeanCache.prefill(lean, cache, input_ids, attention_mask, positions, max(max_tokens_R))
         can_drop = True
     else:
+        past = 0 if cache is None else cache.get_seq_length()
         out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask, position_ids=positions[:, past:],
                     use_cache=True, logits_to_keep=1,
                     **({} if cache is None else hf_compat.forward_cache_kwargs(cache)))
         can_drop = hf_compat.pure_attention(hf_compat.cache_of(out))
-        step = _HFSteps(model, hf_compat.cache_of(out), attention_mask) if lean is None or not can_drop else \
-            LeanCache.from_hf(lean, hf_compat.cache_of(out), attention_mask, shared, max(max_tokens_R))
+        step = _HFSteps(model, hf_compat.cache_of(out), attention_mask)
         logits_B = out.logits[:, -1]
     del cache
     live = list(range(rows))  # original row of each batch row

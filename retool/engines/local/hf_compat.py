@@ -10,7 +10,7 @@ before the rename, ``cache`` after). None of this is a stable API, so it lives h
 nowhere else.
 
 :func:`fast_path_enabled` decides once per sampler whether the fast path may run: when
-it is switched off (``LocalEngineConfig.fast_sampling=False`` or the environment
+it is switched off (``LocalSettings.fast_sampling=False`` or the environment
 variable ``RETOOL_FAST_SAMPLING=0``) or the installed transformers is outside
 :data:`TESTED_TRANSFORMERS` (then with one warning per process), the sampler calls
 plain ``generate``: the same tokens, only slower.

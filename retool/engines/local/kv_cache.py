@@ -2,13 +2,17 @@
 
 - Shared-prefix cache: when the rows of one ``generate`` call share a prompt prefix of
   at least :data:`MIN_SHARED_PREFIX` tokens (system prompt and tool declaration; a GRPO
-  group's whole question), :func:`prefix_cache` runs it once and repeats its KV for
-  every row; :func:`left_pad` lays rows out ``[prefix, padding, own tokens]`` so the
-  prefix sits at the same positions in every row.
+  group's whole question), :func:`prefix_kv` runs it once (the HF paths repeat its KV
+  for every row, :func:`repeated_cache`; the lean steps read one copy);
+  :func:`left_pad` lays rows out ``[prefix, padding, own tokens]`` so the prefix sits
+  at the same positions in every row.
 - :class:`KVStore`: an LRU store, bounded in bytes, of the KV of earlier sequences
-  (prompt + sampled tokens but the last) keyed by their tokens. :func:`stored_layout`
+  (prompt + sampled tokens but the last) keyed by their tokens; a sequence that extends
+  a stored one (the system prompt) keeps only its own columns. :func:`stored_layout`
   lays rows that continue stored sequences out ``[padding, stored tokens, padding, new
   tokens]`` with the stored KV in place, so only the new tokens are prefilled;
+  :func:`restored_layout` does the same for the lean prefill without building an HF
+  cache (:class:`Restored`: the shared prefix once, each row's stored KV referenced);
   :func:`store_rows` fills the store after a ``generate`` call.
 
 Both work on plain tensors; turning them into and out of HF cache objects (and the
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from retool.engines.local import hf_compat
@@ -32,50 +37,126 @@ MIN_SHARED_PREFIX = 16
 shortest stored sequence worth reusing."""
 
 
+@dataclass
+class StoredKV:
+    """One stored sequence: the KV of its columns after its ``parent`` (the longest stored
+    sequence it extends when it was stored: e.g. the system prompt a trajectory starts
+    with), which is then not stored again."""
+
+    parent: tuple[int, ...] | None
+    tail: KV
+    children: int = 0
+    """Stored sequences whose parent this is (it is not evicted while they are stored)."""
+
+
 class KVStore:
     """LRU store of per-sequence KV (``hf_compat.KV``) of at most ``budget_bytes``;
-    a budget of 0 stores nothing."""
+    a budget of 0 stores nothing.
+
+    A sequence that extends a stored one (a trajectory after its stored system prompt or
+    earlier turn) keeps only its own columns and refers to it: the store holds the
+    system prompt's KV once, not once per trajectory (~3/4 of a demo trajectory's KV).
+    ``size`` counts every stored tensor once; an entry others refer to is evicted only
+    after them."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self.entries: OrderedDict[tuple[int, ...], StoredKV] = OrderedDict()
         self.size = 0
 
     def clear(self) -> None:
         self.entries.clear()
         self.size = 0
 
-    def lookup(self, prompt: tuple[int, ...]) -> tuple[int, KV] | None:
-        """The longest stored sequence that ``prompt`` continues, as (tokens to reuse, KV);
-        at least one prompt token is always left to prefill."""
+    def _longest(self, prompt: tuple[int, ...], shorter: bool) -> tuple[int, ...] | None:
+        """The longest stored key that ``prompt`` starts with (strictly shorter with ``shorter``)."""
         best: tuple[int, ...] | None = None
         for key in self.entries:
-            if len(key) <= len(prompt) and (best is None or len(key) > len(best)) and prompt[:len(key)] == key:
+            fits = len(key) < len(prompt) if shorter else len(key) <= len(prompt)
+            if fits and (best is None or len(key) > len(best)) and prompt[:len(key)] == key:
                 best = key
+        return best
+
+    def lookup(self, prompt: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+        """The longest stored sequence that ``prompt`` continues, as (tokens to reuse, its
+        key for :meth:`columns`); at least one prompt token is always left to prefill."""
+        best = self._longest(prompt, shorter=False)
         if best is None:
             return None
-        self.entries.move_to_end(best)
-        return min(len(best), len(prompt) - 1), self.entries[best]
+        self._touch(best)
+        return min(len(best), len(prompt) - 1), best
 
-    def remember(self, tokens: tuple[int, ...], kv: KV) -> None:
+    def columns(self, key: tuple[int, ...], start: int, stop: int) -> KV:
+        """Per layer ``(keys, values)`` of columns ``start .. stop`` of the stored sequence
+        ``key``: views of stored tensors when they lie in one entry, else a copy."""
+        import torch
+
+        entry = self.entries[key]
+        base = 0 if entry.parent is None else len(entry.parent)
+        if start >= base:
+            return tuple((k[:, start - base:stop - base], v[:, start - base:stop - base]) for k, v in entry.tail)
+        head = self.columns(entry.parent, start, min(stop, base))
+        if stop <= base:
+            return head
+        return tuple((torch.cat([hk, k[:, :stop - base]], dim=1), torch.cat([hv, v[:, :stop - base]], dim=1))
+                     for (hk, hv), (k, v) in zip(head, entry.tail))
+
+    def remember(self, tokens: tuple[int, ...], kv: KV, positions: Any = None) -> None:
+        """Store the KV of ``tokens``: per layer ``(kv_heads, columns, head_dim)``, the
+        tokens' columns being ``positions`` (a 1-D index; ``None``: all, in order). Only
+        the columns after a stored parent are copied."""
         if not self.budget_bytes or len(tokens) < MIN_SHARED_PREFIX:
             return
-        size = nbytes(kv)
+        if tokens in self.entries:
+            self._touch(tokens)
+            return
+        parent = self._longest(tokens, shorter=True)
+        if parent is not None and len(parent) < MIN_SHARED_PREFIX:
+            parent = None
+        cut = 0 if parent is None else len(parent)
+        if positions is not None:
+            tail = tuple((k[:, positions[cut:]], v[:, positions[cut:]]) for k, v in kv)  # copies
+        else:
+            tail = tuple((k[:, cut:].clone(), v[:, cut:].clone()) if cut else (k, v) for k, v in kv)
+        size = nbytes(tail)
         if size > self.budget_bytes:
             return
-        old = self.entries.pop(tokens, None)
-        if old is not None:
-            self.size -= nbytes(old)
-        self.entries[tokens] = kv
+        if parent is not None:
+            self.entries[parent].children += 1
+            self._touch(parent)
+        self.entries[tokens] = StoredKV(parent, tail)
         self.size += size
+        self._evict()
+
+    def _touch(self, key: tuple[int, ...]) -> None:
+        """Mark ``key`` and the entries it refers to as just used."""
+        while key is not None:
+            self.entries.move_to_end(key)
+            key = self.entries[key].parent
+
+    def _evict(self) -> None:
+        """Drop least recently used entries no other entry refers to until within budget."""
         while self.size > self.budget_bytes:
-            _, dropped = self.entries.popitem(last=False)
-            self.size -= nbytes(dropped)
+            key = next(k for k, e in self.entries.items() if not e.children)
+            entry = self.entries.pop(key)
+            self.size -= nbytes(entry.tail)
+            if entry.parent is not None:
+                self.entries[entry.parent].children -= 1
 
 
 def nbytes(kv: KV) -> int:
     """Memory of one stored KV cache (keys and values of every layer)."""
     return sum(k.nbytes + v.nbytes for k, v in kv)
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of keys and values one token takes in a pure-attention cache of ``model``
+    (every layer, at the model's dtype); 0 when its config does not say."""
+    config = model.config
+    layers, heads = getattr(config, "num_hidden_layers", 0), getattr(config, "num_attention_heads", 0)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+    return 2 * layers * kv_heads * head_dim * model.dtype.itemsize
 
 
 def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
@@ -96,17 +177,23 @@ def shared_prefix_length(prompts: list[tuple[int, ...]]) -> int:
     return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
-def prefix_cache(model: Any, prefix: tuple[int, ...], rows: int, store: KVStore) -> Any:
-    """The HF cache of ``prefix`` repeated for ``rows`` rows (the prefix's KV also goes
-    into ``store``), or ``None`` when the model's cache is not pure attention."""
+def prefix_kv(model: Any, prefix: tuple[int, ...], store: KVStore) -> KV | None:
+    """The KV of ``prefix`` (one row; it also goes into ``store``), or ``None`` when the
+    model's cache is not pure attention."""
     import torch
 
     out = model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True, logits_to_keep=1)
     cache = hf_compat.cache_of(out)
     if not hf_compat.pure_attention(cache):
         return None
-    store.remember(prefix, hf_compat.row_kv(cache, 0))
-    return hf_compat.repeat_rows(cache, rows)
+    kv = hf_compat.row_kv(cache, 0)
+    store.remember(prefix, kv)
+    return kv
+
+
+def repeated_cache(kv: KV, rows: int) -> Any:
+    """An HF cache holding one row's KV repeated for ``rows`` rows (the HF paths' prefix cache)."""
+    return hf_compat.repeat_rows(hf_compat.cache_from_kv([(k[None], v[None]) for k, v in kv]), rows)
 
 
 def left_pad(prompts: list[tuple[int, ...]], pad_id: int, device: Any, keep: int = 0) -> tuple[Any, Any]:
@@ -120,36 +207,101 @@ def left_pad(prompts: list[tuple[int, ...]], pad_id: int, device: Any, keep: int
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
-def stored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, pad_id: int,
-                  device: Any) -> tuple[Any, Any, Any, int] | None:
-    """Cache, ids, mask and reused token count that reuse stored KV for every row, or
-    ``None`` when a row continues nothing stored or the shared-prefix layout (``shared``
-    tokens computed once) would prefill fewer tokens."""
-    import torch
-    import torch.nn.functional as F
+@dataclass(frozen=True)
+class Restored:
+    """KV a lean prefill starts from (``lean_decode.LeanCache.prefill``), without an HF
+    cache: the rows' shared prefix once (per layer ``(kv_heads, P, head_dim)``; ``()`` for
+    none) and, for rows that continue stored sequences, each row's stored columns after
+    that prefix: ``rows[i] = (column, kv)`` puts ``kv`` (per layer ``(kv_heads, n,
+    head_dim)``) at the row's own columns ``column .. column + n`` of ``width`` restored
+    own columns (the others are padding)."""
 
+    prefix: KV = ()
+    rows: tuple[tuple[int, KV], ...] = ()
+    width: int = 0
+
+    @property
+    def prefix_len(self) -> int:
+        return self.prefix[0][0].shape[1] if self.prefix else 0
+
+    @property
+    def columns(self) -> int:
+        """Leading columns of the batch whose KV this holds."""
+        return self.prefix_len + self.width
+
+
+def _hits(store: KVStore, prompts: list[tuple[int, ...]], shared: int) -> list[tuple[int, tuple[int, ...]]] | None:
+    """The stored sequence every prompt continues, or ``None`` when a row continues
+    nothing stored or the shared-prefix layout (``shared`` tokens computed once) would
+    prefill fewer tokens."""
     if not store.budget_bytes or not store.entries:
         return None
     hits = [store.lookup(p) for p in prompts]
     if any(h is None or h[0] < MIN_SHARED_PREFIX for h in hits):
         return None
     rows, longest = len(prompts), max(len(p) for p in prompts)
-    reuse_len = max(h[0] for h in hits)
     new_len = max(len(p) - h[0] for p, h in zip(prompts, hits))
     if rows * new_len >= shared + rows * (longest - shared):  # prefill work of each layout
         return None
+    return hits
+
+
+def _stored_ids(prompts: list[tuple[int, ...]], reused_R: list[int], keep: int, pad_id: int,
+                device: Any) -> tuple[Any, Any]:
+    """Ids and mask ``[first keep tokens, padding, rest of the reused tokens, padding, new tokens]``."""
+    import torch
+
+    reuse_len = max(reused_R)
+    new_len = max(len(p) - n for p, n in zip(prompts, reused_R))
     ids, mask = [], []
-    for p, (n, _) in zip(prompts, hits):
+    for p, n in zip(prompts, reused_R):
         a, b = reuse_len - n, new_len - (len(p) - n)
-        ids.append([pad_id] * a + list(p[:n]) + [pad_id] * b + list(p[n:]))
-        mask.append([0] * a + [1] * n + [0] * b + [1] * (len(p) - n))
+        ids.append(list(p[:keep]) + [pad_id] * a + list(p[keep:n]) + [pad_id] * b + list(p[n:]))
+        mask.append([1] * keep + [0] * a + [1] * (n - keep) + [0] * b + [1] * (len(p) - n))
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+
+
+def stored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, pad_id: int,
+                  device: Any) -> tuple[Any, Any, Any, int] | None:
+    """HF cache, ids, mask and reused token count that reuse stored KV for every row
+    (laid out ``[padding, stored tokens, padding, new tokens]``), or ``None`` (see
+    :func:`_hits`)."""
+    import torch
+    import torch.nn.functional as F
+
+    hits = _hits(store, prompts, shared)
+    if hits is None:
+        return None
+    reuse_len = max(n for n, _ in hits)
+    ids, mask = _stored_ids(prompts, [n for n, _ in hits], 0, pad_id, device)
+    stored = [store.columns(key, 0, n) for n, key in hits]
     layers = []
-    for layer in range(len(hits[0][1])):
-        keys = [F.pad(kv[layer][0][:, :n], (0, 0, reuse_len - n, 0)) for n, kv in hits]
-        values = [F.pad(kv[layer][1][:, :n], (0, 0, reuse_len - n, 0)) for n, kv in hits]
+    for layer in range(len(stored[0])):
+        keys = [F.pad(kv[layer][0], (0, 0, reuse_len - n, 0)) for (n, _), kv in zip(hits, stored)]
+        values = [F.pad(kv[layer][1], (0, 0, reuse_len - n, 0)) for (n, _), kv in zip(hits, stored)]
         layers.append((torch.stack(keys), torch.stack(values)))
-    return (hf_compat.cache_from_kv(layers), torch.tensor(ids, device=device),
-            torch.tensor(mask, device=device), sum(n for n, _ in hits))
+    return hf_compat.cache_from_kv(layers), ids, mask, sum(n for n, _ in hits)
+
+
+def restored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, pad_id: int,
+                    device: Any) -> tuple[Restored, Any, Any, int] | None:
+    """:class:`Restored` KV, ids, mask and reused token count that reuse stored KV for
+    every row, for the lean prefill, or ``None`` (see :func:`_hits`). Rows are laid out
+    ``[shared prefix, padding, rest of the stored tokens, padding, new tokens]``: the
+    prefix the prompts share within their stored tokens (at least
+    :data:`MIN_SHARED_PREFIX`, else none) is kept once (the first row's stored KV of it),
+    each row's other stored KV is referenced, not copied (where it lies in one entry)."""
+    hits = _hits(store, prompts, shared)
+    if hits is None:
+        return None
+    reused_R = [n for n, _ in hits]
+    keep = min(common_prefix(prompts), min(reused_R))
+    keep = keep if keep >= MIN_SHARED_PREFIX else 0
+    width = max(reused_R) - keep
+    ids, mask = _stored_ids(prompts, reused_R, keep, pad_id, device)
+    prefix = store.columns(hits[0][1], 0, keep) if keep else ()
+    rows = tuple((width - (n - keep), store.columns(key, keep, n)) for n, key in hits)
+    return Restored(prefix, rows, width), ids, mask, sum(reused_R)
 
 
 def store_rows(store: KVStore, cache: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
@@ -165,7 +317,7 @@ def store_rows(store: KVStore, cache: Any, attention_mask: Any, prompts: list[tu
         kept = len(tokens) - 1
         positions = torch.cat([attention_mask[k].nonzero().squeeze(1),
                                torch.arange(width, width + kept, device=attention_mask.device)])
-        store.remember(prompt + tokens[:kept], hf_compat.row_kv(cache, k, positions))
+        store.remember(prompt + tokens[:kept], hf_compat.row_kv(cache, k), positions)
     return True
 
 
@@ -178,4 +330,4 @@ def store_row(store: KVStore, row_kv: KV, prompt_mask: Any, prompt: tuple[int, .
     width, kept = prompt_mask.shape[0], len(tokens) - 1
     positions = torch.cat([prompt_mask.nonzero().squeeze(1),
                            torch.arange(width, width + kept, device=prompt_mask.device)])
-    store.remember(prompt + tokens[:kept], tuple((k[:, positions], v[:, positions]) for k, v in row_kv))
+    store.remember(prompt + tokens[:kept], row_kv, positions)

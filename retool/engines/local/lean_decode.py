@@ -10,8 +10,11 @@ products, RMSNorm, RoPE and SiLU written out. Its attention reads the rows' shar
 prefix (system prompt, tool declaration, a group's question) once for all rows: the
 queries of every row against one copy of the prefix's keys is a single matrix product,
 the rows' own tokens (their prompt after the prefix, then the sampled ones) are a second
-product, and one softmax runs over both. The prompt is still prefilled by the model
-itself (``decode_loop``).
+product, and one softmax runs over both. The prompt's columns after the prefix are
+prefilled the same way (:meth:`LeanCache.prefill`), also when rows continue stored KV
+of earlier turns (``kv_cache.restored_layout``: a trajectory's next turn prefills only
+its new tokens, through the lean weights, from one copy of the stored KV); only the
+shared prefix itself is run through the model.
 
 Models it covers: ``llama`` (SmolLM2, Llama 2/3), ``qwen2`` and ``qwen3`` (per-head
 q/k norms) with SiLU MLPs, no sliding window and no tensor-parallel slicing; plain
@@ -36,9 +39,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from retool.engines.local.hf_compat import KV
+from retool.engines.local.kv_cache import Restored
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 """``config.model_type`` values the lean step covers."""
+
+PREFILL_SCORES_BYTES = 64 * 2**20
+"""Most memory one chunk of rows of a lean prefill spends on attention scores (and their
+mask): rows are prefilled in chunks under it (a batch of 64 rows x 450 new columns
+without a shared prefix would need ~500 MB at once)."""
 
 
 @dataclass(frozen=True)
@@ -217,74 +226,76 @@ def _merged(module: Any) -> tuple[Any, Any]:
 class LeanCache:
     """The KV of a decode loop's rows: the shared prefix once (``kv_heads, P, head_dim``
     per layer) and each row's own columns (``kv_heads, rows, capacity, head_dim``) with
-    room for ``reserve`` more, plus an additive mask (``-inf`` at padding)."""
+    room for ``reserve`` more, plus an additive mask (``-inf`` at padding).
 
-    def __init__(self, weights: DecodeWeights, prefix: list[tuple[Any, Any]], own: list[tuple[Any, Any]],
-                 own_mask: Any, reserve: int) -> None:
+    It starts from ``start`` (``kv_cache.Restored``: the prefix, and stored KV of each
+    row's earlier columns, copied into place once; padding columns are zeros) with
+    ``own_mask`` the mask of those ``start.width`` restored own columns."""
+
+    def __init__(self, weights: DecodeWeights, start: Restored, own_mask: Any, reserve: int) -> None:
         import torch
 
-        self.weights = weights
-        self.prefix = prefix
+        w = self.weights = weights
         rows, width = own_mask.shape
         self.width, capacity = width, width + max(1, reserve)
+        empty = w.embed.new_empty((w.kv_heads, 0, w.head_dim))
+        self.prefix = list(start.prefix) or [(empty, empty)] * len(w.layers)
         self.own = []
-        for keys, values in own:  # (rows, kv_heads, width, head_dim) -> (kv_heads, rows, capacity, head_dim)
-            buffers = keys.new_empty((keys.shape[1], rows, capacity, keys.shape[3])), \
-                values.new_empty((values.shape[1], rows, capacity, values.shape[3]))
-            buffers[0][:, :, :width] = keys.transpose(0, 1)
-            buffers[1][:, :, :width] = values.transpose(0, 1)
+        for layer in range(len(w.layers)):
+            buffers = tuple(w.embed.new_empty((w.kv_heads, rows, capacity, w.head_dim)) for _ in range(2))
+            for buffer in buffers:
+                buffer[:, :, :width].zero_()
+            for row, (column, kv) in enumerate(start.rows):
+                for buffer, stored in zip(buffers, kv[layer]):
+                    buffer[:, row, column:column + stored.shape[1]] = stored
             self.own.append(buffers)
-        self.bias = torch.zeros((rows, capacity), dtype=keys.dtype, device=keys.device)
+        self.bias = torch.zeros((rows, capacity), dtype=w.embed.dtype, device=w.embed.device)
         self.bias[:, :width].masked_fill_(own_mask == 0, float("-inf"))
 
     @classmethod
-    def from_hf(cls, weights: DecodeWeights, cache: Any, attention_mask: Any, shared: int,
-                reserve: int) -> LeanCache:
-        """The lean cache of a prefilled HF cache whose first ``shared`` columns are the same
-        in every row (the prefix cache's layout; 0 when none)."""
-        prefix = [(layer.keys[0, :, :shared].clone(), layer.values[0, :, :shared].clone()) for layer in cache.layers]
-        own = [(layer.keys[:, :, shared:], layer.values[:, :, shared:]) for layer in cache.layers]
-        return cls(weights, prefix, own, attention_mask[:, shared:], reserve)
-
-    @classmethod
-    def prefill(cls, weights: DecodeWeights, prefix_cache: Any, shared: int, input_ids: Any, attention_mask: Any,
+    def prefill(cls, weights: DecodeWeights, start: Restored | None, input_ids: Any, attention_mask: Any,
                 positions: Any, reserve: int) -> tuple[LeanCache, Any]:
-        """Prefill the rows' own columns (after the ``shared`` prefix columns, whose KV
-        ``prefix_cache`` holds; ``None`` when ``shared`` is 0) with the lean weights: the
-        lean cache and the last column's logits ``(rows, vocab)``."""
+        """Prefill every column after the ``start.columns`` whose KV ``start`` holds (its
+        shared prefix, then each row's restored columns; ``None``: nothing) with the lean
+        weights: the lean cache and the last column's logits ``(rows, vocab)``."""
         import torch
 
+        start = start or Restored()
+        past, prefix_len = start.columns, start.prefix_len
+        rows, width = input_ids.shape[0], input_ids.shape[1] - past
+        cache = cls(weights, start, attention_mask[:, prefix_len:past], width + reserve)
         w = weights
-        rows, width = input_ids.shape[0], input_ids.shape[1] - shared
-        if prefix_cache is None:
-            empty = w.embed.new_empty((w.kv_heads, 0, w.head_dim))
-            prefix = [(empty, empty)] * len(w.layers)
-        else:
-            prefix = [(layer.keys[0, :, :shared].clone(), layer.values[0, :, :shared].clone())
-                      for layer in prefix_cache.layers]
-        none = w.embed.new_empty((rows, w.kv_heads, 0, w.head_dim))
-        cache = cls(weights, prefix, [(none, none)] * len(w.layers), attention_mask[:, :0], width + reserve)
-        return cache, cache._prefill(input_ids[:, shared:], attention_mask[:, shared:], positions[:, shared:])
+        scores_per_row = 4 * w.heads * width * (prefix_len + cache.width + width)  # fp32 bytes, with the bias
+        step = max(1, PREFILL_SCORES_BYTES // scores_per_row)
+        logits = [cache._prefill(slice(r, r + step), input_ids[r:r + step, past:], attention_mask[r:r + step, past:],
+                                 positions[r:r + step, past:]) for r in range(0, rows, step)]
+        cache.bias[:, cache.width:cache.width + width].masked_fill_(attention_mask[:, past:] == 0, float("-inf"))
+        cache.width += width
+        return cache, torch.cat(logits)
 
-    def _prefill(self, ids_BT: Any, mask_BT: Any, positions_BT: Any) -> Any:
-        """Run the rows' own columns through every layer (causal within a row, padding
-        masked; a padding column sees itself, so nothing is all-masked), filling the cache."""
+    def _prefill(self, rows_slice: slice, ids_BT: Any, mask_BT: Any, positions_BT: Any) -> Any:
+        """Run the new columns of the rows ``rows_slice`` through every layer (causal within a
+        row, padding masked; a padding column sees itself, so nothing is all-masked; every
+        column sees the restored ones that are not padding), filling their cache after the
+        restored columns; the last column's logits."""
         import torch
         import torch.nn.functional as F
 
         w = self.weights
         rows, width = ids_BT.shape
-        group, d = w.heads // w.kv_heads, w.head_dim
+        old, group, d = self.width, w.heads // w.kv_heads, w.head_dim
         x = w.embed[ids_BT].reshape(rows * width, -1)
         cos, sin = w.rotary(x.view(rows, width, -1), positions_BT)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (rows, width, 1, head_dim)
         causal = torch.ones(width, width, dtype=torch.bool, device=ids_BT.device).tril()
         allowed = causal & ((mask_BT[:, None, :] != 0) | torch.eye(width, dtype=torch.bool, device=ids_BT.device))
-        bias = x.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # (rows, query, key)
-        bias = bias[:, :, None].expand(rows, width, group, width).reshape(1, rows, width * group, width)
+        bias = torch.cat([self.bias[rows_slice, None, :old].expand(rows, width, old),
+                          x.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))], dim=-1)
+        bias = bias[:, :, None].expand(rows, width, group, old + width).reshape(1, rows, width * group, old + width)
         hidden = x.shape[-1]
         q_size, kv_size = w.heads * d, w.kv_heads * d
-        for layer, (pk, pv), (own_k, own_v) in zip(w.layers, self.prefix, self.own):
+        for layer, (pk, pv), (all_k, all_v) in zip(w.layers, self.prefix, self.own):
+            own_k, own_v = all_k[:, rows_slice], all_v[:, rows_slice]  # views: writes fill the cache
             h = F.rms_norm(x, (hidden,), layer.input_norm, w.eps)
             qkv = _linear(h, layer.qkv, layer.qkv_bias).view(rows, width, -1)
             q = qkv[..., :q_size].reshape(rows, width, w.heads, d)
@@ -292,24 +303,25 @@ class LeanCache:
             if layer.q_norm is not None:
                 q = F.rms_norm(q, (d,), layer.q_norm, w.eps)
                 k = F.rms_norm(k, (d,), layer.k_norm, w.eps)
-            own_k[:, :, :width] = _rope(k, cos, sin).permute(2, 0, 1, 3)
-            own_v[:, :, :width] = qkv[..., q_size + kv_size:].reshape(rows, width, w.kv_heads, d).permute(2, 0, 1, 3)
+            own_k[:, :, old:old + width] = _rope(k, cos, sin).permute(2, 0, 1, 3)
+            own_v[:, :, old:old + width] = \
+                qkv[..., q_size + kv_size:].reshape(rows, width, w.kv_heads, d).permute(2, 0, 1, 3)
             q = _rope(q, cos, sin).view(rows, width, w.kv_heads, group, d).permute(2, 0, 1, 3, 4)
             attn = _attention_rows(q.reshape(w.kv_heads, rows, width * group, d), pk, pv,
-                                   own_k[:, :, :width], own_v[:, :, :width], bias)
+                                   own_k[:, :, :old + width], own_v[:, :, :old + width], bias)
             attn = attn.view(w.kv_heads, rows, width, group, d).permute(1, 2, 0, 3, 4).reshape(rows * width, -1)
             x = x + _linear(attn, layer.o, layer.o_bias)
             h = F.rms_norm(x, (hidden,), layer.post_norm, w.eps)
             gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, layer.down)
-        self.bias[:, :width].masked_fill_(mask_BT == 0, float("-inf"))
-        self.width = width
         last = x.view(rows, width, hidden)[:, -1]
         return _linear(F.rms_norm(last, (hidden,), w.final_norm, w.eps), w.head)
 
     def keep_rows(self, index: Any) -> None:
-        """Keep only the batch rows ``index``."""
-        self.own = [(k[:, index], v[:, index]) for k, v in self.own]
+        """Keep only the batch rows ``index`` (layer by layer, so that the old and the new
+        buffers of one layer, not of all, are alive at once)."""
+        for layer, (k, v) in enumerate(self.own):
+            self.own[layer] = (k[:, index], v[:, index])
         self.bias = self.bias[index]
 
     def row_kv(self, row: int) -> KV:
@@ -360,7 +372,8 @@ class LeanCache:
         import torch.nn.functional as F
 
         extra = max(16, self.width)
-        self.own = [(F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra))) for k, v in self.own]
+        for layer, (k, v) in enumerate(self.own):
+            self.own[layer] = (F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)))
         self.bias = F.pad(self.bias, (0, extra))
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams
 from retool.engines.local import decoding, hf_compat, kv_cache, lean_decode, memory, probe
+from retool.engines.settings import LocalSettings
 from retool.engines.local.decode_loop import decode
 from retool.engines.local.model import default_stop_token_ids, model_mode
 
@@ -57,7 +58,8 @@ class LocalSamplingClient:
     Shared-prefix cache (``prefix_cache``, on by default): when the rows of one
     ``generate`` call share a prompt prefix of at least ``kv_cache.MIN_SHARED_PREFIX``
     tokens (the system prompt and tool declaration; a GRPO group's whole question), that
-    prefix is run once and its KV cache repeated for every row; rows are laid out
+    prefix is run once (the HF paths repeat its KV for every row; the lean steps read one
+    copy for all rows); rows are laid out
     ``[prefix, padding, own tokens]`` so the prefix sits at the same positions in every
     row. The prefill — 80 % of sampling time for short turns under a long prompt — then
     costs one prefix plus the rows' own tokens. Models whose cache is not pure attention
@@ -65,11 +67,14 @@ class LocalSamplingClient:
 
     KV store (``kv_cache_mb`` > 0): after each ``generate`` the KV cache of every row
     (its prompt and sampled tokens but the last) and of a shared prefix is kept, keyed
-    by those tokens, in an LRU store (``kv_store``) of at most ``kv_cache_mb``. When every
-    row of a call continues a stored sequence (a trajectory's next turn; a new question
-    after the stored system prompt), rows are laid out ``[padding, stored tokens,
-    padding, new tokens]`` with the stored KV in place and only the new tokens are
-    prefilled — if that costs less than the shared-prefix layout. ``kv_reused_tokens``
+    by those tokens, in an LRU store (``kv_store``) of at most ``kv_cache_mb`` (a row
+    after a stored system prompt keeps only its own columns). When every row of a call
+    continues a stored sequence (a trajectory's next turn; a new question after the
+    stored system prompt), only the new tokens are prefilled — if that costs less than
+    the shared-prefix layout: on the lean path from one copy of the stored KV, through
+    the lean weights, the prefix all rows share read once (``kv_cache.restored_layout``);
+    on the HF paths rows are laid out ``[padding, stored tokens, padding, new tokens]``
+    in an HF cache. ``kv_reused_tokens``
     counts the prompt tokens it saved. :meth:`clear_kv_cache` empties it (the training
     client calls it whenever the weights change).
 
@@ -92,32 +97,35 @@ class LocalSamplingClient:
     the model's weights once more in memory (538 MB for SmolLM2-135M in fp32).
 
     Fast path: the prefix cache, the KV store, reserved room and the own decode loop
-    reach into transformers' cache internals (``hf_compat``). With ``fast=False``, or on
+    reach into transformers' cache internals (``hf_compat``). With ``fast_sampling`` off, or on
     a transformers release outside ``hf_compat.TESTED_TRANSFORMERS``, all of them are off
     and every call is a plain left-padded ``generate``: the same tokens, slower.
 
-    Memory: glibc keeps the memory that a batch's KV caches and logits free in per-thread
-    arenas, and the process can grow by about a batch's KV at every batch (measured in
-    one run of two: 2.3 -> 5.0 GB over three batches of 32 rows, the KV store at its
-    1 GB). The sampler caps the arenas at two and trims them after every batch
-    (``memory``); then it stayed at 2.0 GB.
+    Memory: a batch's KV cache is bounded by ``batch_kv_mb`` (512 MB): the rows of a
+    group are cut into batches whose KV — each row's own columns padded to the longest
+    plus its budget, the shared prefix once on the lean path — fits it (``_chunks``),
+    besides ``max_rows``. The KV store is bounded by ``kv_cache_mb`` (512 MB). glibc
+    keeps the memory that a batch's KV caches and logits free in per-thread arenas, and
+    the process can grow by about a batch's KV at every batch; the sampler caps the
+    arenas at two and trims them after every batch (``memory``). ``docs/benchmarks.md``
+    has the demo eval's measured peaks.
     """
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
-                 window_s: float = 0.01, max_rows: int = 64, prefix_cache: bool = True,
-                 kv_cache_mb: int = 1024, fast: bool = True, decode_loop: str = "lean") -> None:
-        if max_rows < 1 or window_s < 0 or kv_cache_mb < 0:
-            raise ValueError("max_rows must be >= 1, window_s >= 0 and kv_cache_mb >= 0")
-        if decode_loop not in DECODE_LOOPS:
-            raise ValueError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, got {decode_loop!r}")
+                 settings: LocalSettings = LocalSettings()) -> None:
+        settings.validate()
+        if settings.decode_loop not in DECODE_LOOPS:
+            raise ValueError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, got {settings.decode_loop!r}")
         self.model, self.tokenizer, self._lock = model, tokenizer, lock
-        self.seed, self.window_s, self.max_rows = seed, window_s, max_rows
-        self.fast = hf_compat.fast_path_enabled(fast)
-        self.prefix_cache = prefix_cache and self.fast
+        self.seed, self.window_s, self.max_rows = seed, settings.sample_window_s, settings.max_sample_rows
+        self.fast = hf_compat.fast_path_enabled(settings.fast_sampling)
+        self.prefix_cache = settings.prefix_cache and self.fast
         self.prefix_cached_tokens = 0
-        self.kv_store = kv_cache.KVStore(kv_cache_mb * 2**20 if self.fast else 0)
+        self.kv_store = kv_cache.KVStore(settings.kv_cache_mb * 2**20 if self.fast else 0)
+        self.batch_kv_bytes = settings.batch_kv_mb * 2**20
+        self.kv_bytes_per_token = kv_cache.kv_bytes_per_token(model)
         self.reserve_kv = self.fast
-        self.decode_loop = decode_loop if self.fast else "generate"
+        self.decode_loop = settings.decode_loop if self.fast else "generate"
         self.nucleus_candidates = 256
         self._lean_weights: lean_decode.DecodeWeights | None = None
         self.kv_reused_tokens = 0
@@ -191,8 +199,7 @@ class LocalSamplingClient:
     async def _run_batch(self, batch: list[_Request]) -> None:
         for group in _group_by_settings(batch):
             rows = [(r, i) for r in group for i in range(r.num_samples)]
-            for start in range(0, len(rows), self.max_rows):
-                chunk = rows[start:start + self.max_rows]
+            for chunk in self._chunks(rows):
                 sequences = await asyncio.to_thread(self._generate, chunk)
                 await asyncio.to_thread(memory.release_free_memory)  # the batch's KV and logits are gone now
                 for (request, _), sequence in zip(chunk, sequences):
@@ -200,6 +207,42 @@ class LocalSamplingClient:
             for r in group:
                 if not r.future.done():
                     r.future.set_result(SampleResult(tuple(r.sequences)))
+
+    def _chunks(self, rows: list[tuple[_Request, int]]) -> list[list[tuple[_Request, int]]]:
+        """``rows`` in order, as batches of at most ``max_rows`` whose KV cache (estimated
+        by :meth:`_kv_bytes`) fits ``batch_kv_bytes``, at least one row each; as many
+        batches as filling each in turn needs, of even sizes where they fit (not 63 + 1)."""
+        chunks = self._fill(rows, self.max_rows)
+        if len(chunks) > 1:
+            even = self._fill(rows, -(-len(rows) // len(chunks)))
+            chunks = even if len(even) == len(chunks) else chunks
+        return chunks
+
+    def _fill(self, rows: list[tuple[_Request, int]], most: int) -> list[list[tuple[_Request, int]]]:
+        """``rows`` in order, each batch filled while it has fewer than ``most`` rows and fits."""
+        chunks: list[list[tuple[_Request, int]]] = []
+        current: list[tuple[_Request, int]] = []
+        shared = 0
+        for row in rows:
+            prompt = row[0].prompt
+            with_row = min(shared, kv_cache.common_prefix([current[0][0].prompt, prompt])) if current else len(prompt)
+            if current and (len(current) == most
+                            or 0 < self.batch_kv_bytes < self._kv_bytes(current + [row], with_row)):
+                chunks.append(current)
+                current, with_row = [], len(prompt)
+            current.append(row)
+            shared = with_row
+        return chunks + [current] if current else chunks
+
+    def _kv_bytes(self, rows: list[tuple[_Request, int]], shared: int) -> int:
+        """The KV memory of decoding ``rows`` (whose prompts share ``shared`` leading tokens)
+        together: each row's own columns (its prompt after that prefix, padded to the
+        longest, and the largest budget), plus the prefix once on the lean path (the HF
+        paths keep it in every row)."""
+        if self.decode_loop != "lean":
+            shared = 0
+        own = max(len(r.prompt) for r, _ in rows) - shared + max(r.params.max_tokens for r, _ in rows)
+        return (len(rows) * own + shared) * self.kv_bytes_per_token
 
     def _generate(self, rows: list[tuple[_Request, int]]) -> list[SampledSequence]:
         """One ``generate`` call for rows (request, sample index) that share sampling settings."""
@@ -213,13 +256,13 @@ class LocalSamplingClient:
         seeds = decoding.row_seeds(self.seed, self.calls, [(r.params.seed, i) for r, i in rows])
         sampler = decoding.RowSampler(params, decoding.row_generators(seeds, device), self.nucleus_candidates)
         with self._lock, torch.no_grad(), model_mode(self.model, train=False):
-            cache, input_ids, attention_mask, shared, prefix_saved, reused = self._layout(prompts)
             lean = self._lean() if self.decode_loop == "lean" else None
+            cache, input_ids, attention_mask, prefix_saved, reused = self._layout(prompts, lean is not None)
             if self.reserve_kv and lean is None:
                 cache = hf_compat.with_reserved_room(cache, self.model.config, max(max_tokens_R))
             if self.decode_loop != "generate":
                 sequences = self._decode(cache, input_ids, attention_mask, prompts, sampler, max_tokens_R,
-                                         set(stop_ids), lean, shared)
+                                         set(stop_ids), lean)
             else:
                 sequences = self._generate_call(cache, input_ids, attention_mask, prompts, sampler, max_tokens_R,
                                                 stop_ids)
@@ -233,7 +276,7 @@ class LocalSamplingClient:
 
     def _decode(self, cache: Any, input_ids: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
                 sampler: decoding.RowSampler, max_tokens_R: list[int], stop_ids: set[int],
-                lean: lean_decode.DecodeWeights | None, shared: int) -> list[SampledSequence]:
+                lean: lean_decode.DecodeWeights | None) -> list[SampledSequence]:
         """The rows sampled by the sampler's own decode loop (lean steps with ``lean``
         weights); each finished row's KV goes to the store."""
         def keep_kv(row_kv: Any, row: int, tokens: list[int]) -> None:
@@ -241,7 +284,7 @@ class LocalSamplingClient:
                 kv_cache.store_row(self.kv_store, row_kv(), attention_mask[row], prompts[row], tuple(tokens))
 
         rows_R = decode(self.model, cache, input_ids, attention_mask, sampler, max_tokens_R, stop_ids,
-                        on_finished=keep_kv, lean=lean, shared=shared)
+                        on_finished=keep_kv, lean=lean)
         return [decoding.finish_row(tokens, logprobs, budget, stop_ids)
                 for (tokens, logprobs), budget in zip(rows_R, max_tokens_R)]
 
@@ -265,22 +308,28 @@ class LocalSamplingClient:
         self._store_rows(out, attention_mask, prompts, sequences)
         return sequences
 
-    def _layout(self, prompts: list[tuple[int, ...]]) -> tuple[Any, Any, Any, int, int, int]:
-        """Cache (``None``: none), input ids, attention mask, the leading columns every row
-        shares (the prefix cache's; else 0), and the prompt tokens saved by the prefix cache
-        and by the KV store, for one call: stored KV of earlier turns,
-        else a shared prefix computed once, else plain left padding."""
+    def _layout(self, prompts: list[tuple[int, ...]], lean: bool) -> tuple[Any, Any, Any, int, int]:
+        """Cache, input ids, attention mask, and the prompt tokens saved by the prefix cache
+        and by the KV store, for one call: stored KV of earlier turns, else a shared prefix
+        computed once, else plain left padding. With ``lean`` the cache is a
+        ``kv_cache.Restored`` for the lean prefill (the prefix once, not repeated per
+        row), else an HF cache (``None``: none)."""
         pad, device = self.tokenizer.pad_token_id, self.model.device
         shared = kv_cache.shared_prefix_length(prompts) if self.prefix_cache else 0
-        stored = kv_cache.stored_layout(self.kv_store, prompts, shared, pad, device)
+        layout = kv_cache.restored_layout if lean else kv_cache.stored_layout
+        stored = layout(self.kv_store, prompts, shared, pad, device)
         if stored is not None:
             cache, input_ids, attention_mask, reused = stored
-            return cache, input_ids, attention_mask, 0, 0, reused
-        cache = self._prefix_cache(prompts[0][:shared], len(prompts)) if shared else None
-        if cache is None:
+            return cache, input_ids, attention_mask, 0, reused
+        prefix = self._prefix_kv(prompts[0][:shared]) if shared else None
+        if prefix is None:
             shared = 0
         input_ids, attention_mask = kv_cache.left_pad(prompts, pad, device, keep=shared)
-        return cache, input_ids, attention_mask, shared, shared * (len(prompts) - 1), 0
+        if prefix is None:
+            cache = None
+        else:
+            cache = kv_cache.Restored(prefix) if lean else kv_cache.repeated_cache(prefix, len(prompts))
+        return cache, input_ids, attention_mask, shared * (len(prompts) - 1), 0
 
     def _lean(self) -> lean_decode.DecodeWeights | None:
         """The lean step's weights for the model's current weights (merged again only
@@ -288,14 +337,14 @@ class LocalSamplingClient:
         self._lean_weights = lean_decode.decode_weights(self.model, self._lean_weights)
         return self._lean_weights
 
-    def _prefix_cache(self, prefix: tuple[int, ...], rows: int) -> Any:
-        """The KV cache of ``prefix`` repeated for ``rows`` rows, or ``None`` when the
-        model's cache is not pure attention (then the prefix cache and store stay off)."""
-        cache = kv_cache.prefix_cache(self.model, prefix, rows, self.kv_store)
-        if cache is None:
+    def _prefix_kv(self, prefix: tuple[int, ...]) -> Any:
+        """The KV of ``prefix`` (one row), or ``None`` when the model's cache is not pure
+        attention (then the prefix cache and store stay off)."""
+        kv = kv_cache.prefix_kv(self.model, prefix, self.kv_store)
+        if kv is None:
             self.prefix_cache = False
             self.kv_cache_bytes = 0
-        return cache
+        return kv
 
     def _store_rows(self, out: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
                     sequences: list[SampledSequence]) -> None:

@@ -38,6 +38,7 @@ from retool import algo
 from retool.atomic import replace_folder
 from retool.engines.base import AdamParams, ForwardBackwardOutput, OptimStepOutput, run_now
 from retool.engines.local.config import LocalEngineConfig
+from retool.engines.local import memory
 from retool.engines.local.kv_cache import common_prefix
 from retool.engines.local.model import (
     apply_lora,
@@ -91,12 +92,8 @@ class LocalTrainingClient:
         self.vocab_size = base.get_input_embeddings().num_embeddings
         self._lock = threading.Lock()
         self._pending_gradient = False
-        self.sampler = LocalSamplingClient(self.model, self.tokenizer, self._lock,
-                                           seed=config.seed, window_s=config.sample_window_s,
-                                           max_rows=config.max_sample_rows,
-                                           prefix_cache=config.sample_prefix_cache,
-                                           kv_cache_mb=config.sample_kv_cache_mb,
-                                           fast=config.fast_sampling, decode_loop=config.decode_loop)
+        self.sampler = LocalSamplingClient(self.model, self.tokenizer, self._lock, seed=config.seed,
+                                           settings=config.sampler)
         if config.logprob_chunk_tokens:
             check_chunkable(self.model)
         if config.packing != "bucketed":
@@ -130,6 +127,10 @@ class LocalTrainingClient:
         stats = _LossStats()
         logprobs_D: list[tuple[float, ...]] = [()] * len(data)
         with self._lock, model_mode(self.model, train=True):
+            # The weights change at the next optim_step: the sampler's merged lean weights and
+            # stored KV (up to the model's size + kv_cache_mb) would be dropped then; dropping
+            # them now keeps them out of the training step's peak memory.
+            self.sampler.clear_kv_cache()
             try:
                 for indices in plan:
                     logprobs_B = self._micro_batch_backward(data, indices, loss_fn, config,
@@ -139,6 +140,7 @@ class LocalTrainingClient:
             except BaseException:  # no partial gradient may reach a later optim_step
                 self._discard_gradient()
                 raise
+        memory.release_free_memory()  # the micro-batches' activations and logits are freed now
         self._pending_gradient = True
         return ForwardBackwardOutput(tuple(logprobs_D), stats.metrics(loss_fn, len(data), len(plan)))
 
@@ -446,7 +448,7 @@ class LocalTrainingClient:
 
     def close(self, status: str = "success") -> None:
         """End the run's use of the client: the local engine holds no process or session,
-        so this frees the sampler's stored KV caches (up to ``sample_kv_cache_mb``); the
+        so this frees the sampler's stored KV caches (up to ``sampler.kv_cache_mb``); the
         model and optimiser go with the client. ``status`` is not recorded anywhere.
         Harmless to call twice; the client still works afterwards (caches refill)."""
         self.sampler.clear_kv_cache()
