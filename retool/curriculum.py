@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from retool.algo import is_degenerate
+from retool.config import ConfigError
 from retool.types import Problem
 
 if TYPE_CHECKING:
@@ -104,9 +105,10 @@ class PoolState:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PoolState:
-        """The state :meth:`to_json` wrote; ``ValueError`` for another layout (a checkpoint of an older rule)."""
+        """The state :meth:`to_json` wrote; :class:`~retool.config.ConfigError` (a one-line error of
+        ``retool train``) for another layout: a checkpoint of the earlier rule."""
         if "group_size" not in data:
-            raise ValueError("the checkpoint's difficulty pool was written by an earlier version of the rule "
+            raise ConfigError("the checkpoint's difficulty pool was written by an earlier version of the rule "
                              "(moving averages, not counts); resume it with that version or start a new run")
         return cls({str(k): Counts(*map(float, v)) for k, v in data["problems"].items()},
                    {str(k): Counts(*map(float, v)) for k, v in data["families"].items()}, int(data["group_size"]))

@@ -9,8 +9,9 @@ Stages (each one resumes if the demo is re-run with the same output folder):
 3. cold-start SFT (:mod:`retool.sft`) — LoRA on the tool dialogues;
 4. eval *after SFT*;
 5. RL (:mod:`retool.train`) — GRPO/PPO from the SFT adapter, code calls in the sandbox,
-   problems drawn from the difficulty pool (``--curriculum difficulty``: fewer of the kinds
-   and problems whose recent groups were all right or all wrong);
+   problems drawn from the difficulty pool (``--curriculum difficulty``: each problem in
+   proportion to the estimated chance that its group comes back with mixed rewards, from
+   the success counts of its kind and of itself);
 6. eval *after RL*;
 7. report — checkpoint comparison and training-curve plots (PNG + SVG), an HTML page of
    the after-RL trajectories, ``summary.json``/``summary.md`` and a printed table.
@@ -108,9 +109,9 @@ class DemoConfig:
     rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
     rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
                                       "have mixed rewards (see retool train --help)")
-    rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = fewer of the kinds and "
-                                              "problems whose recent groups were all right or all wrong; none = "
-                                              "a seeded shuffle (see retool train --curriculum)",
+    rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = in proportion to the "
+                                              "estimated chance of a mixed group (success counts per kind and "
+                                              "problem); none = a seeded shuffle (see retool train --curriculum)",
                                 choices=CURRICULA)
     rl_difficulty: str = option("", "harder RL problems per kind, kind=level,... or one level for all (0-2, each "
                                     "adds a digit to the operands; empty: level 0, the calibrated task; see "

@@ -105,7 +105,7 @@ def test_state_survives_a_json_round_trip_exactly():
 
 
 def test_a_checkpoint_of_the_earlier_rule_is_refused_with_a_reason():
-    with pytest.raises(ValueError, match="earlier version"):
+    with pytest.raises(ConfigError, match="earlier version"):
         PoolState.from_json({"problems": {"a0": 0.5}, "families": {"a": 0.5}})
 
 
