@@ -24,7 +24,9 @@ The rule (pure functions over :class:`PoolState`, which checkpoints hold):
 - a problem already rolled out is judged by its own counts on top of its family's
   posterior scaled down to :data:`PRIOR_TRIALS` trajectories (one G/G group makes it
   unlikely to be mixed next time, whatever its family does);
-- a problem's draw weight is ``max(floor, chance)``; a step's problems are
+- a problem's draw weight is ``max(floor, chance) ** sharpness`` (``--curriculum-sharpness``,
+  1 by default): a sharpness above 1 favours the likeliest-mixed problems more strongly
+  (at 4 a problem at chance 0.9 weighs 16× one at 0.45); a step's problems are
   ``batch_size`` distinct ones drawn without replacement with probability proportional to
   their weights, from a generator seeded by (run seed, step, round); a refill round
   (``--refill-rounds``) draws from the problems not yet rolled out in that step, after the
@@ -32,8 +34,9 @@ The rule (pure functions over :class:`PoolState`, which checkpoints hold):
 
 Before anything is recorded every problem weighs the same (the uniform prior's chance,
 7/9 for ``G = 8``). The floor (``--curriculum-floor``, 0.1 by default) keeps every problem
-drawable, so nothing starves and a family the policy has since forgotten (or learnt) can
-come back. Everything is a function of the run's seed and the recorded results, so a
+drawable — at least ``floor ** sharpness`` of a sure-mixed problem's weight — so a family
+the policy has since forgotten (or learnt) can come back; with a high sharpness that takes
+many steps. Everything is a function of the run's seed and the recorded results, so a
 resumed run draws exactly what the uninterrupted run drew.
 
 Not covered: difficulty labels given with the data, families other than ``data_source``,
@@ -157,20 +160,20 @@ def chances(state: PoolState, problems: Sequence[Problem]) -> list[float]:
     return out
 
 
-def weights(state: PoolState, problems: Sequence[Problem], floor: float) -> np.ndarray:
-    """The draw weight of every problem: ``max(floor, chance of a mixed group)``."""
+def weights(state: PoolState, problems: Sequence[Problem], floor: float, sharpness: float = 1.0) -> np.ndarray:
+    """The draw weight of every problem: ``max(floor, chance of a mixed group) ** sharpness``."""
     import numpy as np
 
-    return np.maximum(np.asarray(chances(state, problems), dtype=np.float64), floor)
+    return np.maximum(np.asarray(chances(state, problems), dtype=np.float64), floor) ** sharpness
 
 
 def draw(state: PoolState, problems: Sequence[Problem], count: int, *, seed: int, step: int, round_: int,
-         floor: float, exclude: Iterable[int] = ()) -> list[int]:
+         floor: float, exclude: Iterable[int] = (), sharpness: float = 1.0) -> list[int]:
     """Indices of ``count`` distinct problems (fewer if fewer remain), drawn with probability
     proportional to :func:`weights` from those not in ``exclude``; seeded by (seed, step, round)."""
     import numpy as np
 
-    weights_N = weights(state, problems, floor)
+    weights_N = weights(state, problems, floor, sharpness)
     weights_N[list(exclude)] = 0.0
     available = int(np.count_nonzero(weights_N))
     if available == 0 or count <= 0:
@@ -191,13 +194,15 @@ def record(state: PoolState, problems: Sequence[Problem], rewards_BG: Sequence[S
     return replace(state, problems=own, families=families, group_size=size)
 
 
-def pool_metrics(state: PoolState, problems: Sequence[Problem], floor: float) -> dict[str, float]:
+def pool_metrics(state: PoolState, problems: Sequence[Problem], floor: float,
+                 sharpness: float = 1.0) -> dict[str, float]:
     """``curriculum/*`` metrics: problems seen so far, mean weight, share of problems at the floor,
-    and the informative share a draw from these weights should give (``Σ w² / Σ w``)."""
+    and the informative share a draw from these weights should give (``Σ w·chance / Σ w``)."""
     import numpy as np
 
-    weights_N = weights(state, problems, floor)
+    chances_N = np.asarray(chances(state, problems), dtype=np.float64)
+    weights_N = weights(state, problems, floor, sharpness)
     return {"curriculum/seen_problems": float(len(state.problems)),
             "curriculum/mean_weight": float(weights_N.mean()),
-            "curriculum/floor_share": float(np.mean(weights_N <= floor)),
-            "curriculum/expected_informative": float((weights_N**2).sum() / weights_N.sum())}
+            "curriculum/floor_share": float(np.mean(chances_N <= floor)),
+            "curriculum/expected_informative": float((weights_N * chances_N).sum() / weights_N.sum())}

@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,11 +86,28 @@ def test_a_family_whose_groups_are_never_mixed_sinks_though_its_success_rate_is_
 def test_metrics_count_seen_problems_the_floor_and_the_expected_share():
     problems = pool(4)
     state = record(PoolState(), problems[:1], [ALL_RIGHT])
-    weights_N = weights(state, problems, floor=0.1)
-    assert pool_metrics(state, problems, floor=0.1) == {
-        "curriculum/seen_problems": 1.0, "curriculum/mean_weight": pytest.approx(weights_N.mean()),
-        "curriculum/floor_share": pytest.approx(float((weights_N <= 0.1).mean())),
-        "curriculum/expected_informative": pytest.approx((weights_N**2).sum() / weights_N.sum())}
+    for sharpness in (1.0, 4.0):
+        chances_N = np.asarray(curriculum.chances(state, problems))
+        weights_N = weights(state, problems, floor=0.1, sharpness=sharpness)
+        assert pool_metrics(state, problems, floor=0.1, sharpness=sharpness) == {
+            "curriculum/seen_problems": 1.0, "curriculum/mean_weight": pytest.approx(weights_N.mean()),
+            "curriculum/floor_share": pytest.approx(float((chances_N <= 0.1).mean())),
+            "curriculum/expected_informative": pytest.approx((weights_N * chances_N).sum() / weights_N.sum())}
+
+
+def test_sharpness_raises_the_floored_chance_to_its_power_and_favours_the_likeliest_mixed():
+    a, b = pool(20, "a"), pool(20, "b")
+    state = PoolState()
+    for i in range(3):  # family a: groups mixed; family b: all right
+        state = record(state, [a[i], b[i]], [[1.0, -1.0, 1.0, -1.0], ALL_RIGHT])
+    plain, sharp = weights(state, a + b, floor=0.1), weights(state, a + b, floor=0.1, sharpness=4.0)
+    assert list(sharp) == pytest.approx(list(plain**4))
+    assert sharp[3] / sharp[23] == pytest.approx((plain[3] / plain[23]) ** 4)
+    def share_of_a(sharpness: float) -> float:
+        picked = [i for step in range(1, 301)
+                  for i in draw(state, a + b, 1, seed=0, step=step, round_=0, floor=0.1, sharpness=sharpness)]
+        return sum(i < 20 for i in picked) / len(picked)
+    assert share_of_a(4.0) > share_of_a(1.0)
 
 
 def test_record_refuses_groups_that_do_not_match_their_problems():
@@ -156,6 +174,8 @@ def test_the_flag_is_checked():
         make_config(TrainConfig, curriculum="difficulty", curriculum_floor=0.0)
     with pytest.raises(ConfigError, match="curriculum"):
         make_config(TrainConfig, curriculum="easy-first")
+    with pytest.raises(ConfigError, match="curriculum_sharpness"):
+        make_config(TrainConfig, curriculum="difficulty", curriculum_sharpness=0.0)
     assert curriculum.CURRICULA == ("none", "difficulty")
 
 
