@@ -10,8 +10,8 @@ Stages (each one resumes if the demo is re-run with the same output folder):
 4. eval *after SFT*;
 5. RL (:mod:`retool.train`) — GRPO/PPO from the SFT adapter, code calls in the sandbox,
    problems drawn from the difficulty pool (``--curriculum difficulty``: each problem in
-   proportion to the estimated chance that its group comes back with mixed rewards, from
-   the success counts of its kind and of itself);
+   proportion to the fourth power of the estimated chance that its group comes back with
+   mixed rewards, from the success counts of its kind and of itself);
 6. eval *after RL*;
 7. report — checkpoint comparison and training-curve plots (PNG + SVG), an HTML page of
    the after-RL trajectories, ``summary.json``/``summary.md`` and a printed table.
