@@ -1,4 +1,4 @@
-"""The difficulty pool's informative share on a simulated policy, against a uniform draw and the earlier rule.
+"""The difficulty pool's informative share on a simulated policy, against a uniform draw and a candidate rule.
 
 No model runs: each RL problem of the demo's arithmetic task (``retool.tasks``, split
 ``rl``) gets a fixed success rate, drawn around its kind's rate from a Beta with
@@ -11,11 +11,14 @@ rolled-out groups with mixed rewards is averaged over ``--seeds`` seeds. The rul
 
 - ``uniform``: problems drawn uniformly without replacement (what ``--curriculum none`` does
   for a single epoch);
-- ``earlier``: the moving average of each problem's and kind's informativeness
-  (``s ← 0.5·s + 0.5·x``, unseen problems at their kind's score, floor 0.1) — the rule
-  ``--curriculum difficulty`` used before, kept here for the comparison;
-- ``difficulty``: :mod:`retool.curriculum` as it is (``--curriculum-sharpness 1``), and
-  ``difficulty^4`` at sharpness 4 (the demo's default).
+- ``difficulty``: :mod:`retool.curriculum` as it is (moving averages of informativeness);
+- ``chance`` and ``chance^4``: a candidate tried and *not adopted* (see ``docs/train.md``):
+  each kind keeps discounted success counts (×0.8 per new group), the chance that a group
+  of ``G`` is mixed is ``1 − P(0 of G) − P(G of G)`` under the beta-binomial of
+  Beta(1 + successes, 1 + failures), tempered by the kind's observed informative share
+  (the prediction weighs as one group); a rolled-out problem adds its own counts to its
+  kind's posterior scaled to 4 trajectories; the draw weight is ``max(0.1, chance) ** k``
+  with ``k`` 1 or 4. On the real demo model it did worse than ``difficulty``.
 
 The default kind rates are one cold start's after-SFT rates (the default seed's eval);
 this measures the drawing rule on a policy that does not learn, not what RL buys.
@@ -26,10 +29,12 @@ this measures the drawing rule on a policy that does not learn, not what RL buys
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,34 +49,64 @@ RATES = {"digit_sum_power": 0.82, "divisors": 1.0, "gcd": 1.0, "lcm": 1.0, "modp
          "product": 0.82, "range_sum": 0.68, "word_problem": 0.33}
 
 
-class Earlier:
-    """The earlier rule: moving averages of informativeness (rate 0.5), families start at 1."""
+@dataclass(frozen=True)
+class Counts:
+    """Trajectories, successes, groups and informative groups."""
 
-    def __init__(self) -> None:
-        self.problems: dict[str, float] = {}
-        self.families: dict[str, float] = {}
+    trials: float = 0.0
+    successes: float = 0.0
+    groups: float = 0.0
+    informative: float = 0.0
+
+    def add(self, rewards_G: Sequence[float], keep: float) -> Counts:
+        return Counts(keep * self.trials + len(rewards_G), keep * self.successes + sum(r > 0 for r in rewards_G),
+                      keep * self.groups + 1, keep * self.informative + (not is_degenerate(rewards_G)))
+
+
+def mixed_chance(alpha: float, beta: float, group_size: int) -> float:
+    """``1 − P(0 of G) − P(G of G)`` for successes ~ BetaBinomial(G, alpha, beta)."""
+    def log_beta(a: float, b: float) -> float:
+        return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    base = log_beta(alpha, beta)
+    return max(0.0, 1 - math.exp(log_beta(alpha + group_size, beta) - base)
+               - math.exp(log_beta(alpha, beta + group_size) - base))
+
+
+class Chance:
+    """The candidate rule (module docstring) at sharpness ``k``."""
+
+    def __init__(self, k: float = 1.0, group_size: int = 8) -> None:
+        self.k, self.group_size = k, group_size
+        self.problems: dict[str, Counts] = {}
+        self.families: dict[str, Counts] = {}
+
+    def chance(self, p: Problem) -> float:
+        family = self.families.get(p.data_source, Counts())
+        alpha, beta = 1 + family.successes, 1 + family.trials - family.successes
+        own = self.problems.get(p.id)
+        if own is None:
+            predicted = mixed_chance(alpha, beta, self.group_size)
+            return (family.informative + predicted) / (family.groups + 1)
+        scale = min(1.0, 4 / (alpha + beta))
+        return mixed_chance(scale * alpha + own.successes, scale * beta + own.trials - own.successes, self.group_size)
 
     def weights(self, problems: Sequence[Problem], floor: float) -> np.ndarray:
-        scores = [self.problems.get(p.id, self.families.get(p.data_source, 1.0)) for p in problems]
-        return np.maximum(np.asarray(scores), floor)
+        return np.maximum(np.asarray([self.chance(p) for p in problems]), floor) ** self.k
 
     def record(self, problems: Sequence[Problem], rewards_BG: Sequence[Sequence[float]]) -> None:
         for p, rewards_G in zip(problems, rewards_BG, strict=True):
-            x = 0.0 if is_degenerate(rewards_G) else 1.0
-            family = self.families.get(p.data_source, 1.0)
-            self.problems[p.id] = 0.5 * self.problems.get(p.id, family) + 0.5 * x
-            self.families[p.data_source] = 0.5 * family + 0.5 * x
+            self.problems[p.id] = self.problems.get(p.id, Counts()).add(rewards_G, 1.0)
+            self.families[p.data_source] = self.families.get(p.data_source, Counts()).add(rewards_G, 0.8)
 
 
 class Current:
-    """:mod:`retool.curriculum` behind the same two calls, at a given sharpness."""
+    """:mod:`retool.curriculum` behind the same two calls."""
 
-    def __init__(self, sharpness: float = 1.0) -> None:
+    def __init__(self) -> None:
         self.state = curriculum.PoolState()
-        self.sharpness = sharpness
 
     def weights(self, problems: Sequence[Problem], floor: float) -> np.ndarray:
-        return curriculum.weights(self.state, problems, floor, self.sharpness)
+        return curriculum.weights(self.state, problems, floor)
 
     def record(self, problems: Sequence[Problem], rewards_BG: Sequence[Sequence[float]]) -> None:
         self.state = curriculum.record(self.state, problems, rewards_BG)
@@ -85,8 +120,8 @@ class Uniform:
         pass
 
 
-RULES: dict[str, Callable[[], object]] = {"uniform": Uniform, "earlier": Earlier, "difficulty": Current,
-                                          "difficulty^4": lambda: Current(4.0)}
+RULES: dict[str, Callable[[], object]] = {"uniform": Uniform, "difficulty": Current, "chance": Chance,
+                                          "chance^4": lambda: Chance(4.0)}
 
 
 def success_rates(problems: Sequence[Problem], concentration: float, rng: random.Random) -> dict[str, float]:
@@ -143,8 +178,9 @@ def main() -> None:
         shares[name] = informative / groups
         print(f"{name:>12}: {informative}/{groups} groups informative ({shares[name]:.1%}), "
               f"{groups / args.seeds:.1f} groups per run", flush=True)
-    print(f"against the earlier rule: difficulty {shares['difficulty'] / shares['earlier']:.2f}x, difficulty^4 "
-          f"{shares['difficulty^4'] / shares['earlier']:.2f}x  (load {os.getloadavg()})")
+    print(f"against difficulty: chance {shares['chance'] / shares['difficulty']:.2f}x, chance^4 "
+          f"{shares['chance^4'] / shares['difficulty']:.2f}x, uniform {shares['uniform'] / shares['difficulty']:.2f}x  "
+          f"(load {os.getloadavg()})")
 
 
 if __name__ == "__main__":

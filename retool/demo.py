@@ -9,9 +9,8 @@ Stages (each one resumes if the demo is re-run with the same output folder):
 3. cold-start SFT (:mod:`retool.sft`) — LoRA on the tool dialogues;
 4. eval *after SFT*;
 5. RL (:mod:`retool.train`) — GRPO/PPO from the SFT adapter, code calls in the sandbox,
-   problems drawn from the difficulty pool (``--curriculum difficulty``: each problem in
-   proportion to the fourth power of the estimated chance that its group comes back with
-   mixed rewards, from the success counts of its kind and of itself);
+   problems drawn from the difficulty pool (``--curriculum difficulty``: fewer of the kinds
+   and problems whose recent groups were all right or all wrong);
 6. eval *after RL*;
 7. report — checkpoint comparison and training-curve plots (PNG + SVG), an HTML page of
    the after-RL trajectories, ``summary.json``/``summary.md`` and a printed table.
@@ -109,13 +108,10 @@ class DemoConfig:
     rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
     rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
                                       "have mixed rewards (see retool train --help)")
-    rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = in proportion to the "
-                                              "estimated chance of a mixed group (success counts per kind and "
-                                              "problem); none = a seeded shuffle (see retool train --curriculum)",
+    rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = fewer of the kinds and "
+                                              "problems whose recent groups were all right or all wrong; none = "
+                                              "a seeded shuffle (see retool train --curriculum)",
                                 choices=CURRICULA)
-    rl_curriculum_sharpness: float = option(4.0, "difficulty pool: draw weight = max(floor, chance of a mixed group) "
-                                                  "** this (1 = proportional; 4 reached half the groups informative "
-                                                  "in a simulation of the demo's draws, docs/demo.md)")
     rl_difficulty: str = option("", "harder RL problems per kind, kind=level,... or one level for all (0-2, each "
                                     "adds a digit to the operands; empty: level 0, the calibrated task; see "
                                     "retool task-data --difficulty)")
@@ -135,7 +131,6 @@ class DemoConfig:
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
-        require(self.rl_curriculum_sharpness > 0, f"rl_curriculum_sharpness must be > 0, got {self.rl_curriculum_sharpness}")
         require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
         from retool.tasks import parse_difficulty
 
@@ -249,8 +244,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p,
-        refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum,
-        curriculum_sharpness=cfg.rl_curriculum_sharpness, interpreter=cfg.interpreter,
+        refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
         sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
         dtype=cfg.dtype)

@@ -103,12 +103,10 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     refill_rounds: int = option(0, "dynamic sampling (DAPO): up to N extra rollout rounds of fresh problems "
                                    "while fewer than batch_size groups are informative; only those are trained")
     curriculum: str = option("none", "which problems a step draws: none = a seeded shuffle per epoch; difficulty = "
-                                     "in proportion to the estimated chance that a problem's group is mixed (an "
-                                     "online difficulty pool, retool/curriculum.py)", choices=curriculum.CURRICULA)
-    curriculum_floor: float = option(0.1, "difficulty curriculum: the lowest chance of a mixed group a problem's "
-                                          "weight counts, so none starves")
-    curriculum_sharpness: float = option(1.0, "difficulty curriculum: a problem's draw weight is max(floor, chance "
-                                              "of a mixed group) ** this; above 1 draws the likeliest-mixed more")
+                                     "fewer of those whose recent groups were all right or all wrong (an online "
+                                     "difficulty pool, retool/curriculum.py)", choices=curriculum.CURRICULA)
+    curriculum_floor: float = option(0.1, "difficulty curriculum: the lowest draw weight of a problem (a fresh "
+                                          "one weighs 1), so none starves")
     lr: float = option(4e-5, "Adam learning rate")
     beta1: float = option(0.9, "Adam beta1")
     beta2: float = option(0.95, "Adam beta2")
@@ -155,7 +153,6 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(self.curriculum in curriculum.CURRICULA,
                 f"curriculum must be one of {', '.join(curriculum.CURRICULA)}, got {self.curriculum!r}")
         require(0 < self.curriculum_floor <= 1, f"curriculum_floor must be in (0, 1], got {self.curriculum_floor}")
-        require(self.curriculum_sharpness > 0, f"curriculum_sharpness must be > 0, got {self.curriculum_sharpness}")
         require(self.advantage != "passk" or 1 <= self.passk < self.group_size,
                 f"--passk must be in [1, group_size) = [1, {self.group_size}), got {self.passk}")
         require(self.overlong_buffer >= 1, f"overlong_buffer must be >= 1, got {self.overlong_buffer}")
@@ -224,7 +221,7 @@ class Trainer:
         cfg, n = self.config, len(self.problems)
         if self.pool is not None:
             return curriculum.draw(self.pool, self.problems, count, seed=cfg.seed, step=step, round_=round_,
-                                   floor=cfg.curriculum_floor, exclude=taken, sharpness=cfg.curriculum_sharpness)
+                                   floor=cfg.curriculum_floor, exclude=taken)
         if round_ == 0:
             return runs.batch_indices(step, cfg.batch_size, n, cfg.seed)
         return runs.refill_indices(step, round_, count, n, cfg.seed)
@@ -290,8 +287,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list]:
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
     _add_totals(trainer.totals, usage.prefill, usage.sampled, trained, metrics.get("sandbox/cpu_s", 0.0))
     if trainer.pool is not None:
-        metrics.update(curriculum.pool_metrics(trainer.pool, trainer.problems, cfg.curriculum_floor,
-                                               cfg.curriculum_sharpness))
+        metrics.update(curriculum.pool_metrics(trainer.pool, trainer.problems, cfg.curriculum_floor))
     metrics.update({
         "rollout/degenerate_group_rate": sum(degenerate_B) / len(groups),
         "rollout/informative_group_rate": (len(groups) - sum(degenerate_B)) / len(groups),

@@ -54,8 +54,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
                                                        for r in rl_metrics))
     sentence = f"{rollouts['informative_groups']} of {rollouts['groups']} groups informative"
     assert sentence in printed and sentence in markdown
-    rl_config = json.loads((out / "rl" / "config.json").read_text())
-    assert (rl_config["curriculum"], rl_config["curriculum_sharpness"]) == ("difficulty", 4.0)
+    assert json.loads((out / "rl" / "config.json").read_text())["curriculum"] == "difficulty"
     rl_rows = (out / "rl" / "metrics.jsonl").read_text().splitlines()
 
     # Re-running resumes every stage: nothing is trained or sampled again.
