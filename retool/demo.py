@@ -107,7 +107,9 @@ class DemoConfig:
     packing: str = option("shared-prefix", "training micro-batch layout (see retool train --help)",
                           choices=PACKINGS)
     micro_batch_tokens: int = option(1280, "tokens per training micro-batch (shared-prefix: one packed row)")
-    rl_top_p: float = option(0.7, "nucleus sampling of the RL rollouts (the evaluation's 0.7)")
+    rl_top_p: float = option(1.0, "nucleus sampling of the RL rollouts (1: the whole distribution; from one SFT "
+                                  "adapter, groups of 8 were mixed for 14 of 16 problems at 1.0 against 8 of 16 at "
+                                  "the evals' 0.7, docs/demo.md)")
     rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
                                       "have mixed rewards (see retool train --help)")
     rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = fewer of the kinds and "
