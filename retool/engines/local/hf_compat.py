@@ -167,7 +167,7 @@ def _generate_cache_keyword() -> str:
 @functools.cache
 def reserved_layer_class() -> Any:
     """``_ReservedLayer``: an HF ``DynamicLayer`` that grows into spare capacity (built
-    on first use, as transformers is imported lazily)."""
+    once, on first use)."""
     class _ReservedLayer(DynamicLayer):
         """Keys/values are views of buffers with room for ``reserve`` more tokens; a
         buffer is reallocated (with new room) only when full or when something outside

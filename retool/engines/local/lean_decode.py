@@ -190,7 +190,7 @@ def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
 
 
 def _lora_layer(module: Any) -> Any:
-    from peft.tuners.lora import LoraLayer  # peft: heavy (~0.6 s); a full fine-tune run needs it nowhere else
+    from peft.tuners.lora import LoraLayer  # peft: heavy (~0.6 s); a full fine-tune run loads it only here
 
     return module if isinstance(module, LoraLayer) else None
 
