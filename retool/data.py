@@ -195,7 +195,8 @@ def _decode_json(path: Path, line: int, raw: bytes) -> Any:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
-    import pyarrow as pa  # heavy: only parquet input needs it
+    # pyarrow: heavy, only parquet input needs it
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -492,7 +493,8 @@ def fetch_hub_parquets(repo_id: str = DAPO_REPO, *, revision: str | None = None,
     ``cache_dir`` is given); ``offline`` (or ``HF_HUB_OFFLINE=1``) uses the cache only.
     Raises ``DataError`` when the hub cannot be reached and nothing is cached.
     """
-    from huggingface_hub import snapshot_download  # heavy: only reading from the hub needs it
+    # huggingface_hub: heavy, only reading from the hub needs it
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:

@@ -124,7 +124,8 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
 
 def meta_model(model: str) -> Any:
     """The Hugging Face causal LM of ``model`` on the meta device (its config only)."""
-    import torch  # heavy, like transformers: only the conversion needs them
+    # torch and transformers: heavy, only the conversion needs them
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(resolve_model_name(model))

@@ -666,7 +666,7 @@ def _half_precision(cfg: TrainConfig) -> bool:
     """Whether a local trainer (``local``, ``vllm``) holds bfloat16 weights."""
     if cfg.engine not in ("local", "vllm"):
         return False
-    from retool.engines.local.model import resolve_device, resolve_dtype
+    from retool.engines.local.model import resolve_device, resolve_dtype  # torch: heavy, kept off retool train --help
 
     return str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))) != "torch.float32"
 

@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from retool.engines import engine_spec
+
 PROBE_QUESTION = "What is 6 times 7?"
 PROBE_ANSWER = "The answer is \\boxed{42}."
 """The probe's fixed conversation: the question is a user turn in the run's chat
@@ -211,8 +213,6 @@ def guard_for(engine: str, every: int, renderer: Any, tolerance: float | None, *
     """The guard of a run (``None`` with ``every`` 0): ``tolerance`` ``None`` takes the
     engine's (:class:`~retool.engines.base.Capabilities`), or
     :data:`HALF_PRECISION_TOLERANCE` when the weights are half precision."""
-    from retool.engines import engine_spec
-
     if every == 0:
         return None
     capabilities = engine_spec(engine).capabilities

@@ -205,7 +205,8 @@ def _watch_pytrio_once() -> bool:
     global _pytrio_watched
     if _pytrio_watched:
         return True
-    from pytrio.transport import retry  # optional SDK: only a pytrio run has it
+    # optional SDK: only a pytrio run has it
+    from pytrio.transport import retry
     from pytrio.transport.actor import http_base
 
     found = 0

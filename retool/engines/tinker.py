@@ -545,8 +545,6 @@ class ServiceTrainingClient:
     def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
         """The trainer's teacher-forced logprobs of ``tokens[start:]``: the SDK's ``forward``
         (no gradient) with cross-entropy targets (the weight-sync guard's probe)."""
-        import numpy as np
-
         t = self.flavour.types()
         datum = t.Datum(model_input=t.ModelInput.from_ints([int(x) for x in tokens[:-1]]), loss_fn_inputs={
             "target_tokens": t.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),

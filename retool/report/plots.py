@@ -161,7 +161,8 @@ def plot_checkpoints(results_dir: str | Path, out_dir: str | Path, *, dataset: s
 
 
 def _checkpoint_figure(points: list[CheckpointPoint], title: str):
-    import numpy as np  # numpy and matplotlib (heavy): only drawing needs them
+    # numpy and matplotlib: heavy, only drawing needs them
+    import numpy as np
     from matplotlib.figure import Figure
 
     ks = sorted({p.k for p in points})

@@ -58,19 +58,19 @@ import ipaddress
 import json
 import logging
 import secrets
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from retool.sandbox import Sandbox, SandboxConfig
+from retool.sandbox.executor import check_timeout, sandbox_error
 from retool.types import ExecStatus, ExecutionResult
-
-if TYPE_CHECKING:
-    from retool.sandbox import Sandbox, SandboxConfig
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,6 @@ class ServerConfig:
     """A session with no run for this long is closed (its state is gone; runs get 404)."""
 
     def __post_init__(self) -> None:
-        from retool.sandbox.executor import check_timeout
-
         check_timeout(self.max_timeout_s, "max_timeout_s")
         if not self.max_memory_mb > 0 or not self.max_request_mb > 0:
             raise ValueError("max_memory_mb and max_request_mb must be > 0")
@@ -125,8 +123,6 @@ class ServerConfig:
 
     def sandbox_config(self) -> SandboxConfig:
         """The executor settings, with this server's default pool size and session bound."""
-        from retool.sandbox import SandboxConfig
-
         return dataclasses.replace(self.sandbox or SandboxConfig(workers=DEFAULT_WORKERS),
                                    max_sessions=self.max_sessions)
 
@@ -447,8 +443,6 @@ def create_app(config: ServerConfig = ServerConfig()) -> web.Application:
 
 async def _sandbox_lifetime(app: web.Application):
     """Start the sandbox before accepting connections (a broken one fails here, loudly)."""
-    from retool.sandbox import Sandbox
-
     async with Sandbox(app[_CONFIG].sandbox_config()) as sandbox:
         isolation = await asyncio.to_thread(sandbox.start)
         log.info("sandbox ready: %d workers, isolation %s", sandbox.config.workers, ", ".join(isolation))
@@ -532,8 +526,6 @@ async def _run(runner: Any, args: RunArgs) -> ExecutionResult:
     except (ValueError, TypeError):
         raise
     except Exception as e:  # the HTTP boundary: report, never drop the connection
-        from retool.sandbox.executor import sandbox_error
-
         log.exception("sandbox failed to run a request")
         return sandbox_error(f"{type(e).__name__}: {e}")
 
@@ -604,8 +596,6 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
 
 
 def _stop_on_signals() -> asyncio.Event:
-    import signal
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

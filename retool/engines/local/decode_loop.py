@@ -38,6 +38,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from retool.engines.local import hf_compat
 from retool.engines.local.decoding import RowSampler
 from retool.engines.local.hf_compat import KV
@@ -62,8 +64,6 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
     (``lean_decode``) it is a ``kv_cache.Restored`` (or ``None``) and the prefill and
     every step are lean. ``attention_mask`` marks padding with 0.
     """
-    import torch
-
     rows = len(max_tokens_R)
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     if lean is not None:
@@ -114,8 +114,6 @@ class _HFSteps:
         self.model, self.cache, self.mask = model, cache, attention_mask
 
     def step(self, tokens_B: Any, positions_B: Any) -> Any:
-        import torch
-
         self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
         out = self.model(input_ids=tokens_B[:, None], attention_mask=self.mask, position_ids=positions_B[:, None],
                          use_cache=True, **hf_compat.forward_cache_kwargs(self.cache))

@@ -19,6 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
 from retool.engines.base import SampledSequence, SamplingParams
 from retool.types import StopReason
 
@@ -36,16 +40,12 @@ def row_seeds(engine_seed: int, calls: int, rows: Sequence[tuple[int | None, int
 
 
 def row_generators(seeds: Sequence[int], device: Any) -> list[Any]:
-    import torch
-
     return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
 
 def generation_config(max_new_tokens: int, stop_ids: Sequence[int], pad_id: int) -> Any:
     """HF settings for one batch: greedy over the scores ``RowSampler`` returns, which
     leave only the token it drew, so HF's own sampling never runs."""
-    from transformers import GenerationConfig
-
     return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
                             pad_token_id=pad_id, return_dict_in_generate=True)
 
@@ -73,8 +73,6 @@ class RowSampler:
     """
 
     def __init__(self, params: SamplingParams, generators_R: list[Any], nucleus_candidates: int = 256) -> None:
-        from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-
         self.temperature = params.temperature
         self.filters: list[Any] = [TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []
         if params.top_p < 1.0:
@@ -103,8 +101,6 @@ class RowSampler:
         return chosen_B, scaled.log_softmax(-1).gather(1, chosen_B[:, None]).squeeze(1)
 
     def _draw(self, scaled: Any, generators: Sequence[Any]) -> Any:
-        import torch
-
         if self.temperature == 0:
             return scaled.argmax(-1)
         for warp in self.filters:
@@ -120,8 +116,6 @@ class RowSampler:
 
     def taken_logprobs(self, new_tokens: Any) -> Any:
         """The logprob of every generated token, shape ``(rows, new tokens)``."""
-        import torch
-
         taken = self._taken + [self._previous.gather(1, new_tokens[:, -1:]).squeeze(1)]
         return torch.stack(taken, dim=1)
 
@@ -154,8 +148,6 @@ class RowBudget:
     """A stopping criterion that ends each row at its own ``max_tokens``."""
 
     def __init__(self, prompt_width: int, max_tokens_R: list[int], device: Any) -> None:
-        import torch
-
         self.prompt_width = prompt_width
         self.max_tokens_R = torch.tensor(max_tokens_R, device=device)
 

@@ -28,6 +28,12 @@ import os
 import warnings
 from typing import Any
 
+import transformers
+from packaging.version import Version
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
 TESTED_TRANSFORMERS = ("5.10.4", "5.24.0")
 """Oldest and newest transformers release the fast path was tested on (inclusive):
 tests/test_engine_local.py passes on both; releases in between are assumed alike."""
@@ -42,16 +48,12 @@ _warned = False
 
 
 def installed_version() -> str:
-    import transformers
-
     return transformers.__version__
 
 
 def is_tested(version: str) -> bool:
     """Whether ``version`` lies in :data:`TESTED_TRANSFORMERS` (pre-releases of the newest
     tested release count as untested)."""
-    from packaging.version import Version
-
     low, high = (Version(v) for v in TESTED_TRANSFORMERS)
     return low <= Version(version) <= high
 
@@ -107,8 +109,6 @@ def row_kv(cache: Any, row: int, positions: Any = None) -> KV:
 
 def cache_from_kv(layers: list[tuple[Any, Any]]) -> Any:
     """A ``DynamicCache`` holding the given per-layer batched ``(keys, values)``."""
-    from transformers import DynamicCache
-
     return DynamicCache(ddp_cache_data=layers)
 
 
@@ -125,8 +125,6 @@ def with_reserved_room(cache: Any, model_config: Any, reserve: int) -> Any:
     every layer's cache at every step: ~30 % of a batched CPU decode step). Caches that
     are not pure attention are returned unchanged (``None`` stays ``None``: generate
     builds its own)."""
-    from transformers import DynamicCache
-
     candidate = DynamicCache(config=model_config) if cache is None else cache
     if not pure_attention(candidate):
         return cache
@@ -162,8 +160,6 @@ def generate_cache_kwargs(cache: Any) -> dict[str, Any]:
 @functools.cache
 def _generate_cache_keyword() -> str:
     """``cache`` since transformers renamed ``past_key_values`` (its outputs' field tells)."""
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
-
     fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
     return "cache" if "cache" in fields else "past_key_values"
 
@@ -171,9 +167,7 @@ def _generate_cache_keyword() -> str:
 @functools.cache
 def reserved_layer_class() -> Any:
     """``_ReservedLayer``: an HF ``DynamicLayer`` that grows into spare capacity (built
-    on first use, as transformers is imported lazily)."""
-    from transformers.cache_utils import DynamicLayer
-
+    once, on first use)."""
     class _ReservedLayer(DynamicLayer):
         """Keys/values are views of buffers with room for ``reserve`` more tokens; a
         buffer is reallocated (with new room) only when full or when something outside

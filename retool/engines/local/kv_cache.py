@@ -29,6 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from retool.engines.local import hf_compat
 from retool.engines.local.hf_compat import KV
 
@@ -89,8 +92,6 @@ class KVStore:
     def columns(self, key: tuple[int, ...], start: int, stop: int) -> KV:
         """Per layer ``(keys, values)`` of columns ``start .. stop`` of the stored sequence
         ``key``: views of stored tensors when they lie in one entry, else a copy."""
-        import torch
-
         entry = self.entries[key]
         base = 0 if entry.parent is None else len(entry.parent)
         if start >= base:
@@ -180,8 +181,6 @@ def shared_prefix_length(prompts: list[tuple[int, ...]]) -> int:
 def prefix_kv(model: Any, prefix: tuple[int, ...], store: KVStore) -> KV | None:
     """The KV of ``prefix`` (one row; it also goes into ``store``), or ``None`` when the
     model's cache is not pure attention."""
-    import torch
-
     out = model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True, logits_to_keep=1)
     cache = hf_compat.cache_of(out)
     if not hf_compat.pure_attention(cache):
@@ -199,8 +198,6 @@ def repeated_cache(kv: KV, rows: int) -> Any:
 def left_pad(prompts: list[tuple[int, ...]], pad_id: int, device: Any, keep: int = 0) -> tuple[Any, Any]:
     """Pad prompts to one width: after the first ``keep`` tokens (a prefix they all share,
     which then sits at the same positions in every row), so at the left when ``keep`` is 0."""
-    import torch
-
     width = max(len(p) for p in prompts)
     ids = [list(p[:keep]) + [pad_id] * (width - len(p)) + list(p[keep:]) for p in prompts]
     mask = [[1] * keep + [0] * (width - len(p)) + [1] * (len(p) - keep) for p in prompts]
@@ -249,8 +246,6 @@ def _hits(store: KVStore, prompts: list[tuple[int, ...]], shared: int) -> list[t
 def _stored_ids(prompts: list[tuple[int, ...]], reused_R: list[int], keep: int, pad_id: int,
                 device: Any) -> tuple[Any, Any]:
     """Ids and mask ``[first keep tokens, padding, rest of the reused tokens, padding, new tokens]``."""
-    import torch
-
     reuse_len = max(reused_R)
     new_len = max(len(p) - n for p, n in zip(prompts, reused_R))
     ids, mask = [], []
@@ -266,9 +261,6 @@ def stored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, p
     """HF cache, ids, mask and reused token count that reuse stored KV for every row
     (laid out ``[padding, stored tokens, padding, new tokens]``), or ``None`` (see
     :func:`_hits`)."""
-    import torch
-    import torch.nn.functional as F
-
     hits = _hits(store, prompts, shared)
     if hits is None:
         return None
@@ -308,8 +300,6 @@ def store_rows(store: KVStore, cache: Any, attention_mask: Any, prompts: list[tu
                sampled_R: list[tuple[int, ...]]) -> bool:
     """Keep each row's KV (prompt + sampled tokens but the last, whose KV was never
     computed); ``False`` (nothing stored) when the cache is not pure attention."""
-    import torch
-
     if not hf_compat.pure_attention(cache):
         return False
     width = attention_mask.shape[1]
@@ -325,8 +315,6 @@ def store_row(store: KVStore, row_kv: KV, prompt_mask: Any, prompt: tuple[int, .
     """Keep the KV of one row of a decode loop's batch (prompt + its tokens but the last):
     ``row_kv`` is laid out as ``prompt_mask`` (the prompt's columns) followed by one
     column per step, from a pure-attention cache."""
-    import torch
-
     width, kept = prompt_mask.shape[0], len(tokens) - 1
     positions = torch.cat([prompt_mask.nonzero().squeeze(1),
                            torch.arange(width, width + kept, device=prompt_mask.device)])

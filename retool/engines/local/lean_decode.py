@@ -38,6 +38,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from retool.engines.local.hf_compat import KV
 from retool.engines.local.kv_cache import Restored
 
@@ -143,12 +146,8 @@ def _layer_weights(layer: Any) -> LayerWeights:
     biases = [b for _, b in (q, k, v)]
     qkv_bias = None
     if any(b is not None for b in biases):
-        import torch
-
         qkv_bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
                               for (w, _), b in zip((q, k, v), biases)])
-    import torch
-
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return LayerWeights(layer.input_layernorm.weight, _packed(torch.cat([q[0], k[0], v[0]])), qkv_bias,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
@@ -160,8 +159,6 @@ def _packed(weight: Any) -> Any:
     """``weight`` (out, in) reordered into oneDNN's blocked layout for :func:`_linear` when
     that runs here (fp32 on a CPU with oneDNN): ~2.5x faster products at a few rows than
     the plain layout (measured at 16 rows: 6.4 vs 15.9 ms for the 49k x 576 head)."""
-    import torch
-
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_linear():
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -171,8 +168,6 @@ def _packed(weight: Any) -> Any:
 def _onednn_linear() -> bool:
     """Whether torch's oneDNN linear (the op ``torch.compile`` uses for frozen CPU weights)
     is present and agrees with a plain product here."""
-    import torch
-
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     generator = torch.Generator().manual_seed(0)
@@ -189,24 +184,19 @@ def _onednn_linear() -> bool:
 
 def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
     """``x @ weight.T + bias`` for a weight from :func:`_packed`."""
-    import torch
-    import torch.nn.functional as F
-
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 def _lora_layer(module: Any) -> Any:
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: heavy (~0.6 s); a full fine-tune run loads it only here
 
     return module if isinstance(module, LoraLayer) else None
 
 
 def _merged(module: Any) -> tuple[Any, Any]:
     """(weight, bias) of a linear layer with its active LoRA adapters merged (a copy)."""
-    import torch
-
     lora = _lora_layer(module)
     if lora is None:
         if not isinstance(module, torch.nn.Linear):
@@ -233,8 +223,6 @@ class LeanCache:
     ``own_mask`` the mask of those ``start.width`` restored own columns."""
 
     def __init__(self, weights: DecodeWeights, start: Restored, own_mask: Any, reserve: int) -> None:
-        import torch
-
         w = self.weights = weights
         rows, width = own_mask.shape
         self.width, capacity = width, width + max(1, reserve)
@@ -258,8 +246,6 @@ class LeanCache:
         """Prefill every column after the ``start.columns`` whose KV ``start`` holds (its
         shared prefix, then each row's restored columns; ``None``: nothing) with the lean
         weights: the lean cache and the last column's logits ``(rows, vocab)``."""
-        import torch
-
         start = start or Restored()
         past, prefix_len = start.columns, start.prefix_len
         rows, width = input_ids.shape[0], input_ids.shape[1] - past
@@ -278,9 +264,6 @@ class LeanCache:
         row, padding masked; a padding column sees itself, so nothing is all-masked; every
         column sees the restored ones that are not padding), filling their cache after the
         restored columns; the last column's logits."""
-        import torch
-        import torch.nn.functional as F
-
         w = self.weights
         rows, width = ids_BT.shape
         old, group, d = self.width, w.heads // w.kv_heads, w.head_dim
@@ -327,16 +310,11 @@ class LeanCache:
     def row_kv(self, row: int) -> KV:
         """Per layer ``(keys, values)`` of batch row ``row`` over every column so far (prefix
         columns, its own prompt columns, one per step): the HF cache's layout."""
-        import torch
-
         return tuple((torch.cat([pk, k[:, row, :self.width]], dim=1), torch.cat([pv, v[:, row, :self.width]], dim=1))
                      for (pk, pv), (k, v) in zip(self.prefix, self.own))
 
     def step(self, tokens_B: Any, positions_B: Any) -> Any:
         """Feed one token per row at its position; returns the next-token logits ``(rows, vocab)``."""
-        import torch
-        import torch.nn.functional as F
-
         w = self.weights
         rows, col = tokens_B.shape[0], self.width
         if col == self.own[0][0].shape[2]:
@@ -369,8 +347,6 @@ class LeanCache:
 
     def _grow(self) -> None:
         """Double the room of every row's columns (only when the reserve ran out)."""
-        import torch.nn.functional as F
-
         extra = max(16, self.width)
         for layer, (k, v) in enumerate(self.own):
             self.own[layer] = (F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)))
@@ -379,8 +355,6 @@ class LeanCache:
 
 def _rope(x: Any, cos: Any, sin: Any) -> Any:
     """Rotary embedding of ``x`` (rows, heads, head_dim) as HF's ``apply_rotary_pos_emb``."""
-    import torch
-
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
@@ -401,8 +375,6 @@ def _attention_rows(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any
     """Softmax attention of queries ``q`` (kv_heads, rows, n, d) over the shared prefix (one
     matrix product for all rows) and each row's own columns (``bias`` (1, rows, n, S)
     added to their scores); (kv_heads, rows, n, d)."""
-    import torch
-
     kv_heads, rows, n, d = q.shape
     q = q * d ** -0.5
     prefix_len = prefix_k.shape[1]

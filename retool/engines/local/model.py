@@ -17,13 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from retool.bundled import resolve_model_name
 from retool.engines.local.config import LocalEngineConfig
 
 
 def resolve_device(device: str = "auto") -> str:
     """``auto`` becomes ``cuda`` when a GPU is visible, else ``cpu``."""
-    import torch
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -33,8 +36,6 @@ def resolve_device(device: str = "auto") -> str:
 
 def resolve_dtype(dtype: str, device: str) -> Any:
     """The torch dtype for ``dtype`` (``auto``: float32 on CPU, bfloat16 on CUDA)."""
-    import torch
-
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -54,10 +55,6 @@ def load_model(name_or_path: str, *, device: str = "auto", dtype: str = "auto",
     ``GenerationConfig`` that keeps only its special token ids; the tokenizer gets a pad
     token (its end-of-sequence token) if it has none.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from retool.bundled import resolve_model_name
-
     resolved = resolve_model_name(name_or_path)
     device = resolve_device(device)
     try:
@@ -76,8 +73,6 @@ def load_model(name_or_path: str, *, device: str = "auto", dtype: str = "auto",
 
 
 def _neutral_generation_config(model: Any, tokenizer: Any) -> Any:
-    from transformers import GenerationConfig
-
     shipped = model.generation_config
     return GenerationConfig(
         bos_token_id=shipped.bos_token_id,
@@ -99,7 +94,7 @@ def default_stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 def apply_lora(model: Any, config: LocalEngineConfig) -> Any:
     """Wrap ``model`` in a PEFT LoRA adapter (rank, alpha, dropout, targets from config)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # peft: heavy (~0.6 s); a full fine-tune run never needs it
 
     targets = config.lora_targets if isinstance(config.lora_targets, str) else list(config.lora_targets)
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
@@ -136,30 +131,26 @@ def cuda_devices(device: Any) -> list[int]:
 
 def save_weights(model: Any, folder: Path, full_finetune: bool) -> None:
     """Write the trained weights: ``adapter/`` (PEFT) or ``model.safetensors`` (full)."""
-    from safetensors.torch import save_model
-
     if full_finetune:
-        save_model(model, str(folder / "model.safetensors"))
+        safetensors.torch.save_model(model, str(folder / "model.safetensors"))
     else:
         model.save_pretrained(str(folder / "adapter"))
 
 
 def load_weights(model: Any, folder: Path, full_finetune: bool) -> None:
     """Load trained weights from a ``save_state`` folder (or a bare PEFT adapter folder)."""
-    from safetensors.torch import load_file, load_model
-
     if full_finetune:
         if not (folder / "model.safetensors").is_file():
             raise FileNotFoundError(f"{folder} holds no model.safetensors (full fine-tuning weights)")
-        load_model(model, str(folder / "model.safetensors"), strict=True)
+        safetensors.torch.load_model(model, str(folder / "model.safetensors"), strict=True)
         return
-    from peft import set_peft_model_state_dict
+    from peft import set_peft_model_state_dict  # peft: heavy (~0.6 s); only a LoRA adapter needs it
 
     adapter = folder / "adapter" if (folder / "adapter").is_dir() else folder
     weights_file = adapter / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise FileNotFoundError(f"{folder} holds no LoRA adapter (adapter_model.safetensors)")
-    result = set_peft_model_state_dict(model, load_file(str(weights_file), device=str(model.device)))
+    result = set_peft_model_state_dict(model, safetensors.torch.load_file(str(weights_file), device=str(model.device)))
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         raise ValueError(f"adapter in {adapter} does not fit the model: missing {missing[:3]}, "

@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from retool.engines.local.decode_loop import decode
 from retool.engines.local.model import model_mode
 
 
 def model_logprobs(model: Any, tokens: Sequence[int], start: int) -> tuple[float, ...]:
     """``log p(tokens[i] | tokens[:i])`` for ``i >= start``, from the model's forward pass."""
-    import torch
-
     ids = torch.tensor([list(tokens)], device=model.device)
     with torch.no_grad(), model_mode(model, train=False):
         logits = model(input_ids=ids, use_cache=False).logits[0, start - 1:-1].float()
@@ -37,8 +37,6 @@ class _Forced:
         self.forced, self.taken = list(forced), 0
 
     def draw(self, scores_B: Any, rows: Sequence[int]) -> tuple[Any, Any]:
-        import torch
-
         chosen_B = torch.full((len(rows),), self.forced[self.taken], dtype=torch.long, device=scores_B.device)
         self.taken += 1
         return chosen_B, scores_B.float().log_softmax(-1).gather(1, chosen_B[:, None]).squeeze(1)
@@ -47,8 +45,6 @@ class _Forced:
 def sampler_logprobs(sampler: Any, tokens: Sequence[int], start: int) -> tuple[float, ...]:
     """The same logprobs through ``sampler``'s (a ``LocalSamplingClient``) decode path,
     under its lock, with the weights it would sample with now."""
-    import torch
-
     answer = list(tokens[start:])
     with sampler._lock, torch.no_grad(), model_mode(sampler.model, train=False):
         lean = sampler._lean() if sampler.decode_loop == "lean" else None

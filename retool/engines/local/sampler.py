@@ -23,6 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams
 from retool.engines.local import decoding, hf_compat, kv_cache, lean_decode, memory, probe
 from retool.engines.settings import LocalSettings
@@ -246,8 +249,6 @@ class LocalSamplingClient:
 
     def _generate(self, rows: list[tuple[_Request, int]]) -> list[SampledSequence]:
         """One ``generate`` call for rows (request, sample index) that share sampling settings."""
-        import torch
-
         params = rows[0][0].params
         stop_ids = params.stop_token_ids or self.default_stop_ids
         device = self.model.device
@@ -292,8 +293,6 @@ class LocalSamplingClient:
                        sampler: decoding.RowSampler, max_tokens_R: list[int],
                        stop_ids: Sequence[int]) -> list[SampledSequence]:
         """The rows sampled by one HF ``generate`` call (``decode_loop="generate"``)."""
-        from transformers import LogitsProcessorList, StoppingCriteriaList
-
         width = input_ids.shape[1]
         config = decoding.generation_config(max(max_tokens_R), stop_ids, self.tokenizer.pad_token_id)
         out = self.model.generate(

@@ -34,6 +34,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
 from retool import algo
 from retool.atomic import replace_folder
 from retool.engines.base import AdamParams, ForwardBackwardOutput, OptimStepOutput, run_now
@@ -66,8 +70,6 @@ class LocalTrainingClient:
     """
 
     def __init__(self, config: LocalEngineConfig) -> None:
-        import torch
-
         if config.packing not in algo.PACKINGS:
             raise ValueError(f"unknown packing {config.packing!r}; choose one of {algo.PACKINGS}")
         if config.logprob_chunk_tokens < 0:
@@ -148,8 +150,6 @@ class LocalTrainingClient:
                               config: dict[str, float], total_weight: float,
                               stats: _LossStats) -> list[tuple[float, ...]]:
         """Forward and backward of the datums ``indices``; their share of the token mean."""
-        import torch
-
         batch = [data[i] for i in indices]
         logprobs_B, entropy_B = self._target_logprobs(batch, config["temperature"])
         logprobs_N = torch.cat(logprobs_B)
@@ -173,8 +173,6 @@ class LocalTrainingClient:
                                 config: dict[str, float], stats: _LossStats) -> algo.LossInputs:
         """``inputs`` with each datum's sampler-trainer weights (``algo.behaviour_weights``),
         ``pi_old`` being this forward's logprobs, detached."""
-        import torch
-
         weights_B = []
         for d, logprobs_N in zip(batch, logprobs_B):
             sampler_N = torch.tensor(d.sampler_logprobs_N, dtype=torch.float32, device=self.device)
@@ -185,16 +183,12 @@ class LocalTrainingClient:
         return dataclasses.replace(inputs, behaviour_weights_N=torch.cat(weights_B))
 
     def _cat(self, batch: list[Datum], name: str) -> Any:
-        import torch
-
         values = [v for d in batch for v in getattr(d, name)]
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def _target_logprobs(self, batch: list[Datum], temperature: float) -> tuple[list[Any], list[Any]]:
         """Per datum, ``log_softmax(logits / temperature)`` of each target token, and the
         policy's entropy at each position (detached), from the same forward."""
-        import torch
-
         if self.config.packing == "shared-prefix" and len(batch) > 1:
             return self._shared_prefix_logprobs(batch, temperature)
         if self.config.packing != "bucketed":
@@ -213,8 +207,6 @@ class LocalTrainingClient:
                 [entropy[row, :n] for row, n in enumerate(lengths)])
 
     def _packed_logprobs(self, batch: list[Datum], temperature: float) -> tuple[list[Any], list[Any]]:
-        import torch
-
         lengths = [d.num_tokens for d in batch]
         inputs = torch.tensor([[t for d in batch for t in d.input_tokens_N]], device=self.device)
         targets = torch.tensor([[t for d in batch for t in d.target_tokens_N]], device=self.device)
@@ -234,8 +226,6 @@ class LocalTrainingClient:
         With chunked logprobs the prefix's hidden states are gathered instead, so its
         output projection runs once per datum (the layers below still run once).
         """
-        import torch
-
         shared = _shared_prefix_length(batch)
         lengths = [d.num_tokens for d in batch]
         prefix = list(batch[0].input_tokens_N[:shared])
@@ -283,8 +273,6 @@ class LocalTrainingClient:
 
     def _check_packing_is_exact(self) -> None:
         """Refuse packed layouts when they change logprobs (e.g. recurrent layers)."""
-        import torch
-
         generator = torch.Generator().manual_seed(0)
         tokens = [torch.randint(0, self.vocab_size, (n,), generator=generator).tolist() for n in (7, 12)]
         tokens.append(tokens[1][:5] + tokens[0][:4])  # shares a 5-token prefix with the second
@@ -312,8 +300,6 @@ class LocalTrainingClient:
         ``FloatingPointError`` (discarding the gradient, not stepping) when the gradient
         norm is not finite.
         """
-        import torch
-
         if not self._pending_gradient:
             raise RuntimeError("optim_step called without a preceding forward_backward")
         with self._lock:
@@ -350,8 +336,6 @@ class LocalTrainingClient:
         never leaves a half-written checkpoint under ``path``. The folder belongs to the
         engine: keep trainer files (step, data cursor, config) next to it, not inside.
         """
-        import torch
-
         path = Path(path)
         staging = path.with_name(f".{path.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
@@ -370,8 +354,6 @@ class LocalTrainingClient:
         Raises ``FileNotFoundError`` for a folder that is not a checkpoint and
         ``ValueError`` when it was written for a different model or adapter shape.
         """
-        import torch
-
         path = Path(path)
         meta_file = path / "engine.json"
         if not meta_file.is_file():
@@ -404,18 +386,12 @@ class LocalTrainingClient:
                 "config": asdict(c)}
 
     def _rng_state(self) -> dict[str, Any]:
-        import numpy as np
-        import torch
-
         return {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "python": random.getstate(), "numpy": _plain(np.random.get_state()),
                 "sampler_seed": self.sampler.seed, "sampler_calls": self.sampler.calls}
 
     def _set_rng_state(self, state: dict[str, Any]) -> None:
-        import numpy as np
-        import torch
-
         torch.set_rng_state(state["torch"])
         if state["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
@@ -501,8 +477,6 @@ already: the entropy's extra memory is a small block, not another copy of the lo
 
 def _entropy(scaled: Any) -> Any:
     """``-sum(p * log p)`` of ``softmax(scaled)`` over the last axis, detached, block by block."""
-    import torch
-
     with torch.no_grad():
         flat = scaled.detach().reshape(-1, scaled.shape[-1])
         rows = max(1, ENTROPY_BLOCK_FLOATS // flat.shape[-1])
@@ -549,9 +523,6 @@ def chunked_logprobs(head: Any, hidden_NH: Any, targets_N: Any, temperature: flo
     backward. Values and gradients are those of the full computation (up to the float
     rounding of a matmul split by rows). Entropies are detached.
     """
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
     logprobs, entropies = [], []
     for hidden_CH, targets_C in zip(hidden_NH.split(chunk_tokens), targets_N.split(chunk_tokens)):
         logprobs_C, entropy_C = checkpoint(_chunk_terms, head, hidden_CH, targets_C, temperature,

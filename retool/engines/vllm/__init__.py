@@ -210,7 +210,8 @@ class VLLMTrainingClient:
 def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> VLLMTrainingClient:
     """The training client a ``retool train``/``sft`` config describes: the server starts
     first and loads while the local trainer loads its model."""
-    from retool.engines.local import default_stop_token_ids  # heavy (torch): only training needs the local trainer
+    # heavy (torch): only training needs the local trainer
+    from retool.engines.local import default_stop_token_ids
     from retool.engines.local import training_client as local_training_client
 
     if cfg.full_finetune:

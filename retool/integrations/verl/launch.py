@@ -259,7 +259,8 @@ def verl_rows(problems: Sequence[Any], split: str) -> list[dict[str, Any]]:
 
 def write_launch_folder(cfg: VerlConfig) -> Path:
     """Write the launch folder for ``cfg`` and return its path."""
-    import pyarrow as pa  # heavy: only writing the launch folder needs it
+    # pyarrow: heavy, only writing the launch folder needs it
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
 
