@@ -41,7 +41,7 @@ from retool.algo import is_degenerate
 from retool.types import Problem
 
 if TYPE_CHECKING:
-    import numpy as np
+    import numpy as np  # numpy: 30-100 ms to import, kept off retool train --help
 
 CURRICULA = ("none", "difficulty")
 """``none``: the seeded shuffle per epoch (and uniform refills); ``difficulty``: this pool."""
@@ -74,7 +74,7 @@ class PoolState:
 
 def weights(state: PoolState, problems: Sequence[Problem], floor: float) -> np.ndarray:
     """The draw weight of every problem: ``max(floor, own score, or its family's while unseen)``."""
-    import numpy as np
+    import numpy as np  # numpy: 30-100 ms to import, kept off retool train --help
 
     scores = [state.problems.get(p.id, state.families.get(p.data_source, 1.0)) for p in problems]
     return np.maximum(np.asarray(scores, dtype=np.float64), floor)
@@ -84,7 +84,7 @@ def draw(state: PoolState, problems: Sequence[Problem], count: int, *, seed: int
          floor: float, exclude: Iterable[int] = ()) -> list[int]:
     """Indices of ``count`` distinct problems (fewer if fewer remain), drawn with probability
     proportional to :func:`weights` from those not in ``exclude``; seeded by (seed, step, round)."""
-    import numpy as np
+    import numpy as np  # numpy: 30-100 ms to import, kept off retool train --help
 
     weights_N = weights(state, problems, floor)
     weights_N[list(exclude)] = 0.0
@@ -109,7 +109,7 @@ def record(state: PoolState, problems: Sequence[Problem], rewards_BG: Sequence[S
 
 def pool_metrics(state: PoolState, problems: Sequence[Problem], floor: float) -> dict[str, float]:
     """``curriculum/*`` metrics: problems seen so far, mean weight, share of problems at the floor."""
-    import numpy as np
+    import numpy as np  # numpy: 30-100 ms to import, kept off retool train --help
 
     weights_N = weights(state, problems, floor)
     return {"curriculum/seen_problems": float(len(state.problems)),

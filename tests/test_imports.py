@@ -12,11 +12,6 @@ import retool
 
 PACKAGE = Path(retool.__file__).parent
 
-PENDING = {"curriculum.py"}
-"""Modules whose local imports are being reworked on another branch (drop each name
-once its imports follow the rule)."""
-
-
 def _commented(lines: list[str], lineno: int) -> bool:
     """Whether the import on ``lineno`` (1-based), or the first of the run of import lines
     it ends, has a comment on its line or the line above."""
@@ -43,8 +38,6 @@ def uncommented_local_imports() -> list[str]:
     """``path:line: statement`` for each function-local import without a comment."""
     missing = set()
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).as_posix() in PENDING:
-            continue
         text = path.read_text()
         lines = text.splitlines()
         for node in _local_imports(ast.parse(text)):
