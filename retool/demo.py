@@ -107,6 +107,11 @@ class DemoConfig:
     packing: str = option("shared-prefix", "training micro-batch layout (see retool train --help)",
                           choices=PACKINGS)
     micro_batch_tokens: int = option(1280, "tokens per training micro-batch (shared-prefix: one packed row)")
+    logprob_chunk_tokens: int = option(256, "training: output layer and log-softmax this many tokens at a time (the "
+                                            "full logits of a 1,280-token micro-batch are 240 MB a copy); 0 = at once")
+    gradient_checkpointing: bool = option(True, "training: recompute the layers' activations in the backward (the "
+                                                "RL step's peak memory 5.2 -> 2.5 GiB with chunked logprobs, same "
+                                                "gradients; docs/benchmarks.md)")
     rl_top_p: float = option(1.0, "nucleus sampling of the RL rollouts (1: the whole distribution; from one SFT "
                                   "adapter, groups of 8 were mixed for 14 of 16 problems at 1.0 against 8 of 16 at "
                                   "the evals' 0.7, docs/demo.md)")
@@ -133,6 +138,7 @@ class DemoConfig:
                      "max_assistant_turns"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
+        require(self.logprob_chunk_tokens >= 0, f"logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}")
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
         require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
@@ -228,7 +234,9 @@ def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
     sft_cfg = make_config(SFTConfig, model=cfg.model, chat_template=cfg.chat_template, data=str(sft_path),
                           batch_size=cfg.sft_batch_size, max_steps=cfg.sft_steps, lr=cfg.sft_lr,
                           max_seq_tokens=cfg.max_trajectory_tokens, packing=cfg.packing,
-                          micro_batch_tokens=cfg.micro_batch_tokens, interpreter=cfg.interpreter, run_dir=str(run_dir),
+                          micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+                          gradient_checkpointing=cfg.gradient_checkpointing, interpreter=cfg.interpreter,
+                          run_dir=str(run_dir),
                           save_every=cfg.sft_steps, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
     return sft(sft_cfg, resume=(run_dir / "config.json").exists())
 
@@ -245,7 +253,8 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         train_data=str(rl_path), batch_size=cfg.rl_batch_size, group_size=cfg.rl_group_size,
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
-        packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, top_p=cfg.rl_top_p,
+        packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+        gradient_checkpointing=cfg.gradient_checkpointing, top_p=cfg.rl_top_p,
         refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
         sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,

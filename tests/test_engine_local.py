@@ -325,6 +325,21 @@ def test_gradient_checkpointing_gives_the_same_gradient(make_engine):
     assert_same(grads(plain), grads(checkpointed))
 
 
+def test_the_demos_lean_training_layout_gives_the_plain_values_and_gradients(make_engine):
+    """Shared-prefix packing with chunked logprobs and checkpointed layers (the demo's
+    memory-bounded training step) computes what the plain shared-prefix step does."""
+    plain = make_engine(packing="shared-prefix")
+    lean = make_engine(packing="shared-prefix", logprob_chunk_tokens=7, gradient_checkpointing=True)
+    perturb_lora_b(plain)
+    perturb_lora_b(lean)
+    datums = prompt_sharing_datums()
+    a, b = plain.forward_backward(datums, "ppo"), lean.forward_backward(datums, "ppo")
+    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D, strict=True):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    assert b.metrics["train/loss"] == pytest.approx(a.metrics["train/loss"], rel=1e-5)
+    assert_same(grads(plain), grads(lean))
+
+
 def test_non_finite_loss_raises_and_leaves_weights_alone(make_engine):
     engine = make_engine()
     perturb_lora_b(engine)

@@ -1,0 +1,152 @@
+"""Peak memory and time of the demo's RL training step, layout by layout.
+
+The demo's RL step trains 16 trajectories (2 problems x 8) of ~550 tokens that share a
+~380-token system prompt, with ``packing='shared-prefix'`` and ``micro_batch_tokens``
+1,280 on SmolLM2-135M + LoRA r32, fp32. This script builds a batch of that shape
+(random tokens; the lengths of a measured demo step), and runs one PPO
+``forward_backward`` of it once per variant of the trainer's memory settings
+(``logprob_chunk_tokens``, ``gradient_checkpointing``, ``micro_batch_tokens``), each in a
+fresh child process. A child builds the engine, runs one warm-up call, resets its peak
+RSS (``/proc/self/clear_refs``), runs the measured call and reads ``VmHWM``: the peak
+is the process's at its worst moment in the call, and the delta is what the call added
+to the RSS before it. It also writes the call's logprobs and gradients, which the
+parent compares with the first variant's (the same function, so they agree to float
+rounding). Prints one line per variant with the peak, the delta, seconds, the ratio of
+both to the first variant, the largest logprob and gradient differences, and the load.
+
+    python bench/train_memory.py
+    python bench/train_memory.py --variants chunk=0,chunk=256,chunk=256+ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEMO_LENGTHS = (553, 549, 553, 553, 549, 553, 553, 549, 656, 546, 546, 546, 551, 540, 551, 546)
+"""Token counts of the 16 trajectories of a measured demo RL step (step 2, seed 42)."""
+SHARED = 382
+"""The prompt tokens all 16 share (system prompt and tool declaration)."""
+QUESTION = 40
+"""Tokens a group's 8 trajectories share after that (the question)."""
+
+
+def parse_variant(text: str) -> dict[str, int]:
+    """``chunk=256+ckpt+mbt=1280`` -> engine settings (chunk = ``logprob_chunk_tokens``,
+    ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``)."""
+    out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280}
+    names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens"}
+    for part in text.split("+"):
+        key, _, value = part.partition("=")
+        if key not in names:
+            raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N joined by +")
+        out[names[key]] = int(value) if value else 1
+    return out
+
+
+def demo_batch(vocab: int, seed: int = 0) -> list:
+    """16 PPO datums shaped like a demo step: shared prompt, a question per group of 8,
+    assistant turns trained (weight 1) around an interpreter block (weight 0)."""
+    from retool.types import Datum
+
+    rng = random.Random(seed)
+    draw = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    prompt, questions = draw(SHARED), [draw(QUESTION), draw(QUESTION)]
+    data = []
+    for i, n in enumerate(DEMO_LENGTHS):
+        tokens = prompt + questions[i // 8] + draw(n + 1 - SHARED - QUESTION)
+        start = SHARED + QUESTION
+        weights = [0.0] * start + [1.0] * (n - start)
+        for j in range(start + 60, min(n, start + 90)):  # an interpreter reply: not trained
+            weights[j] = 0.0
+        advantage = 1.0 if i % 2 else -1.0
+        data.append(Datum(tuple(tokens[:-1]), tuple(tokens[1:]), tuple(weights),
+                          sampler_logprobs_N=tuple(-rng.uniform(0.1, 3.0) for _ in range(n)),
+                          advantages_N=(advantage,) * n))
+    return data
+
+
+def child(variant: str, out_file: str) -> int:
+    import torch
+
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+
+    settings = parse_variant(variant)
+    engine = LocalTrainingClient(LocalEngineConfig(
+        model="bundled:smollm2", packing="shared-prefix", device="cpu", dtype="float32",
+        micro_batch_tokens=settings["micro_batch_tokens"], logprob_chunk_tokens=settings["logprob_chunk_tokens"],
+        gradient_checkpointing=bool(settings["gradient_checkpointing"])))
+    data = demo_batch(engine.vocab_size)
+    engine.forward_backward(data[:2], "ppo")  # warm-up: first-call allocations are not the step's
+    engine._discard_gradient()
+    before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    start = time.perf_counter()
+    out = engine.forward_backward(data, "ppo")
+    seconds = time.perf_counter() - start
+    peak = _status_kib("VmHWM")
+    grads = {name: p.grad.clone() for name, p in engine.model.named_parameters() if p.grad is not None}
+    torch.save({"logprobs": out.logprobs_D, "grads": grads, "peak_kib": peak, "before_kib": before,
+                "seconds": seconds, "micro_batches": out.metrics["train/micro_batches"],
+                "loss": out.metrics["train/loss"]}, out_file)
+    return 0
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def compare(base: dict, other: dict) -> tuple[float, float]:
+    """Largest logprob difference and largest gradient difference relative to the
+    gradient's own largest entry (over every trained tensor)."""
+    lp = max(abs(a - b) for x, y in zip(base["logprobs"], other["logprobs"]) for a, b in zip(x, y))
+    grad = max(float((base["grads"][k] - other["grads"][k]).abs().max() / base["grads"][k].abs().max())
+               for k in base["grads"])
+    return lp, grad
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="chunk=0,chunk=256,ckpt,chunk=256+ckpt",
+                   help="comma-separated; the first is the baseline (see parse_variant)")
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(*args.child)
+    import torch
+
+    variants = args.variants.split(",")
+    for v in variants:
+        parse_variant(v)
+    print(f"load at start {os.getloadavg()}; batch: {len(DEMO_LENGTHS)} datums, {sum(DEMO_LENGTHS)} tokens")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in variants:
+            path = Path(tmp) / f"{len(results)}.pt"
+            subprocess.run([sys.executable, __file__, "--child", v, str(path)], check=True)
+            results.append(torch.load(path, weights_only=False))
+            _report(v, results[0], results[-1])
+    print(f"load at end {os.getloadavg()}")
+    return 0
+
+
+def _report(variant: str, base: dict, r: dict) -> None:
+    lp, grad = compare(base, r)
+    mib = lambda kib: kib / 1024  # noqa: E731
+    print(f"{variant:<22} peak {mib(r['peak_kib']):7.0f} MiB  (+{mib(r['peak_kib'] - r['before_kib']):5.0f} "
+          f"over {mib(r['before_kib']):5.0f})  x{r['peak_kib'] / base['peak_kib']:.2f}   "
+          f"{r['seconds']:6.1f} s x{r['seconds'] / base['seconds']:.2f}   {r['micro_batches']:.0f} micro-batches  "
+          f"max |dlogprob| {lp:.1e}  max |dgrad|/max|grad| {grad:.1e}  load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
