@@ -15,7 +15,7 @@ rounding). Prints one line per variant with the peak, the delta, seconds, the ra
 both to the first variant, the largest logprob and gradient differences, and the load.
 
     python bench/train_memory.py
-    python bench/train_memory.py --variants chunk=0,chunk=256,chunk=256+ckpt
+    python bench/train_memory.py --variants chunk=0,chunk=256,chunk=256+ckpt,chunk=256+ckpt+mmap=1048576
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ QUESTION = 40
 
 def parse_variant(text: str) -> dict[str, int]:
     """``chunk=256+ckpt+mbt=1280`` -> engine settings (chunk = ``logprob_chunk_tokens``,
-    ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``)."""
-    out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280}
-    names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens"}
+    ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``; mmap = glibc's
+    ``MALLOC_MMAP_THRESHOLD_`` in bytes for the child, 0 = glibc's own dynamic one)."""
+    out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0}
+    names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens",
+             "mmap": "mmap"}
     for part in text.split("+"):
         key, _, value = part.partition("=")
         if key not in names:
@@ -106,12 +108,13 @@ def _status_kib(field: str) -> int:
 
 
 def compare(base: dict, other: dict) -> tuple[float, float]:
-    """Largest logprob difference and largest gradient difference relative to the
-    gradient's own largest entry (over every trained tensor)."""
+    """Largest logprob difference, and largest gradient difference relative to the
+    largest gradient entry (over every trained tensor; LoRA A gets none from a fresh
+    adapter, whose B is zero)."""
     lp = max(abs(a - b) for x, y in zip(base["logprobs"], other["logprobs"]) for a, b in zip(x, y))
-    grad = max(float((base["grads"][k] - other["grads"][k]).abs().max() / base["grads"][k].abs().max())
-               for k in base["grads"])
-    return lp, grad
+    scale = max(float(g.abs().max()) for g in base["grads"].values())
+    grad = max(float((base["grads"][k] - other["grads"][k]).abs().max()) for k in base["grads"])
+    return lp, grad / scale
 
 
 def main() -> int:
@@ -132,7 +135,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
             path = Path(tmp) / f"{len(results)}.pt"
-            subprocess.run([sys.executable, __file__, "--child", v, str(path)], check=True)
+            mmap = parse_variant(v)["mmap"]
+            env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(mmap)} if mmap else {})}
+            subprocess.run([sys.executable, __file__, "--child", v, str(path)], check=True, env=env)
             results.append(torch.load(path, weights_only=False))
             _report(v, results[0], results[-1])
     print(f"load at end {os.getloadavg()}")

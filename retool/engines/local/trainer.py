@@ -131,8 +131,10 @@ class LocalTrainingClient:
         with self._lock, model_mode(self.model, train=True):
             # The weights change at the next optim_step: the sampler's merged lean weights and
             # stored KV (up to the model's size + kv_cache_mb) would be dropped then; dropping
-            # them now keeps them out of the training step's peak memory.
+            # them now (and handing their pages back to the system) keeps them out of the
+            # training step's peak memory.
             self.sampler.clear_kv_cache()
+            memory.release_free_memory()
             try:
                 for indices in plan:
                     logprobs_B = self._micro_batch_backward(data, indices, loss_fn, config,
