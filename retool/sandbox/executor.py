@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from retool.sandbox._cgroups import remove_leftovers as remove_leftover_cgroups
 from retool.sandbox._zygote import SCRIPT_NAME
@@ -660,18 +661,65 @@ def sandbox_error(message: str, isolation: tuple[str, ...] = ()) -> ExecutionRes
                            observation=f"Sandbox error: {message}", isolation=isolation)
 
 
-def classify(reply: dict, stderr: str) -> ExecStatus:
-    """The status of a finished call from the zygote's reply (see ``ExecStatus``)."""
-    sig = reply.get("signal")
-    if reply.get("setup_failed"):
+@dataclass(frozen=True)
+class CallReply:
+    """The warm parent's ``result`` message for one call, read once at the edge
+    (:meth:`from_message`); every other function here reads its fields, not the dict."""
+
+    isolation: tuple[str, ...] = ()
+    sandbox_error: str | None = None
+    """The sandbox itself failed to run the call (its message)."""
+    setup_failed: str | None = None
+    """The call's isolation could not be set up (what failed)."""
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    killed: str | None = None
+    """Why the warm parent killed the call: ``timeout``, ``cpu_time`` or ``output_limit``."""
+    exc_type: str | None = None
+    short_tb: str | None = None
+    """The last lines of the code's own traceback, as the model should see them."""
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_rss_bytes: int | None = None
+    memory_baseline_bytes: int | None = None
+    state_lost: str | None = None
+    ended_interpreter: str | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def from_message(cls, msg: dict[str, Any]) -> CallReply:
+        """The record of a ``result`` message (stdout, stderr and files arrive base64-encoded)."""
+        setup_failed = msg.get("setup_failed")
+        if setup_failed and not isinstance(setup_failed, str):
+            setup_failed = "call set-up failed"
+        return cls(
+            isolation=tuple(msg.get("isolation", ())), sandbox_error=msg.get("sandbox_error"),
+            setup_failed=setup_failed or None, stdout=_decoded(msg.get("stdout", "")),
+            stderr=_decoded(msg.get("stderr", "")), exit_code=msg.get("exit_code"), signal=msg.get("signal"),
+            killed=msg.get("killed"), exc_type=msg.get("exc_type"), short_tb=msg.get("short_tb") or None,
+            wall_s=msg.get("wall_s", 0.0), cpu_s=msg.get("cpu_s", 0.0), peak_rss_bytes=msg.get("peak_rss_bytes"),
+            memory_baseline_bytes=msg.get("memory_baseline_bytes"), state_lost=msg.get("state_lost") or None,
+            ended_interpreter=msg.get("ended_interpreter") or None,
+            files={name: base64.b64decode(data) for name, data in msg.get("files", {}).items()})
+
+
+def _decoded(data: str) -> str:
+    return base64.b64decode(data).decode("utf-8", "replace")
+
+
+def classify(reply: CallReply) -> ExecStatus:
+    """The status of a finished call from the warm parent's reply (see ``ExecStatus``)."""
+    if reply.setup_failed:
         return ExecStatus.SANDBOX_ERROR
-    if reply.get("killed") in ("timeout", "cpu_time") or sig == signal.SIGXCPU:
+    if reply.killed in ("timeout", "cpu_time") or reply.signal == signal.SIGXCPU:
         return ExecStatus.TIMEOUT
-    if reply.get("killed") == "output_limit":
+    if reply.killed == "output_limit":
         return ExecStatus.OUTPUT_LIMIT
-    if reply.get("exc_type") == "MemoryError" or _looks_out_of_memory(sig, stderr):
+    if reply.exc_type == "MemoryError" or _looks_out_of_memory(reply.signal, reply.stderr):
         return ExecStatus.MEMORY
-    if reply.get("exit_code") == 0 and sig is None:
+    if reply.exit_code == 0 and reply.signal is None:
         return ExecStatus.OK
     return ExecStatus.ERROR
 
@@ -685,29 +733,24 @@ def _looks_out_of_memory(sig: int | None, stderr: str) -> bool:
     return any(s in tail for s in ("MemoryError", "Cannot allocate memory", "bad_alloc", "out of memory"))
 
 
-def build_result(reply: dict, timeout_s: float, memory_mb: int, cfg: SandboxConfig) -> ExecutionResult:
-    """Turn the zygote's reply into an :class:`ExecutionResult` with its observation."""
-    isolation = tuple(reply.get("isolation", ()))
-    if "sandbox_error" in reply:
-        return sandbox_error(reply["sandbox_error"], isolation)
-    if reply.get("setup_failed"):
-        detail = reply["setup_failed"] if isinstance(reply["setup_failed"], str) else "call set-up failed"
-        return sandbox_error(f"could not isolate the call: {detail.strip()}", isolation)
-    stdout = base64.b64decode(reply["stdout"]).decode("utf-8", "replace")
-    stderr = base64.b64decode(reply["stderr"]).decode("utf-8", "replace")
-    status = classify(reply, stderr)
-    shown = observation(status, stdout, stderr, reply, timeout_s, memory_mb, cfg)
-    if reply.get("state_lost"):
-        shown = state_lost_note(reply["state_lost"]) + shown
-    if reply.get("ended_interpreter"):
+def build_result(msg: dict[str, Any], timeout_s: float, memory_mb: int, cfg: SandboxConfig) -> ExecutionResult:
+    """Turn the warm parent's ``result`` message into an :class:`ExecutionResult` with its observation."""
+    reply = CallReply.from_message(msg)
+    if reply.sandbox_error is not None:
+        return sandbox_error(reply.sandbox_error, reply.isolation)
+    if reply.setup_failed:
+        return sandbox_error(f"could not isolate the call: {reply.setup_failed.strip()}", reply.isolation)
+    status = classify(reply)
+    shown = observation(status, reply, timeout_s, memory_mb, cfg)
+    if reply.state_lost:
+        shown = state_lost_note(reply.state_lost) + shown
+    if reply.ended_interpreter:
         shown = _join(shown, INTERPRETER_ENDED)
     return ExecutionResult(
-        status=status, stdout=stdout, stderr=stderr, exit_code=reply.get("exit_code"),
-        signal=reply.get("signal"), wall_s=reply["wall_s"], cpu_s=reply["cpu_s"],
-        peak_rss_bytes=reply.get("peak_rss_bytes"), truncated=status is ExecStatus.OUTPUT_LIMIT,
-        memory_baseline_bytes=reply.get("memory_baseline_bytes"),
-        observation=shown, isolation=isolation, state_lost=reply.get("state_lost"),
-        files={k: base64.b64decode(v) for k, v in reply.get("files", {}).items()})
+        status=status, stdout=reply.stdout, stderr=reply.stderr, exit_code=reply.exit_code, signal=reply.signal,
+        wall_s=reply.wall_s, cpu_s=reply.cpu_s, peak_rss_bytes=reply.peak_rss_bytes,
+        truncated=status is ExecStatus.OUTPUT_LIMIT, memory_baseline_bytes=reply.memory_baseline_bytes,
+        observation=shown, isolation=reply.isolation, state_lost=reply.state_lost, files=reply.files)
 
 
 INTERPRETER_ENDED = "The interpreter was stopped: variables and functions from earlier calls are lost."
@@ -728,32 +771,31 @@ def state_lost_note(reason: str) -> str:
             "variables, functions and imports from earlier calls are gone.]\n")
 
 
-def observation(status: ExecStatus, stdout: str, stderr: str, reply: dict, timeout_s: float,
-                memory_mb: int, cfg: SandboxConfig) -> str:
+def observation(status: ExecStatus, reply: CallReply, timeout_s: float, memory_mb: int, cfg: SandboxConfig) -> str:
     """What the model sees: stdout, then what went wrong (if anything), in a few lines."""
     if status is ExecStatus.OK:
-        tail = stderr
+        tail = reply.stderr
     elif status is ExecStatus.TIMEOUT:
         tail = f"Execution timed out after {timeout_s:g} s"
     elif status is ExecStatus.OUTPUT_LIMIT:
         tail = f"[output truncated: more than {cfg.max_output_bytes} bytes; the process was stopped]"
     elif status is ExecStatus.SANDBOX_ERROR:
-        tail = f"Sandbox error: {stderr.strip() or 'the sandbox could not run this call'}"
-    elif reply.get("short_tb"):
-        tail = reply["short_tb"]
+        tail = f"Sandbox error: {reply.stderr.strip() or 'the sandbox could not run this call'}"
+    elif reply.short_tb:
+        tail = reply.short_tb
     elif status is ExecStatus.MEMORY:
         tail = f"MemoryError: the program exceeded the memory limit of {memory_mb} MB"
     else:
-        tail = _describe_failure(stderr, reply)
-    return _join(stdout, tail)
+        tail = _describe_failure(reply)
+    return _join(reply.stdout, tail)
 
 
-def _describe_failure(stderr: str, reply: dict) -> str:
-    sig = reply.get("signal")
+def _describe_failure(reply: CallReply) -> str:
+    sig = reply.signal
     if sig is not None:
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-        return _join(stderr[-2000:], f"Process killed by signal {name}")
-    return stderr[-2000:] or f"Process exited with code {reply.get('exit_code')}"
+        return _join(reply.stderr[-2000:], f"Process killed by signal {name}")
+    return reply.stderr[-2000:] or f"Process exited with code {reply.exit_code}"
 
 
 def _join(head: str, tail: str) -> str:
