@@ -233,19 +233,19 @@ def test_peak_rss_counts_child_processes():
 
     import psutil
 
-    from retool.peak_rss import PeakRSS, tree_rss_bytes
+    from retool.peak_rss import PeakRSS, tree_memory
 
     holds = "import sys, time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); " \
             "print('ok', flush=True); time.sleep(3)"
-    before = tree_rss_bytes(psutil.Process())
+    before = tree_memory(psutil.Process())  # PSS below RSS where this process shares pages with its children
     with PeakRSS(interval_s=0.1) as memory:
         child = subprocess.Popen([sys.executable, "-c", holds], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "ok"
         time.sleep(0.5)
         child.kill()
         child.wait()
-    assert memory.sampled_bytes >= before + 150 * 2**20  # the child's pages, on top of this process
-    assert memory.sampled_pss_bytes >= before + 150 * 2**20 - 50 * 2**20  # its own pages are not shared
+    assert memory.sampled_bytes >= before.rss_bytes + 150 * 2**20  # the child's pages, on top of this process
+    assert memory.sampled_pss_bytes >= before.pss_bytes + 150 * 2**20 - 50 * 2**20  # its own pages are not shared
     assert memory.peak_bytes >= memory.sampled_pss_bytes
     assert "GiB (PSS" in memory.sentence() and "RSS summed" in memory.sentence()
 

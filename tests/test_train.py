@@ -293,6 +293,25 @@ TIMING_METRICS = ("time/rollout", "time/train", "time/step", "time/weight_sync",
 """Metrics that measure wall or CPU time; every other metric of a resumed run equals the uninterrupted one's."""
 
 
+def assert_resumed_like(reference: Path, resumed: Path) -> None:
+    """A killed-and-resumed run of 4 steps equals the uninterrupted one: every metric but the
+    timings, the data order, the final weights and Adam moments."""
+    ref_rows, rows = read_metrics(reference / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for ref, row in zip(ref_rows, rows):
+        assert ref.keys() == row.keys()
+        for name in ref.keys() - set(TIMING_METRICS):
+            assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), (row["step"], name)
+    assert problem_order(resumed) == problem_order(reference)
+    ref_weights, ref_opt = final_state(reference)
+    weights, opt = final_state(resumed)
+    for name in ref_weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], atol=1e-6, rtol=0)
+    for key, state in ref_opt["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt["state"][key][moment], state[moment], atol=1e-6, rtol=0)
+
+
 def test_sigkill_mid_rollout_reuses_the_finished_groups(tmp_path, monkeypatch):
     from retool.config import config_from_dict
     from retool.engines.local import LocalSamplingClient
@@ -323,20 +342,7 @@ def test_sigkill_mid_rollout_reuses_the_finished_groups(tmp_path, monkeypatch):
     assert not (crashed / "rollouts" / "step_000002").exists()  # dropped once the step was done
 
     assert run_cli(["--resume", str(crashed), "--max-steps", "4"]).returncode == 0  # steps 3 and 4
-    ref_rows, crash_rows = read_metrics(reference / "metrics.jsonl"), read_metrics(crashed / "metrics.jsonl")
-    assert [r["step"] for r in crash_rows] == [1, 2, 3, 4]
-    for ref, row in zip(ref_rows, crash_rows):
-        assert ref.keys() == row.keys()
-        for name in ref.keys() - set(TIMING_METRICS):
-            assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), (row["step"], name)
-    assert problem_order(crashed) == problem_order(reference)
-    ref_weights, ref_opt = final_state(reference)
-    weights, opt = final_state(crashed)
-    for name in ref_weights:
-        torch.testing.assert_close(weights[name], ref_weights[name], atol=1e-6, rtol=0)
-    for key, state in ref_opt["state"].items():
-        for moment in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(opt["state"][key][moment], state[moment], atol=1e-6, rtol=0)
+    assert_resumed_like(reference, crashed)
 
 
 def test_a_stored_group_is_reused_only_by_the_same_run_and_key(tmp_path):
