@@ -109,7 +109,11 @@ class VLLMSamplingClient:
         adapter (vLLM's ``prompt_logprobs``; the weight-sync guard's probe)."""
         body = {"model": self.model_name, "prompt": [int(t) for t in tokens], "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0, "seed": self.seed}
-        text = await asyncio.to_thread(post_json, f"{self.url}/v1/completions", body, self.timeout_s)
+        try:
+            text = await asyncio.to_thread(post_json, f"{self.url}/v1/completions", body, self.timeout_s)
+        except (RuntimeError, OSError):
+            self._check_server()  # a server that died says so, with its exit code and log
+            raise
         return prompt_logprobs(json.loads(text)["choices"][0], tokens, start)
 
     def request_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
