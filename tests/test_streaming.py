@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gzip
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from retool import algo, streaming
 from retool.config import ConfigError, make_config
@@ -23,19 +20,11 @@ from retool.log import read_metrics
 from retool.train import TrainConfig, _policy_budget, build_trainer, train, train_step
 from retool.types import NOT_SAMPLED
 from tests.fake_tinker import FAKE_LORA_ALPHA, FakeService, install
-from tests.test_engine_tinker import PPO, rel, rl_datums
-from tests.test_train import assert_resumed_like, cli_args, run_cli, tiny_config
+from tests.test_engine_tinker import PPO, one_torch_thread, rel, rl_datums  # noqa: F401 (one_torch_thread: autouse)
+from tests.test_train import assert_resumed_like, cli_args, run_cli, saved_step_groups, tiny_config
 from tests.tiny import boxed_digit_model_dir
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- the rule, by hand
@@ -180,11 +169,8 @@ def test_a_streamed_run_trains_only_informative_groups_and_records_versions(tmp_
     rows = read_metrics(run / "metrics.jsonl")
     assert sum(r["rollout/refill_rounds"] for r in rows) >= (1 if cfg.refill_rounds else 0), rows
     for row in rows:
-        with gzip.open(run / "trajectories" / f"step_{row['step']:06d}.jsonl.gz", "rt") as f:
-            lines = [json.loads(line) for line in f]
-        groups: dict[int, list[float]] = {}
+        lines, groups = saved_step_groups(run, row["step"])
         for line in lines:
-            groups.setdefault(line["group"], []).append(line["trajectory"]["grade"]["reward"])
             t = line["trajectory"]
             assert t["versions_T"] == [row["step"] if m else NOT_SAMPLED for m in t["mask_T"]]
         informative = sum(1 for rewards in groups.values() if len(set(rewards)) > 1)

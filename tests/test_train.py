@@ -207,11 +207,7 @@ def test_dynamic_sampling_refills_until_the_groups_are_informative(tmp_path):
     rows = read_metrics(run / "metrics.jsonl")
     assert sum(r["rollout/refill_rounds"] for r in rows) >= 1, rows
     for row in rows:
-        with gzip.open(run / "trajectories" / f"step_{row['step']:06d}.jsonl.gz", "rt") as f:
-            lines = [json.loads(line) for line in f]
-        groups: dict[int, list[float]] = {}
-        for line in lines:
-            groups.setdefault(line["group"], []).append(line["trajectory"]["grade"]["reward"])
+        _, groups = saved_step_groups(run, row["step"])
         informative = sum(1 for rewards in groups.values() if len(set(rewards)) > 1)
         assert row["rollout/groups"] == len(groups) >= cfg.batch_size
         assert (row["rollout/groups"] > cfg.batch_size) == (row["rollout/refill_rounds"] > 0)
@@ -291,6 +287,16 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
 TIMING_METRICS = ("time/rollout", "time/train", "time/step", "time/weight_sync", "sandbox/latency_mean",
                   "sandbox/latency_p50", "sandbox/latency_p95", "sandbox/cpu_s", "sandbox/cpu_s_total")
 """Metrics that measure wall or CPU time; every other metric of a resumed run equals the uninterrupted one's."""
+
+
+def saved_step_groups(run: Path, step: int) -> tuple[list[dict], dict[int, list[float]]]:
+    """The saved trajectory lines of ``step`` and each group's rewards, by group."""
+    with gzip.open(run / "trajectories" / f"step_{step:06d}.jsonl.gz", "rt") as f:
+        lines = [json.loads(line) for line in f]
+    groups: dict[int, list[float]] = {}
+    for line in lines:
+        groups.setdefault(line["group"], []).append(line["trajectory"]["grade"]["reward"])
+    return lines, groups
 
 
 def assert_resumed_like(reference: Path, resumed: Path) -> None:
