@@ -5,8 +5,8 @@ The demo's RL step trains 16 trajectories (2 problems x 8) of ~550 tokens that s
 1,280 on SmolLM2-135M + LoRA r32, fp32. This script builds a batch of that shape
 (random tokens; the lengths of a measured demo step), and runs one PPO
 ``forward_backward`` of it once per variant of the trainer's memory settings
-(``logprob_chunk_tokens``, ``gradient_checkpointing``, ``micro_batch_tokens``), each in a
-fresh child process. A child builds the engine, runs one warm-up call, resets its peak
+(``logprob_chunk_tokens``, ``gradient_checkpointing``, ``micro_batch_tokens``,
+``prefix_once``), each in a fresh child process. A child builds the engine, runs one warm-up call, resets its peak
 RSS (``/proc/self/clear_refs``), runs the measured call and reads ``VmHWM``: the peak
 is the process's at its worst moment in the call, and the delta is what the call added
 to the RSS before it. It also writes the call's logprobs and gradients, which the
@@ -14,7 +14,7 @@ parent compares with the first variant's (the same function, so they agree to fl
 rounding). Prints one line per variant with the peak, the delta, seconds, the ratio of
 both to the first variant, the largest logprob and gradient differences, and the load.
 
-    python bench/train_memory.py
+    python bench/train_memory.py   # the demo's layout, then prefix_once with and without checkpointing
     python bench/train_memory.py --variants chunk=0,chunk=256,chunk=256+ckpt,chunk=256+ckpt+mmap=1048576
 """
 
@@ -39,15 +39,17 @@ QUESTION = 40
 
 def parse_variant(text: str) -> dict[str, int]:
     """``chunk=256+ckpt+mbt=1280`` -> engine settings (chunk = ``logprob_chunk_tokens``,
-    ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``; mmap = glibc's
-    ``MALLOC_MMAP_THRESHOLD_`` in bytes for the child, 0 = glibc's own dynamic one)."""
-    out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0}
+    ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``, once = ``prefix_once``
+    on; mmap = glibc's ``MALLOC_MMAP_THRESHOLD_`` in bytes for the child, 0 = glibc's own
+    dynamic one)."""
+    out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0,
+           "prefix_once": 0}
     names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens",
-             "mmap": "mmap"}
+             "mmap": "mmap", "once": "prefix_once"}
     for part in text.split("+"):
         key, _, value = part.partition("=")
         if key not in names:
-            raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N joined by +")
+            raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N, once, mmap=N joined by +")
         out[names[key]] = int(value) if value else 1
     return out
 
@@ -83,7 +85,7 @@ def child(variant: str, out_file: str) -> int:
     engine = LocalTrainingClient(LocalEngineConfig(
         model="bundled:smollm2", packing="shared-prefix", device="cpu", dtype="float32",
         micro_batch_tokens=settings["micro_batch_tokens"], logprob_chunk_tokens=settings["logprob_chunk_tokens"],
-        gradient_checkpointing=bool(settings["gradient_checkpointing"])))
+        gradient_checkpointing=bool(settings["gradient_checkpointing"]), prefix_once=bool(settings["prefix_once"])))
     data = demo_batch(engine.vocab_size)
     engine.forward_backward(data[:2], "ppo")  # warm-up: first-call allocations are not the step's
     engine._discard_gradient()
@@ -119,7 +121,7 @@ def compare(base: dict, other: dict) -> tuple[float, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="chunk=0,chunk=256,ckpt,chunk=256+ckpt",
+    p.add_argument("--variants", default="chunk=256+ckpt,chunk=256+ckpt+once,chunk=256+once",
                    help="comma-separated; the first is the baseline (see parse_variant)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()

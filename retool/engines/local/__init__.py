@@ -46,6 +46,7 @@ Modules, each using only the ones listed after it:
 
 - ``trainer``: ``LocalTrainingClient`` (forward/backward, micro-batches, packing, Adam,
   checkpoints) and ``create_training_client``.
+- ``trained_prefix``: the prompt prefix of a training call, run once for all its micro-batches.
 - ``sampler``: ``LocalSamplingClient`` (request batching, layouts, the choice of loop).
 - ``decode_loop``: the sampler's own decode loop (one forward per token, finished rows dropped).
 - ``lean_decode``: lean decode steps for Llama/Qwen models (merged weights, shared-prefix attention).

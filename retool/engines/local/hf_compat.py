@@ -6,8 +6,10 @@ for decode steps; see ``kv_cache``) pads, splices and pre-allocates HF caches: i
 (the ``ddp_cache_data`` keyword), swaps layers for a ``DynamicLayer`` subclass that
 overrides ``update``, recognises plain attention layers by class name, and hands the
 cache to ``generate`` under the keyword of the installed release (``past_key_values``
-before the rename, ``cache`` after). None of this is a stable API, so it lives here and
-nowhere else.
+before the rename, ``cache`` after). The trainer's ``prefix_once`` builds a read-only
+cache of ``DynamicLayer`` subclasses over a prefix's keys and values and lets
+checkpointed layers keep it (``GradientCheckpointingLayer._can_checkpoint_with_cache``).
+None of this is a stable API, so it lives here and nowhere else.
 
 :func:`fast_path_enabled` decides once per sampler whether the fast path may run: when
 it is switched off (``LocalSettings.fast_sampling=False`` or the environment

@@ -3,7 +3,8 @@
 It owns the model (LoRA adapter via PEFT by default, full fine-tuning as an option),
 the Adam optimiser and the RNG streams. ``forward_backward`` splits the datums into
 micro-batches under a token budget (length-bucketed, padding-free packed or packed with
-a shared prompt prefix computed once; ``retool.algo.plan_micro_batches``) and scales
+a shared prompt prefix computed once per micro-batch, or with ``prefix_once`` once per
+call: ``trained_prefix``; ``retool.algo.plan_micro_batches``) and scales
 every micro-batch by the whole batch's token count, so accumulated gradients equal the
 full-batch gradient of the token-mean loss. The same forward gives the policy's entropy
 (``train/entropy``) and, with ``logprob_chunk_tokens``, computes the output layer and
@@ -312,7 +313,8 @@ class LocalTrainingClient:
         return logprobs.reshape(targets.shape), entropy.reshape(targets.shape)
 
     def _check_packing_is_exact(self) -> None:
-        """Refuse packed layouts when they change logprobs (e.g. recurrent layers)."""
+        """Refuse packed layouts (and ``prefix_once``) when they change logprobs (e.g.
+        recurrent layers, or attention that ignores a cache)."""
         generator = torch.Generator().manual_seed(0)
         tokens = [torch.randint(0, self.vocab_size, (n,), generator=generator).tolist() for n in (7, 12)]
         tokens.append(tokens[1][:5] + tokens[0][:4])  # shares a 5-token prefix with the second
@@ -324,12 +326,17 @@ class LocalTrainingClient:
             if self.config.packing == "shared-prefix":
                 shared = torch.cat(self._shared_prefix_logprobs(batch[1:], 1.0)[0])
                 diffs.append((shared - alone[6:]).abs().max().item())
+            if self.config.prefix_once:
+                prefix = self._trained_prefix(batch[1:], 5, 1.0)
+                once = prefix.prepend([0, 1], *self._shared_prefix_logprobs(batch[1:], 1.0, prefix))[0]
+                diffs.append((torch.cat(once) - alone[6:]).abs().max().item())
         diff = max(diffs)
         tolerance = 1e-3 if self.model.dtype == torch.float32 else 5e-2
         if not diff <= tolerance:
             raise ValueError(
-                f"packing={self.config.packing!r} changes this model's logprobs (max diff {diff:.2g}): its "
-                "layers do not respect packed-sequence boundaries. Use packing='bucketed'.")
+                f"packing={self.config.packing!r}{' with prefix_once' * self.config.prefix_once} changes this "
+                f"model's logprobs (max diff {diff:.2g}): its layers do not respect packed-sequence boundaries "
+                "or a prefix's keys and values. Use packing='bucketed'.")
 
     # ------------------------------------------------------------ optimiser
 
