@@ -1,4 +1,4 @@
-"""Peak memory and time of the demo's RL training step, layout by layout.
+"""Peak memory and time of the demo's RL (or SFT) training step, layout by layout.
 
 The demo's RL step trains 16 trajectories (2 problems x 8) of ~550 tokens that share a
 ~380-token system prompt, with ``packing='shared-prefix'`` and ``micro_batch_tokens``
@@ -12,10 +12,13 @@ is the process's at its worst moment in the call, and the delta is what the call
 to the RSS before it. It also writes the call's logprobs and gradients, which the
 parent compares with the first variant's (the same function, so they agree to float
 rounding). Prints one line per variant with the peak, the delta, seconds, the ratio of
-both to the first variant, the largest logprob and gradient differences, and the load.
+both to the first variant, the call's CPU time (user + system, all threads: less
+sensitive than wall time to other processes on a shared machine) and its ratio, the
+largest logprob and gradient differences, and the load.
 
     python bench/train_memory.py   # the demo's layout, then prefix_once with and without checkpointing
     python bench/train_memory.py --variants chunk=0,chunk=256,chunk=256+ckpt,chunk=256+ckpt+mmap=1048576
+    python bench/train_memory.py --shape sft   # the demo's SFT step: 4 dialogues, cross-entropy
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ SHARED = 382
 """The prompt tokens all 16 share (system prompt and tool declaration)."""
 QUESTION = 40
 """Tokens a group's 8 trajectories share after that (the question)."""
+SFT_LENGTHS = (549, 549, 549, 549)
+"""An SFT step of the demo: 4 cold-start dialogues (2,196 tokens as in ``bench/training.py``),
+the same shared prompt, each with its own question; only assistant tokens trained."""
 
 
 def parse_variant(text: str) -> dict[str, int]:
@@ -54,17 +60,19 @@ def parse_variant(text: str) -> dict[str, int]:
     return out
 
 
-def demo_batch(vocab: int, seed: int = 0) -> list:
-    """16 PPO datums shaped like a demo step: shared prompt, a question per group of 8,
-    assistant turns trained (weight 1) around an interpreter block (weight 0)."""
+def demo_batch(vocab: int, seed: int = 0, shape: str = "rl") -> list:
+    """Datums shaped like a demo step: shared prompt, a question per group (``rl``: 16
+    trajectories in 2 groups of 8; ``sft``: 4 dialogues, a question each), assistant
+    turns trained (weight 1) around an interpreter block (weight 0)."""
     from retool.types import Datum
 
     rng = random.Random(seed)
     draw = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
-    prompt, questions = draw(SHARED), [draw(QUESTION), draw(QUESTION)]
+    lengths, group = (DEMO_LENGTHS, 8) if shape == "rl" else (SFT_LENGTHS, 1)
+    prompt, questions = draw(SHARED), [draw(QUESTION) for _ in range(len(lengths) // group)]
     data = []
-    for i, n in enumerate(DEMO_LENGTHS):
-        tokens = prompt + questions[i // 8] + draw(n + 1 - SHARED - QUESTION)
+    for i, n in enumerate(lengths):
+        tokens = prompt + questions[i // group] + draw(n + 1 - SHARED - QUESTION)
         start = SHARED + QUESTION
         weights = [0.0] * start + [1.0] * (n - start)
         for j in range(start + 60, min(n, start + 90)):  # an interpreter reply: not trained
@@ -76,7 +84,7 @@ def demo_batch(vocab: int, seed: int = 0) -> list:
     return data
 
 
-def child(variant: str, out_file: str) -> int:
+def child(variant: str, out_file: str, shape: str = "rl") -> int:
     import torch
 
     from retool.engines.local import LocalEngineConfig, LocalTrainingClient
@@ -86,18 +94,19 @@ def child(variant: str, out_file: str) -> int:
         model="bundled:smollm2", packing="shared-prefix", device="cpu", dtype="float32",
         micro_batch_tokens=settings["micro_batch_tokens"], logprob_chunk_tokens=settings["logprob_chunk_tokens"],
         gradient_checkpointing=bool(settings["gradient_checkpointing"]), prefix_once=bool(settings["prefix_once"])))
-    data = demo_batch(engine.vocab_size)
-    engine.forward_backward(data[:2], "ppo")  # warm-up: first-call allocations are not the step's
+    data = demo_batch(engine.vocab_size, shape=shape)
+    loss_fn = "ppo" if shape == "rl" else "cross_entropy"
+    engine.forward_backward(data[:2], loss_fn)  # warm-up: first-call allocations are not the step's
     engine._discard_gradient()
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    start = time.perf_counter()
-    out = engine.forward_backward(data, "ppo")
-    seconds = time.perf_counter() - start
+    start, cpu_start = time.perf_counter(), time.process_time()
+    out = engine.forward_backward(data, loss_fn)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = _status_kib("VmHWM")
     grads = {name: p.grad.clone() for name, p in engine.model.named_parameters() if p.grad is not None}
     torch.save({"logprobs": out.logprobs_D, "grads": grads, "peak_kib": peak, "before_kib": before,
-                "seconds": seconds, "micro_batches": out.metrics["train/micro_batches"],
+                "seconds": seconds, "cpu_seconds": cpu_seconds, "micro_batches": out.metrics["train/micro_batches"],
                 "loss": out.metrics["train/loss"]}, out_file)
     return 0
 
@@ -123,7 +132,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="chunk=256+ckpt,chunk=256+ckpt+once,chunk=256+once",
                    help="comma-separated; the first is the baseline (see parse_variant)")
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--shape", choices=("rl", "sft"), default="rl",
+                   help="rl: the demo's RL step (16 trajectories, PPO); sft: its SFT step (4 dialogues)")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(*args.child)
@@ -132,14 +143,15 @@ def main() -> int:
     variants = args.variants.split(",")
     for v in variants:
         parse_variant(v)
-    print(f"load at start {os.getloadavg()}; batch: {len(DEMO_LENGTHS)} datums, {sum(DEMO_LENGTHS)} tokens")
+    lengths = DEMO_LENGTHS if args.shape == "rl" else SFT_LENGTHS
+    print(f"load at start {os.getloadavg()}; {args.shape} batch: {len(lengths)} datums, {sum(lengths)} tokens")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
             path = Path(tmp) / f"{len(results)}.pt"
             mmap = parse_variant(v)["mmap"]
             env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(mmap)} if mmap else {})}
-            subprocess.run([sys.executable, __file__, "--child", v, str(path)], check=True, env=env)
+            subprocess.run([sys.executable, __file__, "--child", v, str(path), args.shape], check=True, env=env)
             results.append(torch.load(path, weights_only=False))
             _report(v, results[0], results[-1])
     print(f"load at end {os.getloadavg()}")
@@ -151,7 +163,8 @@ def _report(variant: str, base: dict, r: dict) -> None:
     mib = lambda kib: kib / 1024  # noqa: E731
     print(f"{variant:<22} peak {mib(r['peak_kib']):7.0f} MiB  (+{mib(r['peak_kib'] - r['before_kib']):5.0f} "
           f"over {mib(r['before_kib']):5.0f})  x{r['peak_kib'] / base['peak_kib']:.2f}   "
-          f"{r['seconds']:6.1f} s x{r['seconds'] / base['seconds']:.2f}   {r['micro_batches']:.0f} micro-batches  "
+          f"{r['seconds']:6.1f} s x{r['seconds'] / base['seconds']:.2f}   "
+          f"cpu {r['cpu_seconds']:6.1f} s x{r['cpu_seconds'] / base['cpu_seconds']:.2f}   {r['micro_batches']:.0f} micro-batches  "
           f"max |dlogprob| {lp:.1e}  max |dgrad|/max|grad| {grad:.1e}  load {os.getloadavg()[0]:.1f}", flush=True)
 
 
