@@ -14,11 +14,14 @@ parent compares with the first variant's (the same function, so they agree to fl
 rounding). Prints one line per variant with the peak, the delta, seconds, the ratio of
 both to the first variant, the call's CPU time (user + system, all threads: less
 sensitive than wall time to other processes on a shared machine) and its ratio, the
-largest logprob and gradient differences, and the load.
+largest logprob and gradient differences, and the load; with ``--flops`` also the
+call's FLOPs (``torch.utils.flop_counter``: matmuls and attention, the work no load
+changes) and their ratio.
 
     python bench/train_memory.py   # the demo's layout, then prefix_once with and without checkpointing
     python bench/train_memory.py --variants chunk=0,chunk=256,chunk=256+ckpt,chunk=256+ckpt+mmap=1048576
     python bench/train_memory.py --shape sft   # the demo's SFT step: 4 dialogues, cross-entropy
+    python bench/train_memory.py --flops       # and each variant's FLOPs
 """
 
 from __future__ import annotations
@@ -84,8 +87,9 @@ def demo_batch(vocab: int, seed: int = 0, shape: str = "rl") -> list:
     return data
 
 
-def child(variant: str, out_file: str, shape: str = "rl") -> int:
+def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> int:
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
     from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 
@@ -105,8 +109,14 @@ def child(variant: str, out_file: str, shape: str = "rl") -> int:
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = _status_kib("VmHWM")
     grads = {name: p.grad.clone() for name, p in engine.model.named_parameters() if p.grad is not None}
+    total_flops = 0
+    if flops:  # the same call again, its matmul and attention FLOPs counted: a figure no load changes
+        engine._discard_gradient()
+        with FlopCounterMode(display=False) as counter:
+            engine.forward_backward(data, loss_fn)
+        total_flops = counter.get_total_flops()
     torch.save({"logprobs": out.logprobs_D, "grads": grads, "peak_kib": peak, "before_kib": before,
-                "seconds": seconds, "cpu_seconds": cpu_seconds, "micro_batches": out.metrics["train/micro_batches"],
+                "seconds": seconds, "cpu_seconds": cpu_seconds, "flops": total_flops, "micro_batches": out.metrics["train/micro_batches"],
                 "loss": out.metrics["train/loss"]}, out_file)
     return 0
 
@@ -134,6 +144,8 @@ def main() -> int:
                    help="comma-separated; the first is the baseline (see parse_variant)")
     p.add_argument("--shape", choices=("rl", "sft"), default="rl",
                    help="rl: the demo's RL step (16 trajectories, PPO); sft: its SFT step (4 dialogues)")
+    p.add_argument("--flops", action="store_true",
+                   help="also count each variant's FLOPs (torch's FlopCounterMode; one more call per variant)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -151,7 +163,8 @@ def main() -> int:
             path = Path(tmp) / f"{len(results)}.pt"
             mmap = parse_variant(v)["mmap"]
             env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(mmap)} if mmap else {})}
-            subprocess.run([sys.executable, __file__, "--child", v, str(path), args.shape], check=True, env=env)
+            subprocess.run([sys.executable, __file__, "--child", v, str(path), args.shape,
+                            "flops" if args.flops else ""], check=True, env=env)
             results.append(torch.load(path, weights_only=False))
             _report(v, results[0], results[-1])
     print(f"load at end {os.getloadavg()}")
@@ -164,8 +177,15 @@ def _report(variant: str, base: dict, r: dict) -> None:
     print(f"{variant:<22} peak {mib(r['peak_kib']):7.0f} MiB  (+{mib(r['peak_kib'] - r['before_kib']):5.0f} "
           f"over {mib(r['before_kib']):5.0f})  x{r['peak_kib'] / base['peak_kib']:.2f}   "
           f"{r['seconds']:6.1f} s x{r['seconds'] / base['seconds']:.2f}   "
-          f"cpu {r['cpu_seconds']:6.1f} s x{r['cpu_seconds'] / base['cpu_seconds']:.2f}   {r['micro_batches']:.0f} micro-batches  "
+          f"cpu {r['cpu_seconds']:6.1f} s x{r['cpu_seconds'] / base['cpu_seconds']:.2f}   {_flops(base, r)}"
+          f"{r['micro_batches']:.0f} micro-batches  "
           f"max |dlogprob| {lp:.1e}  max |dgrad|/max|grad| {grad:.1e}  load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def _flops(base: dict, r: dict) -> str:
+    if not r.get("flops"):
+        return ""
+    return f"{r['flops'] / 1e12:5.2f} TFLOP x{r['flops'] / base['flops']:.2f}   "
 
 
 if __name__ == "__main__":
