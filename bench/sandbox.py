@@ -24,6 +24,10 @@ stateless/stateful, and the load average before and after.
 Then why a child is born in its control group rather than moved there (``--only
 cgroup-join``, as root): what joining a group costs, back to back and 100 ms apart.
 
+And why the sandbox keeps an empty v1 group frozen (``--only freezer``, as root, v1): what
+freezing and thawing a group with one sleeping process costs with no other group frozen
+(each freeze and thaw flips the kernel's freezer static key) vs with one kept frozen.
+
 Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--rounds 30] [--only hardening]``.
 Needs Linux; the isolation columns need root or unprivileged user namespaces.
 """
@@ -244,6 +248,65 @@ def cgroup_join_cost(joins: int = 15) -> None:
         print(f"  {label:8} p50 back to back {row[0.0]:6.2f} ms, 100 ms apart {row[0.1]:6.2f} ms")
 
 
+def freezer_pin_cost(cycles: int = 60) -> None:
+    """What a v1 freeze and a thaw of one session's group cost (the writes alone, in the
+    warm parent) with no other group frozen vs with an empty group kept frozen, as the
+    sandbox keeps one (``_cgroups.FREEZER_PIN``); cycles alternate between the two. Any
+    other frozen v1 group on the machine (a running sandbox's, say) makes both rows alike."""
+    print("\nfreezing a v1 group with one sleeping process: load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    own = next((line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":freezer:" in line), None)
+    if own is None or os.geteuid() != 0:
+        print("  not measured (no v1 freezer hierarchy, or not root)")
+        return
+    tree = f"/sys/fs/cgroup/freezer{own.rstrip('/')}"
+    group, pin = (tempfile.mkdtemp(prefix=f"retool-bench-{kind}-", dir=tree) for kind in ("group", "pin"))
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        with open(f"{group}/cgroup.procs", "w") as f:
+            f.write(str(sleeper.pid))
+        state = os.open(f"{group}/freezer.state", os.O_RDWR)
+        times = {False: [], True: []}  # pinned -> [(freeze, thaw) seconds]
+        for i in range(2 * cycles):
+            pinned = bool(i % 2)
+            with open(f"{pin}/freezer.state", "w") as f:
+                f.write("FROZEN" if pinned else "THAWED")
+            times[pinned].append(_freeze_thaw(state))
+        os.close(state)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        with open(f"{pin}/freezer.state", "w") as f:
+            f.write("THAWED")
+        for path in (group, pin):
+            _rmdir_when_empty(path)
+    for pinned, label in ((False, "no other group frozen"), (True, "an empty group kept frozen")):
+        freeze, thaw = (percentile(sorted(t[k] for t in times[pinned]), 50) * 1e6 for k in (0, 1))
+        print(f"  {label:27} p50 freeze {freeze:6.1f} us, thaw {thaw:6.1f} us")
+
+
+def _freeze_thaw(state: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    os.pwrite(state, b"FROZEN", 0)
+    t1 = time.perf_counter()
+    while os.pread(state, 64, 0).strip() != b"FROZEN":
+        time.sleep(0.0005)
+    time.sleep(0.002)  # a session stays frozen a while
+    t2 = time.perf_counter()
+    os.pwrite(state, b"THAWED", 0)
+    return t1 - t0, time.perf_counter() - t2
+
+
+def _rmdir_when_empty(path: str) -> None:
+    deadline = time.monotonic() + 5
+    while os.path.isdir(path):
+        try:
+            os.rmdir(path)
+        except OSError:  # EBUSY: the killed sleeper has not left the group yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def _join_once(group: str, gap: float) -> float:
     time.sleep(gap)
     read, write = os.pipe()
@@ -328,8 +391,8 @@ def main() -> int:
                         help="calls per trajectory in the stateful comparison (the rollout's default budget)")
     parser.add_argument("--rounds", type=int, default=30,
                         help="interleaved rounds in the before/after table of the hardening mechanisms")
-    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "cgroup-join", "stateful"),
-                        help="run one part only (default: all five)")
+    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "cgroup-join", "freezer", "stateful"),
+                        help="run one part only (default: all six)")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, uid {os.geteuid()}\n")
     if args.only in (None, "baseline"):
@@ -340,6 +403,8 @@ def main() -> int:
         hardening_costs(args.rounds)
     if args.only in (None, "cgroup-join"):
         cgroup_join_cost()
+    if args.only in (None, "freezer"):
+        freezer_pin_cost()
     if args.only in (None, "stateful"):
         stateful_vs_stateless(args.trajectories, args.session_calls)
     return 0
