@@ -10,7 +10,8 @@ mechanism costs: p50 of (a) with everything on minus p50 with that one left out
 filesystem) are entered once at start-up and cost nothing per call.
 
 Then the hardening mechanisms (clean template, control groups, per-call and per-session
-tmpfs, per-session network namespace) and the children forked ahead of their work that
+tmpfs, per-session network namespace, syscall filter and fresh keyring) and the children
+forked ahead of their work that
 pay for them (prefork): before (none of them) and after (all of them) in one run, and
 what each costs, for stateless calls and for sessions (first and later calls).
 
@@ -154,11 +155,12 @@ def mechanism_costs(calls: int) -> None:
         print(f"  {label:28} p50 {p50:6.1f} ms{cost}")
 
 
-HARDENING = ("template", "cgroups", "scratch_quota", "session_netns", "prefork")
+HARDENING = ("template", "cgroups", "scratch_quota", "session_netns", "seccomp", "prefork")
 """The mechanisms that close the structural attack classes: a clean template to fork
 children from, a control group per call and session, a tmpfs per call and session, a
-network namespace per session; and what pays for them: children forked ahead of their
-work (``prefork``; "without prefork" shows what it saves)."""
+network namespace per session, the syscall filter with a fresh session keyring
+(``seccomp``); and what pays for them: children forked ahead of their work (``prefork``;
+"without prefork" shows what it saves)."""
 
 
 SESSION_CALLS = 6
