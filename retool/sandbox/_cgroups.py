@@ -38,10 +38,10 @@ SETTLE_ROUNDS = 20
 FREEZER_PIN = "frozen-pin"
 """v1: an empty group kept frozen for the sandbox's lifetime. The v1 freezer turns a
 kernel-wide static key on when the first group starts freezing and off when the last one
-thaws, and each switch patches kernel code on every CPU: ~90 µs per freeze and per thaw of
-a session measured here with no other group frozen, ~5 µs with this one frozen. (While it
-is, the kernel's freezing checks take their slow path, as they do whenever any session is
-frozen.) Version 2 has no such key."""
+thaws, and each switch patches kernel code on every CPU: ~80 µs per freeze and per thaw of
+a session with no other group frozen, ~3 µs with this one frozen (``python bench/sandbox.py
+--only freezer``). While it is, the kernel's freezing checks take their slow path, as they
+do whenever any session is frozen. Version 2 has no such key."""
 
 
 def _delegate_controllers(own: int) -> None:
