@@ -172,11 +172,19 @@ GAP_S = 0.02
 writes its next call in between (far longer than this)."""
 
 
+LATER_PER_ROUND = {"later": SESSION_CALLS - 1, "apart": 2}
+"""Later calls per round and variant: back to back, and ``GAP_S`` apart."""
+
+
 def hardening_costs(rounds: int) -> None:
     """Before/after the hardening mechanisms, in one run: one sandbox with none of them
     ("before"), one with all ("after") and one without each, rounds interleaved so that
-    machine load hits every variant alike. Per round and variant: one stateless call and
-    one session of ``SESSION_CALLS`` calls (its first call forks the interpreter)."""
+    machine load hits every variant alike (every other round in reverse order, so that no
+    variant always follows the same one). Per round and variant: one stateless call, one
+    session of ``SESSION_CALLS`` calls back to back (its first call forks the interpreter)
+    and one of 3 calls ``GAP_S`` apart. Besides the ratio of the p50s, the later calls'
+    paired ratio: the median over rounds of after/before within a round (before and after
+    run next to each other, so load that drifts between rounds cancels out)."""
     print(f"\nhardening mechanisms: before/after and the cost of each ({rounds} rounds, variants interleaved); "
           "load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     variants = {"before (none of them)": HARDENING, "after (all of them)": (),
@@ -185,12 +193,13 @@ def hardening_costs(rounds: int) -> None:
     boxes = {label: Sandbox(SandboxConfig(timeout_s=30, workers=8, max_sessions=8, benchmark_skip=skip))
              for label, skip in variants.items()}
     samples = {label: {"stateless": [], "first": [], "later": [], "apart": []} for label in variants}
+    paired = {"later": [], "apart": []}  # per round: after's p50 / before's p50 in that round
     try:
         for sb in boxes.values():
             sb.start()
             sb.run_sync("1")
-        for _ in range(rounds):
-            for label, sb in boxes.items():
+        for r in range(rounds):
+            for label, sb in list(boxes.items())[::-1 if r % 2 else 1]:
                 t = time.perf_counter()
                 assert sb.run_sync(SNIPPETS["a_print"]).ok
                 samples[label]["stateless"].append(time.perf_counter() - t)
@@ -200,6 +209,10 @@ def hardening_costs(rounds: int) -> None:
                 session = trajectory_latencies(sb, SNIPPETS["a_print"], 3, stateful=True, gap_s=GAP_S)
                 samples[label]["first"].append(session[0])
                 samples[label]["apart"] += session[1:]
+            for kind, per_round in paired.items():
+                after, before = (percentile(sorted(samples[label][kind][-LATER_PER_ROUND[kind]:]), 50)
+                                 for label in ("after (all of them)", "before (none of them)"))
+                per_round.append(after / before)
         rates = {label: summary(*measure_sandbox(boxes[label], SNIPPETS["a_print"], 4 * rounds, 8))[2]
                  for label in ("before (none of them)", "after (all of them)")}
     finally:
@@ -221,7 +234,8 @@ def hardening_costs(rounds: int) -> None:
     before = p50["before (none of them)"]
     print(f"  after/before p50 ratio: stateless {after['stateless'] / before['stateless']:.2f}x, "
           f"session 1st {after['first'] / before['first']:.2f}x, later {after['later'] / before['later']:.2f}x, "
-          f"apart {after['apart'] / before['apart']:.2f}x; "
+          f"apart {after['apart'] / before['apart']:.2f}x (paired, median over rounds: later "
+          f"{percentile(sorted(paired['later']), 50):.2f}x, apart {percentile(sorted(paired['apart']), 50):.2f}x); "
           f"calls/s at concurrency 8: before {rates['before (none of them)']:.1f}, "
           f"after {rates['after (all of them)']:.1f}")
     print("  load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
