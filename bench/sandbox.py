@@ -269,7 +269,8 @@ def freezer_pin_cost(cycles: int = 60) -> None:
     warm parent) with no other group frozen vs with an empty group kept frozen, as the
     sandbox keeps one (``_cgroups.FREEZER_PIN``); cycles alternate between the two. Any
     other frozen v1 group on the machine (a running sandbox's, say) makes both rows alike."""
-    print("\nfreezing a v1 group with one sleeping process: load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print("\nfreezing a v1 group with one sleeping process: load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     own = next((line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":freezer:" in line), None)
     if own is None or os.geteuid() != 0:
         print("  not measured (no v1 freezer hierarchy, or not root)")
