@@ -123,11 +123,12 @@ def test_k0_builds_no_pipeline_and_logs_no_staleness(tmp_path):
     assert not any(k.startswith("staleness/") for row in read_metrics(run / "metrics.jsonl") for k in row)
 
 
-def test_a_lagged_run_on_the_tinker_fake(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["tinker", "pytrio"])
+def test_a_lagged_run_on_the_service_fakes(tmp_path, monkeypatch, engine):
     """The service's older sampling clients keep sampling their snapshot while it trains."""
-    service = FakeService(tmp_path / "service", "tinker")
+    service = FakeService(tmp_path / "service", engine)
     install(service, monkeypatch)
-    run = train(tiny_config(tmp_path, engine="tinker", lora_alpha=FAKE_LORA_ALPHA, max_steps=4, max_staleness=2,
+    run = train(tiny_config(tmp_path, engine=engine, lora_alpha=FAKE_LORA_ALPHA, max_steps=4, max_staleness=2,
                             save_trajectories=True, save_every=100))
     rows = assert_lagged(run, 2)
     assert [r["train/optim_steps"] for r in rows] == [1.0, 2.0, 3.0, 4.0]  # one update a step, none waited out
