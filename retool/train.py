@@ -9,7 +9,9 @@ One step, top to bottom (:func:`train_step`):
 
 With ``--stream-groups`` (:func:`_streamed_step`, :mod:`retool.streaming`) the stages from
 the reward to the forward_backward run per group as the rollout goes on, and the
-optim_step follows the last group.
+optim_step follows the last group. With ``--max-staleness K`` (:func:`_rolled_out_ahead`,
+:mod:`retool.pipeline`) stages 1-2 of step ``t + K`` run on a worker thread while step ``t``
+trains, on the weights step ``t`` started with.
 
 The loop around it: :func:`train` builds the :class:`Trainer` and hands
 :meth:`Trainer.run_step` to :func:`retool.runs.run_steps` (metric sinks, progress bar,
