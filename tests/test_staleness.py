@@ -96,8 +96,9 @@ def test_the_pipeline_runs_each_step_once_in_order_on_the_version_it_was_due():
 # ---------------------------------------------------------------- whole runs
 
 
-@pytest.mark.parametrize("extra", [{}, {"refill_rounds": 2}, {"drop_degenerate_groups": True}],
-                         ids=["plain", "refills", "drop-degenerate"])
+@pytest.mark.parametrize("extra", [{}, {"refill_rounds": 2}, {"drop_degenerate_groups": True},
+                                   {"curriculum": "difficulty", "refill_rounds": 1}],
+                         ids=["plain", "refills", "drop-degenerate", "curriculum"])
 def test_a_lagged_run_on_the_local_engine_records_versions_and_is_reproducible(tmp_path, extra):
     runs = [train(tiny_config(tmp_path, run_dir=str(tmp_path / name), max_steps=4, max_staleness=1,
                               save_trajectories=True, save_every=2, **extra)) for name in ("a", "b")]
@@ -227,3 +228,19 @@ def test_sigkill_anywhere_in_a_lagged_run_resumes_exactly(lagged_reference, fail
     for step in (1, 2, 3, 4):
         assert sampled_versions(crashed, step) == sampled_versions(reference, step)
     assert_lagged(crashed, 1)
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_in_a_lagged_run_with_the_difficulty_pool_resumes_exactly(tmp_path, monkeypatch):
+    """The pool a checkpoint saves is the one after its own step's rollout, not after the
+    rollouts done ahead: the resumed run draws the uninterrupted run's problems."""
+    args = ["--max-staleness", "1", "--curriculum", "difficulty"]
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    done = run_cli([*cli_args(tmp_path, reference), *args])
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = run_cli([*cli_args(tmp_path, crashed), *args], failpoints="checkpoint_write@3")
+    assert first.returncode == -9, first.stderr[-2000:]
+    second = run_cli(["--resume", str(crashed)])
+    assert second.returncode == 0, second.stderr[-2000:]
+    monkeypatch.setattr(test_train, "TIMING_METRICS", (*test_train.TIMING_METRICS, *PIPELINE_TIMINGS))
+    assert_resumed_like(reference, crashed)
