@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 BENCH_KEYS = ("time/step", "time/rollout", "sandbox/calls", "sandbox/latency_p50", "sandbox/latency_p95",
               "sandbox/queue_wait_p95", "sandbox/run_p95", "sandbox/count_timeout", "reward/correct",
-              "rollout/trajectory_tokens", "rollout/code_calls", "rollout/turns")
+              "rollout/trajectory_tokens", "rollout/code_calls", "rollout/turns", "time/grade", "time/grade_max")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,7 @@ def test_the_metrics_the_bench_reads_exist_and_its_totals_are_sane(rehearsal):
     assert 0 < totals["service_s"] < totals["wall_s"]
     assert 0 < totals["client_share"] < 1
     assert totals["sandbox_calls"] > 0
+    assert 0 < totals["grade_max_s"] <= totals["grade_s_per_step"] and totals["grade_s"] > 0
     assert len(outcome.samples) == 3 and all(s.fds > 0 and s.procs >= 1 for s in outcome.samples)
 
 
