@@ -11,7 +11,8 @@ time (:class:`bench.tinker_latency.LatencyModel`, each rate a flag below).
 Printed per step and in total: wall time; the time the service was serving at least one
 request (the client waits on it) against the client's own time (nothing in flight: rollout
 bookkeeping, sandbox, grading, datums, metrics, checkpoints), their ratio; sandbox calls/s,
-p50/p95 latency, the p95 wait for a worker beside the p95 run time; the client's RSS,
+p50/p95 latency, the p95 wait for a worker beside the p95 run time; grading time
+(``time/grade``: every trajectory's grading, summed, and the longest one); the client's RSS,
 open fds and process count at every step, and their slopes over the run.
 
 With ``--kill`` (the default when the run has more than 100 steps) the client is
@@ -291,7 +292,8 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
     busys = [spans[s][1] for s in steps]
     if per_step:
         print(f"{'step':>4} {'wall_s':>7} {'service_s':>9} {'client_s':>8} {'client%':>7} {'sbx_calls':>9} "
-              f"{'sbx_p50':>7} {'sbx_p95':>7} {'wait_p95':>8} {'run_p95':>7} {'rss_MiB':>7} {'fds':>4} {'procs':>5}")
+              f"{'sbx_p50':>7} {'sbx_p95':>7} {'wait_p95':>8} {'run_p95':>7} {'grade_s':>7} {'grd_max':>7} {'rss_MiB':>7} "
+              f"{'fds':>4} {'procs':>5}")
         by_step = {s.step: s for s in outcome.samples + outcome.resumed_samples}
         for i, row in enumerate(rows):
             s = by_step.get(int(row["step"]))
@@ -299,7 +301,8 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
             print(f"{int(row['step']):>4} {wall:7.2f} {busy:9.2f} {wall - busy:8.2f} {100 * (wall - busy) / wall:6.1f}% "
                   f"{row.get('sandbox/calls', 0):9.0f} {row.get('sandbox/latency_p50', 0):7.3f} "
                   f"{row.get('sandbox/latency_p95', 0):7.3f} {row.get('sandbox/queue_wait_p95', 0):8.3f} "
-                  f"{row.get('sandbox/run_p95', 0):7.3f} "
+                  f"{row.get('sandbox/run_p95', 0):7.3f} {row.get('time/grade', 0):7.3f} "
+                  f"{row.get('time/grade_max', 0):7.3f} "
                   + (f"{s.rss_mib:7.0f} {s.fds:4d} {s.procs:5d}" if s else ""))
     wall, busy = sum(walls), sum(busys)
     calm = [(w, b) for w, b, r in zip(walls, busys, rows) if not r.get("sandbox/count_timeout", 0)]
@@ -318,6 +321,8 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
               "sandbox_wait_p95_s": max((r.get("sandbox/queue_wait_p95", 0) for r in rows), default=0.0),
               "sandbox_wait_p95_median_s": percentile(sorted(r.get("sandbox/queue_wait_p95", 0) for r in rows), 50),
               "sandbox_run_p95_s": percentile(sorted(r.get("sandbox/run_p95", 0) for r in rows), 50),
+              "grade_s_per_step": _mean(rows, "time/grade"), "grade_max_s": _mean(rows, "time/grade_max"),
+              "grade_s": sum(r.get("time/grade", 0) for r in rows),
               "reward_correct": _mean(rows, "reward/correct"), "trajectory_tokens": _mean(rows, "rollout/trajectory_tokens"),
               "code_calls": _mean(rows, "rollout/code_calls"), "turns": _mean(rows, "rollout/turns")}
     for name in ("rss_mib", "fds", "procs"):
@@ -366,6 +371,9 @@ def print_totals(label: str, totals: dict[str, float], model: LatencyModel) -> N
           f"{t['sandbox_wait_p95_median_s']:.3f} s (median step; worst {t['sandbox_wait_p95_s']:.3f} s) vs run p95 "
           f"{t['sandbox_run_p95_s']:.3f} s (goal: wait <= run: {'met' if met else 'NOT met'}; the wait includes "
           f"the hand-over)")
+    print(f"grading: {t['grade_s']:.2f} s in all, {t['grade_s_per_step']:.3f} s/step summed over the step's "
+          f"trajectories (each graded in a thread as it ends, beside the others' sampling); the longest one "
+          f"{t['grade_max_s']:.3f} s per step on average")
     print(f"client RSS {t['rss_mib_first']:.0f} -> {t['rss_mib_last']:.0f} MiB (slope {t['rss_mib_slope_per_step']:+.3f}"
           f" MiB/step), fds {t['fds_first']} -> {t['fds_last']} ({t['fds_slope_per_step']:+.3f}/step), processes "
           f"{t['procs_first']} -> {t['procs_last']} ({t['procs_slope_per_step']:+.3f}/step); slopes over the 2nd half")

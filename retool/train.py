@@ -16,7 +16,8 @@ trains, on the weights step ``t`` started with.
 The loop around it: :func:`train` builds the :class:`Trainer` and hands
 :meth:`Trainer.run_step` to :func:`retool.runs.run_steps` (metric sinks, progress bar,
 checkpoints, resume), which calls it once per step; ``run_step`` runs :func:`train_step`
-and keeps what the run keeps of it (cost, saved trajectories).
+and keeps what the run keeps of it (cost; saved trajectories, written in the background
+and joined before each checkpoint).
 
 Everything a run writes lives in its run folder (``docs/formats.md``, written by
 :mod:`retool.runs`): the resolved config, ``metrics.jsonl``, optional compressed
@@ -48,6 +49,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +71,11 @@ from retool.flag_checks import output_folder
 from retool.log import check_sinks
 from retool.render import Renderer
 from retool.reward import agrade
-from retool.rollout import Rollout, RolloutBudgets, RolloutError, UsageMeter, rollout_metrics
+from retool.rollout import Grader, Rollout, RolloutBudgets, RolloutError, UsageMeter, rollout_metrics
 from retool.sandbox import Sandbox, SandboxUnavailableError
 from retool.seeding import derive_seed
 from retool.stats import behaviour_figures, trajectory_stats
-from retool.types import Datum, Problem, Trajectory
+from retool.types import Datum, Grade, Problem, Trajectory
 from retool.weight_sync import WeightSyncError, WeightSyncGuard, guard_for
 
 LOSSES = ("ppo", "importance_sampling")
@@ -232,6 +234,60 @@ GroupCallback = Callable[[int, int, Group], None]
 
 
 @dataclass
+class GradeClock:
+    """The rollout's grader, timed. Each trajectory is graded as it ends (in a thread,
+    overlapped with the other trajectories' sampling); :meth:`take` gives the step's
+    ``time/grade`` (those calls' seconds, summed) and ``time/grade_max`` (the longest one:
+    the last trajectory's grading holds the step). Groups reused on a resume add nothing."""
+
+    grader: Grader
+    seconds: float = 0.0
+    longest: float = 0.0
+
+    async def __call__(self, response: str, gold: str) -> Grade:
+        start = time.monotonic()
+        try:
+            return await self.grader(response, gold)
+        finally:
+            elapsed = time.monotonic() - start
+            self.seconds += elapsed
+            self.longest = max(self.longest, elapsed)
+
+    def take(self) -> dict[str, float]:
+        """The grading figures since the last call; resets them."""
+        figures = {"time/grade": self.seconds, "time/grade_max": self.longest}
+        self.seconds = self.longest = 0.0
+        return figures
+
+
+class TrajectoryWriter:
+    """Writes each step's trajectories file (``--save-trajectories``) on one background
+    thread, in step order, so the next step's sampler is asked for at once instead of after
+    ~4 MB of JSON and gzip. :meth:`join` waits for every write and raises the first that
+    failed; the trainer joins before each checkpoint (a checkpoint never precedes the files
+    of its steps, so a resume finds every file up to it) and when the run ends."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="retool-trajectories")
+        self._pending: list[Future[Path]] = []
+
+    def submit(self, run_dir: Path, step: int, groups: list[Advantaged]) -> None:
+        self._pending.append(self._pool.submit(runs.save_trajectories, run_dir, step, groups))
+
+    def join(self) -> None:
+        pending, self._pending = self._pending, []
+        for write in pending:
+            write.result()
+
+    def close(self) -> None:
+        """:meth:`join`, then stop the thread (also when a write failed)."""
+        try:
+            self.join()
+        finally:
+            self._pool.shutdown()
+
+
+@dataclass
 class Trainer:
     """The objects a run holds: config, engine, rollout, problems, counters."""
 
@@ -259,6 +315,10 @@ class Trainer:
     """The weight version this trainer's rollouts record (``None``: the step's own)."""
     checkpointed: int = 0
     """The step of the newest checkpoint written or resumed (the group store keeps the groups after it)."""
+    grading: GradeClock | None = None
+    """The rollout's timed grader (``time/grade``; ``None``: not timed)."""
+    writer: TrajectoryWriter = dataclasses.field(default_factory=TrajectoryWriter)
+    """Writes the trajectories files in the background (``save_trajectories``)."""
 
     def __post_init__(self) -> None:
         if self.config.curriculum == "difficulty" and self.pool is None:
@@ -280,12 +340,15 @@ class Trainer:
         if self.cost is not None:
             metrics.update(self.cost.charge(metrics, self.totals))
         if self.config.save_trajectories:
-            runs.save_trajectories(Path(self.config.run_dir), step, groups)
+            self.writer.submit(Path(self.config.run_dir), step, groups)
         if self.store is not None and self.pipeline is None:  # pipelined: kept until a checkpoint covers them
             self.store.clear(step)
         return metrics
 
     def checkpoint_state(self, step: int) -> runs.TrainerState:
+        """The state a checkpoint after ``step`` saves; every trajectories file up to it is written first
+        (and with ``--max-staleness``, every group of the steps sampled ahead of it)."""
+        self.writer.join()
         if self.pipeline is not None:  # the checkpoint comes with every group of the steps sampled before it
             self.pipeline.drain()
             if self.store is not None:
@@ -650,6 +713,7 @@ def _step_metrics(trainer: Trainer, groups: list[Group], degenerate_B: list[bool
     metrics = rollout_metrics(flat)
     metrics.update({f"behaviour/{k}": v for k, v in behaviour_figures(trajectory_stats(flat)).items()})
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
+    metrics.update(trainer.grading.take() if trainer.grading is not None else {})
     _add_totals(trainer.totals, usage.prefill, usage.sampled, trained, metrics.get("sandbox/cpu_s", 0.0))
     if trainer.pool is not None:
         metrics.update(curriculum.pool_metrics(trainer.pool, trainer.problems, trainer.config.curriculum_floor))
@@ -729,12 +793,14 @@ def build_trainer(cfg: TrainConfig, problems: list[Problem] | None = None) -> Tr
                         interpreter=cfg.interpreter)
     # no sampler of its own: every step hands the rollout one on its current weights
     # (train_step), so none is made on untrained weights that a resume would replace at once
-    rollout = Rollout(renderer, None, sandbox, agrade, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
+    grading = GradeClock(agrade)
+    rollout = Rollout(renderer, None, sandbox, grading, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     guard = guard_for(cfg.engine, cfg.weight_sync_check_every, renderer, cfg.weight_sync_tolerance,
                       half_precision=_half_precision(cfg))
     ahead = pipeline.Pipeline[Ahead](cfg.max_staleness, cfg.max_steps) if cfg.max_staleness else None
-    return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost, weight_sync=guard, pipeline=ahead)
+    return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost, weight_sync=guard, pipeline=ahead,
+                   grading=grading)
 
 
 def _half_precision(cfg: TrainConfig) -> bool:
@@ -767,11 +833,14 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
         ended = err
         raise
     finally:
-        if trainer.pipeline is not None:
-            trainer.pipeline.close()
-        close_training_client(trainer.engine, ended)
-        if trainer.sandbox is not None:
-            trainer.sandbox.close()
+        try:
+            trainer.writer.close()
+        finally:
+            if trainer.pipeline is not None:
+                trainer.pipeline.close()
+            close_training_client(trainer.engine, ended)
+            if trainer.sandbox is not None:
+                trainer.sandbox.close()
     return run_dir
 
 
