@@ -10,7 +10,8 @@ mechanism costs: p50 of (a) with everything on minus p50 with that one left out
 filesystem) are entered once at start-up and cost nothing per call.
 
 Then the hardening mechanisms (clean template, control groups, per-call and per-session
-tmpfs, per-session network namespace) and the children forked ahead of their work that
+tmpfs, per-session network namespace, syscall filter and fresh keyring) and the children
+forked ahead of their work that
 pay for them (prefork): before (none of them) and after (all of them) in one run, and
 what each costs, for stateless calls and for sessions (first and later calls).
 
@@ -23,6 +24,10 @@ stateless/stateful, and the load average before and after.
 
 Then why a child is born in its control group rather than moved there (``--only
 cgroup-join``, as root): what joining a group costs, back to back and 100 ms apart.
+
+And why the sandbox keeps an empty v1 group frozen (``--only freezer``, as root, v1): what
+freezing and thawing a group with one sleeping process costs with no other group frozen
+(each freeze and thaw flips the kernel's freezer static key) vs with one kept frozen.
 
 Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--rounds 30] [--only hardening]``.
 Needs Linux; the isolation columns need root or unprivileged user namespaces.
@@ -150,11 +155,12 @@ def mechanism_costs(calls: int) -> None:
         print(f"  {label:28} p50 {p50:6.1f} ms{cost}")
 
 
-HARDENING = ("template", "cgroups", "scratch_quota", "session_netns", "prefork")
+HARDENING = ("template", "cgroups", "scratch_quota", "session_netns", "seccomp", "prefork")
 """The mechanisms that close the structural attack classes: a clean template to fork
 children from, a control group per call and session, a tmpfs per call and session, a
-network namespace per session; and what pays for them: children forked ahead of their
-work (``prefork``; "without prefork" shows what it saves)."""
+network namespace per session, the syscall filter with a fresh session keyring
+(``seccomp``); and what pays for them: children forked ahead of their work (``prefork``;
+"without prefork" shows what it saves)."""
 
 
 SESSION_CALLS = 6
@@ -166,11 +172,19 @@ GAP_S = 0.02
 writes its next call in between (far longer than this)."""
 
 
+LATER_PER_ROUND = {"later": SESSION_CALLS - 1, "apart": 2}
+"""Later calls per round and variant: back to back, and ``GAP_S`` apart."""
+
+
 def hardening_costs(rounds: int) -> None:
     """Before/after the hardening mechanisms, in one run: one sandbox with none of them
     ("before"), one with all ("after") and one without each, rounds interleaved so that
-    machine load hits every variant alike. Per round and variant: one stateless call and
-    one session of ``SESSION_CALLS`` calls (its first call forks the interpreter)."""
+    machine load hits every variant alike (every other round in reverse order, so that no
+    variant always follows the same one). Per round and variant: one stateless call, one
+    session of ``SESSION_CALLS`` calls back to back (its first call forks the interpreter)
+    and one of 3 calls ``GAP_S`` apart. Besides the ratio of the p50s, the later calls'
+    paired ratio: the median over rounds of after/before within a round (before and after
+    run next to each other, so load that drifts between rounds cancels out)."""
     print(f"\nhardening mechanisms: before/after and the cost of each ({rounds} rounds, variants interleaved); "
           "load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     variants = {"before (none of them)": HARDENING, "after (all of them)": (),
@@ -179,12 +193,13 @@ def hardening_costs(rounds: int) -> None:
     boxes = {label: Sandbox(SandboxConfig(timeout_s=30, workers=8, max_sessions=8, benchmark_skip=skip))
              for label, skip in variants.items()}
     samples = {label: {"stateless": [], "first": [], "later": [], "apart": []} for label in variants}
+    paired = {"later": [], "apart": []}  # per round: after's p50 / before's p50 in that round
     try:
         for sb in boxes.values():
             sb.start()
             sb.run_sync("1")
-        for _ in range(rounds):
-            for label, sb in boxes.items():
+        for r in range(rounds):
+            for label, sb in list(boxes.items())[::-1 if r % 2 else 1]:
                 t = time.perf_counter()
                 assert sb.run_sync(SNIPPETS["a_print"]).ok
                 samples[label]["stateless"].append(time.perf_counter() - t)
@@ -194,6 +209,10 @@ def hardening_costs(rounds: int) -> None:
                 session = trajectory_latencies(sb, SNIPPETS["a_print"], 3, stateful=True, gap_s=GAP_S)
                 samples[label]["first"].append(session[0])
                 samples[label]["apart"] += session[1:]
+            for kind, per_round in paired.items():
+                after, before = (percentile(sorted(samples[label][kind][-LATER_PER_ROUND[kind]:]), 50)
+                                 for label in ("after (all of them)", "before (none of them)"))
+                per_round.append(after / before)
         rates = {label: summary(*measure_sandbox(boxes[label], SNIPPETS["a_print"], 4 * rounds, 8))[2]
                  for label in ("before (none of them)", "after (all of them)")}
     finally:
@@ -215,7 +234,8 @@ def hardening_costs(rounds: int) -> None:
     before = p50["before (none of them)"]
     print(f"  after/before p50 ratio: stateless {after['stateless'] / before['stateless']:.2f}x, "
           f"session 1st {after['first'] / before['first']:.2f}x, later {after['later'] / before['later']:.2f}x, "
-          f"apart {after['apart'] / before['apart']:.2f}x; "
+          f"apart {after['apart'] / before['apart']:.2f}x (paired, median over rounds: later "
+          f"{percentile(sorted(paired['later']), 50):.2f}x, apart {percentile(sorted(paired['apart']), 50):.2f}x); "
           f"calls/s at concurrency 8: before {rates['before (none of them)']:.1f}, "
           f"after {rates['after (all of them)']:.1f}")
     print("  load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
@@ -242,6 +262,66 @@ def cgroup_join_cost(joins: int = 15) -> None:
         finally:
             os.rmdir(group)
         print(f"  {label:8} p50 back to back {row[0.0]:6.2f} ms, 100 ms apart {row[0.1]:6.2f} ms")
+
+
+def freezer_pin_cost(cycles: int = 60) -> None:
+    """What a v1 freeze and a thaw of one session's group cost (the writes alone, in the
+    warm parent) with no other group frozen vs with an empty group kept frozen, as the
+    sandbox keeps one (``_cgroups.FREEZER_PIN``); cycles alternate between the two. Any
+    other frozen v1 group on the machine (a running sandbox's, say) makes both rows alike."""
+    print("\nfreezing a v1 group with one sleeping process: load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    own = next((line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":freezer:" in line), None)
+    if own is None or os.geteuid() != 0:
+        print("  not measured (no v1 freezer hierarchy, or not root)")
+        return
+    tree = f"/sys/fs/cgroup/freezer{own.rstrip('/')}"
+    group, pin = (tempfile.mkdtemp(prefix=f"retool-bench-{kind}-", dir=tree) for kind in ("group", "pin"))
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        with open(f"{group}/cgroup.procs", "w") as f:
+            f.write(str(sleeper.pid))
+        state = os.open(f"{group}/freezer.state", os.O_RDWR)
+        times = {False: [], True: []}  # pinned -> [(freeze, thaw) seconds]
+        for i in range(2 * cycles):
+            pinned = bool(i % 2)
+            with open(f"{pin}/freezer.state", "w") as f:
+                f.write("FROZEN" if pinned else "THAWED")
+            times[pinned].append(_freeze_thaw(state))
+        os.close(state)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        with open(f"{pin}/freezer.state", "w") as f:
+            f.write("THAWED")
+        for path in (group, pin):
+            _rmdir_when_empty(path)
+    for pinned, label in ((False, "no other group frozen"), (True, "an empty group kept frozen")):
+        freeze, thaw = (percentile(sorted(t[k] for t in times[pinned]), 50) * 1e6 for k in (0, 1))
+        print(f"  {label:27} p50 freeze {freeze:6.1f} us, thaw {thaw:6.1f} us")
+
+
+def _freeze_thaw(state: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    os.pwrite(state, b"FROZEN", 0)
+    t1 = time.perf_counter()
+    while os.pread(state, 64, 0).strip() != b"FROZEN":
+        time.sleep(0.0005)
+    time.sleep(0.002)  # a session stays frozen a while
+    t2 = time.perf_counter()
+    os.pwrite(state, b"THAWED", 0)
+    return t1 - t0, time.perf_counter() - t2
+
+
+def _rmdir_when_empty(path: str) -> None:
+    deadline = time.monotonic() + 5
+    while os.path.isdir(path):
+        try:
+            os.rmdir(path)
+        except OSError:  # EBUSY: the killed sleeper has not left the group yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _join_once(group: str, gap: float) -> float:
@@ -328,8 +408,8 @@ def main() -> int:
                         help="calls per trajectory in the stateful comparison (the rollout's default budget)")
     parser.add_argument("--rounds", type=int, default=30,
                         help="interleaved rounds in the before/after table of the hardening mechanisms")
-    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "cgroup-join", "stateful"),
-                        help="run one part only (default: all five)")
+    parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "cgroup-join", "freezer", "stateful"),
+                        help="run one part only (default: all six)")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, uid {os.geteuid()}\n")
     if args.only in (None, "baseline"):
@@ -340,6 +420,8 @@ def main() -> int:
         hardening_costs(args.rounds)
     if args.only in (None, "cgroup-join"):
         cgroup_join_cost()
+    if args.only in (None, "freezer"):
+        freezer_pin_cost()
     if args.only in (None, "stateful"):
         stateful_vs_stateless(args.trajectories, args.session_calls)
     return 0

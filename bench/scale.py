@@ -11,7 +11,8 @@ time (:class:`bench.tinker_latency.LatencyModel`, each rate a flag below).
 Printed per step and in total: wall time; the time the service was serving at least one
 request (the client waits on it) against the client's own time (nothing in flight: rollout
 bookkeeping, sandbox, grading, datums, metrics, checkpoints), their ratio; sandbox calls/s,
-p50/p95 latency, the p95 wait for a worker beside the p95 run time; the client's RSS,
+p50/p95 latency, the p95 wait for a worker beside the p95 run time; grading time
+(``time/grade``: every trajectory's grading, summed, and the longest one); the client's RSS,
 open fds and process count at every step, and their slopes over the run.
 
 With ``--kill`` (the default when the run has more than 100 steps) the client is
@@ -24,12 +25,15 @@ With ``--stream-groups`` the same steps run a second time, uninterrupted, with
 ``retool train --stream-groups`` against a fresh service: both runs' totals, their
 steps per hour and ratio, the training time left after each step's rollout, and the
 ratio the latency model would allow if every forward_backward but the last group's hid
-behind the rollout.
+behind the rollout. With ``--max-staleness K`` likewise with ``retool train --max-staleness
+K`` (step t+K sampled while step t trains): steps per hour and ratio, the trainer's wait
+for the sampler, and the ratio a perfect overlap of rollout and training would give.
 
 Usage::
 
     python bench/scale.py --steps 20                   # the unscaled overhead figure
     python bench/scale.py --steps 4 --stream-groups    # synchronous vs streamed steps, in one run
+    python bench/scale.py --steps 5 --max-staleness 1 --no-kill   # synchronous vs sampling one step ahead
     nice -n 10 python bench/scale.py --time-scale 10   # the 200-step soak, with kill + resume
     python bench/scale.py --steps 3 --batch-size 2 --group-size 4   # a quick check
 
@@ -180,7 +184,7 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, data: Path, run: Path,
-               stream: bool = False) -> list[str]:
+               stream: bool = False, max_staleness: int = 0) -> list[str]:
     argv = [sys.executable, "-m", "retool", "train", "--config", str(CONFIG), "--save-every", str(args.save_every),
             "--max-steps", str(args.steps), "--train-data", str(data), "--run-dir", str(run),
             "--tinker-base-url", url, "--tinker-tokenizer", str(tokenizer), "--sinks", "jsonl",
@@ -192,6 +196,8 @@ def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, 
         argv += ["--sandbox-workers", str(args.sandbox_workers)]
     if stream:
         argv.append("--stream-groups")
+    if max_staleness:
+        argv += ["--max-staleness", str(max_staleness)]
     return argv
 
 
@@ -218,15 +224,16 @@ class Outcome:
 
 
 def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenizer_dir: Path, data: Path,
-             kill: bool, stream: bool = False) -> Outcome:
-    """One run against a fresh latency-model service (``stream``: with ``--stream-groups``);
+             kill: bool, stream: bool = False, max_staleness: int = 0) -> Outcome:
+    """One run against a fresh latency-model service (``stream``: with ``--stream-groups``;
+    ``max_staleness``: with ``--max-staleness``);
     with ``kill``, SIGKILLed after step 100 at a random point and resumed."""
     from tests.tokenizers import qwen35_tokenizer
 
     run = work / "run"
     env = {**os.environ, "TINKER_API_KEY": API_KEY, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model) as server:
-        argv = train_argv(args, work, server.url, tokenizer_dir, data, run, stream)
+        argv = train_argv(args, work, server.url, tokenizer_dir, data, run, stream, max_staleness)
         client = ClientRun(argv, run, env)
         codes, resumed_from = [], None
         if kill:
@@ -285,7 +292,8 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
     busys = [spans[s][1] for s in steps]
     if per_step:
         print(f"{'step':>4} {'wall_s':>7} {'service_s':>9} {'client_s':>8} {'client%':>7} {'sbx_calls':>9} "
-              f"{'sbx_p50':>7} {'sbx_p95':>7} {'wait_p95':>8} {'run_p95':>7} {'rss_MiB':>7} {'fds':>4} {'procs':>5}")
+              f"{'sbx_p50':>7} {'sbx_p95':>7} {'wait_p95':>8} {'run_p95':>7} {'grade_s':>7} {'grd_max':>7} {'rss_MiB':>7} "
+              f"{'fds':>4} {'procs':>5}")
         by_step = {s.step: s for s in outcome.samples + outcome.resumed_samples}
         for i, row in enumerate(rows):
             s = by_step.get(int(row["step"]))
@@ -293,7 +301,8 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
             print(f"{int(row['step']):>4} {wall:7.2f} {busy:9.2f} {wall - busy:8.2f} {100 * (wall - busy) / wall:6.1f}% "
                   f"{row.get('sandbox/calls', 0):9.0f} {row.get('sandbox/latency_p50', 0):7.3f} "
                   f"{row.get('sandbox/latency_p95', 0):7.3f} {row.get('sandbox/queue_wait_p95', 0):8.3f} "
-                  f"{row.get('sandbox/run_p95', 0):7.3f} "
+                  f"{row.get('sandbox/run_p95', 0):7.3f} {row.get('time/grade', 0):7.3f} "
+                  f"{row.get('time/grade_max', 0):7.3f} "
                   + (f"{s.rss_mib:7.0f} {s.fds:4d} {s.procs:5d}" if s else ""))
     wall, busy = sum(walls), sum(busys)
     calm = [(w, b) for w, b, r in zip(walls, busys, rows) if not r.get("sandbox/count_timeout", 0)]
@@ -312,6 +321,8 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
               "sandbox_wait_p95_s": max((r.get("sandbox/queue_wait_p95", 0) for r in rows), default=0.0),
               "sandbox_wait_p95_median_s": percentile(sorted(r.get("sandbox/queue_wait_p95", 0) for r in rows), 50),
               "sandbox_run_p95_s": percentile(sorted(r.get("sandbox/run_p95", 0) for r in rows), 50),
+              "grade_s_per_step": _mean(rows, "time/grade"), "grade_max_s": _mean(rows, "time/grade_max"),
+              "grade_s": sum(r.get("time/grade", 0) for r in rows),
               "reward_correct": _mean(rows, "reward/correct"), "trajectory_tokens": _mean(rows, "rollout/trajectory_tokens"),
               "code_calls": _mean(rows, "rollout/code_calls"), "turns": _mean(rows, "rollout/turns")}
     for name in ("rss_mib", "fds", "procs"):
@@ -360,6 +371,9 @@ def print_totals(label: str, totals: dict[str, float], model: LatencyModel) -> N
           f"{t['sandbox_wait_p95_median_s']:.3f} s (median step; worst {t['sandbox_wait_p95_s']:.3f} s) vs run p95 "
           f"{t['sandbox_run_p95_s']:.3f} s (goal: wait <= run: {'met' if met else 'NOT met'}; the wait includes "
           f"the hand-over)")
+    print(f"grading: {t['grade_s']:.2f} s in all, {t['grade_s_per_step']:.3f} s/step summed over the step's "
+          f"trajectories (each graded in a thread as it ends, beside the others' sampling); the longest one "
+          f"{t['grade_max_s']:.3f} s per step on average")
     print(f"client RSS {t['rss_mib_first']:.0f} -> {t['rss_mib_last']:.0f} MiB (slope {t['rss_mib_slope_per_step']:+.3f}"
           f" MiB/step), fds {t['fds_first']} -> {t['fds_last']} ({t['fds_slope_per_step']:+.3f}/step), processes "
           f"{t['procs_first']} -> {t['procs_last']} ({t['procs_slope_per_step']:+.3f}/step); slopes over the 2nd half")
@@ -393,6 +407,28 @@ def print_stream_comparison(sync: dict[str, float], streamed: dict[str, float], 
     return ratio
 
 
+def print_staleness_comparison(sync: dict[str, float], lagged: dict[str, float], sync_rows: list[dict],
+                               lagged_rows: list[dict], max_staleness: int) -> float:
+    """Print sampling ahead against synchronous steps; return the measured steps-per-hour ratio.
+
+    The ideal: the synchronous step with its rollout and its training fully overlapped
+    (the longer of the two), which no lag can beat."""
+    rollout_s = _mean(sync_rows, "time/rollout")
+    ideal_step_s = max(rollout_s, sync["step_s"] - rollout_s)
+    ratio = sync["step_s"] / lagged["step_s"]
+    print(f"\n== --max-staleness {max_staleness} vs synchronous ({int(sync['steps'])} steps each, same seed; "
+          f"load {os.getloadavg()})")
+    print(f"steps/hour: synchronous {3600 / sync['step_s']:.0f} ({sync['step_s']:.2f} s/step), sampling ahead "
+          f"{3600 / lagged['step_s']:.0f} ({lagged['step_s']:.2f} s/step): {ratio:.3f}x")
+    print(f"synchronous: rollout {rollout_s:.2f} s/step, training {_mean(sync_rows, 'time/train'):.2f} s/step; "
+          f"sampling ahead: rollout {_mean(lagged_rows, 'time/rollout_ahead'):.2f} s/step (beside training), the "
+          f"trainer waited for it {_mean(lagged_rows, 'time/rollout_wait'):.2f} s/step, training "
+          f"{_mean(lagged_rows, 'time/train'):.2f} s/step; mean lag {_mean(lagged_rows, 'staleness/mean'):.2f}")
+    print(f"ideal under this latency model (rollout and training fully overlapped): {ideal_step_s:.2f} s/step = "
+          f"{sync['step_s'] / ideal_step_s:.3f}x")
+    return ratio
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, LatencyModel]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200, the reference run's)")
@@ -413,6 +449,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
     parser.add_argument("--stream-groups", action=argparse.BooleanOptionalAction, default=False,
                         help="also run the steps with retool train --stream-groups (uninterrupted, fresh service) "
                              "and print both, their steps/hour and ratio")
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="also run the steps with retool train --max-staleness K (uninterrupted, fresh service) "
+                             "and print both, their steps/hour and ratio")
     parser.add_argument("--per-step", action=argparse.BooleanOptionalAction, default=True, help="print every step")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep runs here (default: a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="also write the totals here")
@@ -429,6 +468,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         parser.error("--steps, --batch-size, --group-size, --problems and --save-every must be >= 1")
     if args.kill is None:
         args.kill = args.steps > args.kill_after + 1
+    if args.max_staleness < 0:
+        parser.error("--max-staleness must be >= 0")
+    if args.kill and args.max_staleness:
+        parser.error("--max-staleness compares uninterrupted runs: add --no-kill (or run fewer steps)")
     if args.kill and args.stream_groups:
         parser.error("--stream-groups compares uninterrupted runs: add --no-kill (or run fewer steps)")
     if args.kill and args.steps <= args.kill_after + 1:
@@ -469,6 +512,15 @@ def main(argv: list[str] | None = None) -> int:
         totals["streamed_ratio"] = print_stream_comparison(totals, streamed_totals, outcome.rows, streamed.rows,
                                                            model, args.batch_size)
         ok = ok and all(code == 0 for code in streamed.returncodes)
+    if args.max_staleness:
+        lagged = rehearse(args, model, work / "lagged", tokenizer_dir, data, kill=False,
+                          max_staleness=args.max_staleness)
+        lagged_totals = report(lagged, model, args.per_step)
+        print_totals(f"sampling ahead (--max-staleness {args.max_staleness})", lagged_totals, model)
+        totals["lagged_step_s"] = lagged_totals["step_s"]
+        totals["lagged_ratio"] = print_staleness_comparison(totals, lagged_totals, outcome.rows, lagged.rows,
+                                                            args.max_staleness)
+        ok = ok and all(code == 0 for code in lagged.returncodes)
     if args.json:
         args.json.write_text(json.dumps(totals, indent=1))
     return 0 if ok else 1

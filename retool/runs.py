@@ -217,7 +217,8 @@ class GroupStore:
     it — its :class:`GroupKey` and ``run_fingerprint`` (the run's config, which with the
     step fixes the weights it was sampled with: resume is exact). :meth:`load` returns it
     only when all of that matches; a resumed step reuses it instead of sampling again.
-    :meth:`clear` drops a step's groups once the step is done.
+    :meth:`clear` drops a step's groups once the step is done; with ``--max-staleness`` the
+    groups of later steps are kept too, until :meth:`clear_through` a checkpoint's step.
     """
 
     def __init__(self, run_dir: Path, run_fingerprint: str) -> None:
@@ -251,6 +252,13 @@ class GroupStore:
 
     def clear(self, step: int) -> None:
         shutil.rmtree(self.folder / f"{CHECKPOINT_PREFIX}{step:06d}", ignore_errors=True)
+
+    def clear_through(self, step: int) -> None:
+        """Drop the groups of every step up to ``step``."""
+        for folder in self.folder.glob(f"{CHECKPOINT_PREFIX}*"):
+            number = folder.name[len(CHECKPOINT_PREFIX):]
+            if number.isdigit() and int(number) <= step:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_fingerprint(cfg: Any) -> str:

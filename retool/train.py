@@ -9,12 +9,15 @@ One step, top to bottom (:func:`train_step`):
 
 With ``--stream-groups`` (:func:`_streamed_step`, :mod:`retool.streaming`) the stages from
 the reward to the forward_backward run per group as the rollout goes on, and the
-optim_step follows the last group.
+optim_step follows the last group. With ``--max-staleness K`` (:func:`_rolled_out_ahead`,
+:mod:`retool.pipeline`) stages 1-2 of step ``t + K`` run on a worker thread while step ``t``
+trains, on the weights step ``t`` started with.
 
 The loop around it: :func:`train` builds the :class:`Trainer` and hands
 :meth:`Trainer.run_step` to :func:`retool.runs.run_steps` (metric sinks, progress bar,
 checkpoints, resume), which calls it once per step; ``run_step`` runs :func:`train_step`
-and keeps what the run keeps of it (cost, saved trajectories).
+and keeps what the run keeps of it (cost; saved trajectories, written in the background
+and joined before each checkpoint).
 
 Everything a run writes lives in its run folder (``docs/formats.md``, written by
 :mod:`retool.runs`): the resolved config, ``metrics.jsonl``, optional compressed
@@ -41,14 +44,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import sys
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool import algo, curriculum, runs, streaming
+from retool import algo, curriculum, pipeline, runs, streaming
 from retool.atomic import atomic_write_json
 from retool.config import ConfigError, add_config_args, config_from_args, option, require, resumed_config
 from retool.cost import CostMeter, CostOptions, cost_meter
@@ -66,11 +71,11 @@ from retool.flag_checks import output_folder
 from retool.log import check_sinks
 from retool.render import Renderer
 from retool.reward import agrade
-from retool.rollout import Rollout, RolloutBudgets, RolloutError, UsageMeter, rollout_metrics
+from retool.rollout import Grader, Rollout, RolloutBudgets, RolloutError, UsageMeter, rollout_metrics
 from retool.sandbox import Sandbox, SandboxUnavailableError
 from retool.seeding import derive_seed
 from retool.stats import behaviour_figures, trajectory_stats
-from retool.types import Datum, Problem, Trajectory
+from retool.types import Datum, Grade, Problem, Trajectory
 from retool.weight_sync import WeightSyncError, WeightSyncGuard, guard_for
 
 LOSSES = ("ppo", "importance_sampling")
@@ -141,6 +146,9 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
                                         "has ended, optim_step once all have, overlapping the rollout's tail; the "
                                         "loss becomes token sum / (batch_size x group_size x policy-token budget), "
                                         "the synchronous update times train/stream_scale (docs/train.md)")
+    max_staleness: int = option(0, "sample ahead of training: step t+K's rollout runs while steps t..t+K-1 train, "
+                                   "on the weights step t starts with, so a step trains groups up to K weight "
+                                   "versions old (retool/pipeline.py); 0 = sample and train in turn")
 
     # ---- run bookkeeping
     run_dir: str = option("runs/retool", "where the run writes metrics, trajectories and checkpoints")
@@ -187,6 +195,9 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(self.weight_sync_tolerance is None or self.weight_sync_tolerance > 0,
                 "weight_sync_tolerance must be > 0 (or none)")
         require(self.refill_rounds >= 0, f"refill_rounds must be >= 0, got {self.refill_rounds}")
+        require(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        require(not (self.max_staleness and self.stream_groups),
+                "--stream-groups with --max-staleness > 0 is not supported; use one of them")
         require(self.curriculum in curriculum.CURRICULA,
                 f"curriculum must be one of {', '.join(curriculum.CURRICULA)}, got {self.curriculum!r}")
         require(0 < self.curriculum_floor <= 1, f"curriculum_floor must be in (0, 1], got {self.curriculum_floor}")
@@ -202,7 +213,7 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
                             behaviour_is=self.behaviour_is != "off",
                             packing=self.packing, train_top_p=self.top_p, train_temperature=self.temperature,
                             resume=True, weight_sync=self.weight_sync_check_every > 0,
-                            stream_groups=self.stream_groups)
+                            stream_groups=self.stream_groups, max_staleness=self.max_staleness > 0)
 
 
 class StepError(RuntimeError):
@@ -220,6 +231,60 @@ GroupCallback = Callable[[int, int, Group], None]
 
 
 # ---------------------------------------------------------------- one step
+
+
+@dataclass
+class GradeClock:
+    """The rollout's grader, timed. Each trajectory is graded as it ends (in a thread,
+    overlapped with the other trajectories' sampling); :meth:`take` gives the step's
+    ``time/grade`` (those calls' seconds, summed) and ``time/grade_max`` (the longest one:
+    the last trajectory's grading holds the step). Groups reused on a resume add nothing."""
+
+    grader: Grader
+    seconds: float = 0.0
+    longest: float = 0.0
+
+    async def __call__(self, response: str, gold: str) -> Grade:
+        start = time.monotonic()
+        try:
+            return await self.grader(response, gold)
+        finally:
+            elapsed = time.monotonic() - start
+            self.seconds += elapsed
+            self.longest = max(self.longest, elapsed)
+
+    def take(self) -> dict[str, float]:
+        """The grading figures since the last call; resets them."""
+        figures = {"time/grade": self.seconds, "time/grade_max": self.longest}
+        self.seconds = self.longest = 0.0
+        return figures
+
+
+class TrajectoryWriter:
+    """Writes each step's trajectories file (``--save-trajectories``) on one background
+    thread, in step order, so the next step's sampler is asked for at once instead of after
+    ~4 MB of JSON and gzip. :meth:`join` waits for every write and raises the first that
+    failed; the trainer joins before each checkpoint (a checkpoint never precedes the files
+    of its steps, so a resume finds every file up to it) and when the run ends."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="retool-trajectories")
+        self._pending: list[Future[Path]] = []
+
+    def submit(self, run_dir: Path, step: int, groups: list[Advantaged]) -> None:
+        self._pending.append(self._pool.submit(runs.save_trajectories, run_dir, step, groups))
+
+    def join(self) -> None:
+        pending, self._pending = self._pending, []
+        for write in pending:
+            write.result()
+
+    def close(self) -> None:
+        """:meth:`join`, then stop the thread (also when a write failed)."""
+        try:
+            self.join()
+        finally:
+            self._pool.shutdown()
 
 
 @dataclass
@@ -244,6 +309,16 @@ class Trainer:
     """The difficulty pool's state with ``--curriculum difficulty`` (``None``: no curriculum)."""
     weight_sync: WeightSyncGuard | None = None
     """Checks each swapped sampler against the trainer (``None``: ``--weight-sync-check-every 0``)."""
+    pipeline: pipeline.Pipeline[Ahead] | None = None
+    """Rolls out later steps while this one trains (``None``: ``--max-staleness 0``)."""
+    weight_version: int | None = None
+    """The weight version this trainer's rollouts record (``None``: the step's own)."""
+    checkpointed: int = 0
+    """The step of the newest checkpoint written or resumed (the group store keeps the groups after it)."""
+    grading: GradeClock | None = None
+    """The rollout's timed grader (``time/grade``; ``None``: not timed)."""
+    writer: TrajectoryWriter = dataclasses.field(default_factory=TrajectoryWriter)
+    """Writes the trajectories files in the background (``save_trajectories``)."""
 
     def __post_init__(self) -> None:
         if self.config.curriculum == "difficulty" and self.pool is None:
@@ -265,18 +340,27 @@ class Trainer:
         if self.cost is not None:
             metrics.update(self.cost.charge(metrics, self.totals))
         if self.config.save_trajectories:
-            runs.save_trajectories(Path(self.config.run_dir), step, groups)
-        if self.store is not None:
+            self.writer.submit(Path(self.config.run_dir), step, groups)
+        if self.store is not None and self.pipeline is None:  # pipelined: kept until a checkpoint covers them
             self.store.clear(step)
         return metrics
 
     def checkpoint_state(self, step: int) -> runs.TrainerState:
+        """The state a checkpoint after ``step`` saves; every trajectories file up to it is written first
+        (and with ``--max-staleness``, every group of the steps sampled ahead of it)."""
+        self.writer.join()
+        if self.pipeline is not None:  # the checkpoint comes with every group of the steps sampled before it
+            self.pipeline.drain()
+            if self.store is not None:
+                self.store.clear_through(self.checkpointed)
+            self.checkpointed = step
         pool = self.pool.to_json() if self.pool is not None else None
         sync = self.weight_sync.state() if self.weight_sync is not None else None
         return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals), pool, sync)
 
     def restore_state(self, state: runs.TrainerState) -> None:
         self.totals.update(state.totals)
+        self.checkpointed = state.step
         if self.pool is not None and state.curriculum is not None:
             self.pool = curriculum.PoolState.from_json(state.curriculum)
         if self.weight_sync is not None and state.weight_sync is not None:
@@ -299,18 +383,22 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Adva
     The stages are the numbered statements below, in order; each detail is one call away.
     """
     cfg, t0 = trainer.config, time.monotonic()
-    # 1. batch: the step's problems (a seeded shuffle per epoch, or the difficulty curriculum)
-    batch = trainer.choose(step, 0, cfg.batch_size, [])
-    # 2. rollout: a group of trajectories per problem, sampled on the current weights; with
-    #    --refill-rounds, groups of fresh problems while too few are informative (dynamic sampling);
-    #    first the weight-sync guard checks that sampler against the trainer (retool/weight_sync.py)
-    sampler = _current_sampler(trainer, step)
-    sync_metrics = trainer.weight_sync.check(step, trainer.engine, sampler) if trainer.weight_sync else {}
-    if cfg.stream_groups:  # stages 2-6 overlapped: each group trained as soon as it ends
-        metrics, groups_and_advantages = _streamed_step(trainer, sampler, step, batch, t0)
-        return {**metrics, **sync_metrics}, groups_and_advantages
-    groups, refills = _roll_out(trainer, sampler, step, batch)
-    t_rollout = time.monotonic() - t0
+    if trainer.pipeline is not None:  # --max-staleness K: stages 1-2 ran ahead, up to K steps ago
+        trainer, groups, refills, sync_metrics = _rolled_out_ahead(trainer, step)
+        t_rollout = time.monotonic() - t0
+    else:
+        # 1. batch: the step's problems (a seeded shuffle per epoch, or the difficulty curriculum)
+        batch = trainer.choose(step, 0, cfg.batch_size, [])
+        # 2. rollout: a group of trajectories per problem, sampled on the current weights; with
+        #    --refill-rounds, groups of fresh problems while too few are informative (dynamic sampling);
+        #    first the weight-sync guard checks that sampler against the trainer (retool/weight_sync.py)
+        sampler = _current_sampler(trainer, step)
+        sync_metrics = trainer.weight_sync.check(step, trainer.engine, sampler) if trainer.weight_sync else {}
+        if cfg.stream_groups:  # stages 2-6 overlapped: each group trained as soon as it ends
+            metrics, groups_and_advantages = _streamed_step(trainer, sampler, step, batch, t0)
+            return {**metrics, **sync_metrics}, groups_and_advantages
+        groups, refills = _roll_out(trainer, sampler, step, batch)
+        t_rollout = time.monotonic() - t0
     # 3. reward: each trajectory was graded as it ended (the rollout's grader, retool.reward.agrade);
     #    --overlong soft adds its length penalty here
     rewards_BG, metrics = _shaped_rewards(cfg, groups)
@@ -362,6 +450,52 @@ def _streamed_step(trainer: Trainer, sampler: SamplingClient, step: int, batch: 
     return metrics, list(zip(groups, advantages_BG))
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """One step's rollout, done ahead by the pipeline (``--max-staleness``)."""
+
+    trainer: Trainer
+    """The trainer the rollout ran on: the run's, with the step's own token meter, weight
+    version and difficulty pool (after this step's groups)."""
+    groups: list[Group]
+    refills: int
+    seconds: float
+    """How long the rollout took."""
+
+
+def _rolled_out_ahead(trainer: Trainer, step: int) -> tuple[Trainer, list[Group], int, dict[str, float]]:
+    """Stages 1-2 with ``--max-staleness K`` (:mod:`retool.pipeline`): a sampler that keeps
+    this step's weights is checked by the weight-sync guard and given the rollout of step
+    ``step + K``; then this step's rollout, done up to ``K`` steps ago, is taken. Returns
+    the trainer that rollout ran on (stages 3-7 log its token usage), the groups, the
+    refill rounds and the guard's metrics, with ``time/rollout_ahead`` (the rollout's own
+    time) and ``time/rollout_wait`` (how long the trainer waited for it)."""
+    sampler = _current_sampler(trainer, step)
+    sync_metrics = trainer.weight_sync.check(step, trainer.engine, sampler) if trainer.weight_sync else {}
+    t0 = time.monotonic()
+    ahead = trainer.pipeline.advance(step, lambda later, version, before: _roll_out_ahead(
+        before.trainer if before is not None else trainer, sampler, later, version))
+    waited = time.monotonic() - t0
+    trainer.pool = ahead.trainer.pool  # what a checkpoint after this step saves
+    flat = [t for g in ahead.groups for t in g]
+    pipeline.check_within(step, flat, trainer.config.max_staleness)
+    extra = {**sync_metrics, **pipeline.staleness_metrics(step, flat, trainer.config.max_staleness),
+             "time/rollout_wait": waited, "time/rollout_ahead": ahead.seconds}
+    return ahead.trainer, ahead.groups, ahead.refills, extra
+
+
+def _roll_out_ahead(before: Trainer, sampler: SamplingClient, step: int, version: int) -> Ahead:
+    """Stages 1-2 of ``step`` on the pipeline's worker thread, on ``sampler`` (weights
+    ``version``), continuing from ``before`` (the trainer the previous step's rollout ran on)."""
+    t0 = time.monotonic()
+    view = copy.copy(before)
+    view.rollout = dataclasses.replace(before.rollout)  # a fresh token meter: this step's own usage
+    view.weight_version, view.reused_groups = version, 0
+    batch = view.choose(step, 0, view.config.batch_size, [])
+    groups, refills = _roll_out(view, sampler, step, batch)
+    return Ahead(view, groups, refills, time.monotonic() - t0)
+
+
 def _group_datums(cfg: TrainConfig, group: Group) -> list[Datum]:
     """Stages 3-5 for one group: the datums it adds to the update (none when dropped)."""
     (rewards_G,), _ = _shaped_rewards(cfg, [group])
@@ -376,6 +510,8 @@ def _current_sampler(trainer: Trainer, step: int) -> SamplingClient:
     """A sampler on the weights of the last update (a service engine loads them here, e.g. a
     vLLM server's adapter swap)."""
     try:
+        if trainer.pipeline is not None:  # its weights must stay while training goes on
+            return pipeline.frozen_sampler(trainer.engine)
         return trainer.engine.save_weights_for_sampler()
     except (RuntimeError, OSError) as err:
         raise StepError(f"step {step}: the sampler could not get the current weights: {err}") from err
@@ -468,7 +604,8 @@ async def _group(trainer: Trainer, sampler: SamplingClient | None, problem: Prob
     usage, cfg = UsageMeter(), trainer.config
     group = await trainer.rollout.group(problem, cfg.group_size, sampler=sampler,
                                         seed=derive_seed(cfg.seed, key.step, key.round, key.index), usage=usage,
-                                        weight_version=key.step)
+                                        weight_version=key.step if trainer.weight_version is None
+                                        else trainer.weight_version)
     if trainer.store is not None:
         trainer.store.save(key, group, usage.total)
         runs.failpoint("group_saved", key.step)
@@ -576,6 +713,7 @@ def _step_metrics(trainer: Trainer, groups: list[Group], degenerate_B: list[bool
     metrics = rollout_metrics(flat)
     metrics.update({f"behaviour/{k}": v for k, v in behaviour_figures(trajectory_stats(flat)).items()})
     metrics.update(trainer.sandbox.metrics(reset=True) if trainer.sandbox is not None else {})
+    metrics.update(trainer.grading.take() if trainer.grading is not None else {})
     _add_totals(trainer.totals, usage.prefill, usage.sampled, trained, metrics.get("sandbox/cpu_s", 0.0))
     if trainer.pool is not None:
         metrics.update(curriculum.pool_metrics(trainer.pool, trainer.problems, trainer.config.curriculum_floor))
@@ -655,11 +793,14 @@ def build_trainer(cfg: TrainConfig, problems: list[Problem] | None = None) -> Tr
                         interpreter=cfg.interpreter)
     # no sampler of its own: every step hands the rollout one on its current weights
     # (train_step), so none is made on untrained weights that a resume would replace at once
-    rollout = Rollout(renderer, None, sandbox, agrade, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
+    grading = GradeClock(agrade)
+    rollout = Rollout(renderer, None, sandbox, grading, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     guard = guard_for(cfg.engine, cfg.weight_sync_check_every, renderer, cfg.weight_sync_tolerance,
                       half_precision=_half_precision(cfg))
-    return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost, weight_sync=guard)
+    ahead = pipeline.Pipeline[Ahead](cfg.max_staleness, cfg.max_steps) if cfg.max_staleness else None
+    return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost, weight_sync=guard, pipeline=ahead,
+                   grading=grading)
 
 
 def _half_precision(cfg: TrainConfig) -> bool:
@@ -692,16 +833,22 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
         ended = err
         raise
     finally:
-        close_training_client(trainer.engine, ended)
-        if trainer.sandbox is not None:
-            trainer.sandbox.close()
+        try:
+            trainer.writer.close()
+        finally:
+            if trainer.pipeline is not None:
+                trainer.pipeline.close()
+            close_training_client(trainer.engine, ended)
+            if trainer.sandbox is not None:
+                trainer.sandbox.close()
     return run_dir
 
 
 def _progress_fields(metrics: Mapping[str, float]) -> dict[str, float]:
     fields = {"reward": metrics["reward/mean"], "correct": metrics["reward/correct"],
               "informative": metrics["rollout/informative_group_rate"],
-              "tok_s": metrics["tokens/sampled"] / max(metrics["time/rollout"], 1e-9)}
+              "tok_s": metrics["tokens/sampled"] / max(metrics.get("time/rollout_ahead", metrics["time/rollout"]),
+                                                       1e-9)}
     if "cost/total" in metrics:
         fields["usd"] = metrics["cost/total"]
     return fields
@@ -733,7 +880,8 @@ def _run_train_command(args: argparse.Namespace) -> int:
         if cfg.engine == "vllm" and cfg.vllm.adapter_dir:  # the adapters the server hot-loads are written there
             output_folder(cfg.vllm.adapter_dir, "--vllm-adapter-dir")
         run_dir = train(cfg, resume=bool(args.resume))
-    except (ConfigError, DataError, StepError, WeightSyncError, FileNotFoundError, SandboxUnavailableError) as err:
+    except (ConfigError, DataError, StepError, WeightSyncError, FileNotFoundError, SandboxUnavailableError,
+            pipeline.StalenessError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"run folder: {run_dir}")

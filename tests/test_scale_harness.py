@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 BENCH_KEYS = ("time/step", "time/rollout", "sandbox/calls", "sandbox/latency_p50", "sandbox/latency_p95",
               "sandbox/queue_wait_p95", "sandbox/run_p95", "sandbox/count_timeout", "reward/correct",
-              "rollout/trajectory_tokens", "rollout/code_calls", "rollout/turns")
+              "rollout/trajectory_tokens", "rollout/code_calls", "rollout/turns", "time/grade", "time/grade_max")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,7 @@ def test_the_metrics_the_bench_reads_exist_and_its_totals_are_sane(rehearsal):
     assert 0 < totals["service_s"] < totals["wall_s"]
     assert 0 < totals["client_share"] < 1
     assert totals["sandbox_calls"] > 0
+    assert 0 < totals["grade_max_s"] <= totals["grade_s_per_step"] and totals["grade_s"] > 0
     assert len(outcome.samples) == 3 and all(s.fds > 0 and s.procs >= 1 for s in outcome.samples)
 
 
@@ -216,3 +217,19 @@ def test_bad_bench_flags_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         scale.parse_args(flags)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_sandbox_wait_bench_splits_queueing_from_the_hand_over():
+    from bench import scale_sandbox
+
+    code = scale_sandbox.burst_snippets(8, seed=0)
+    assert len(code) == 8 and not any("while True" in c for c in code)  # no call only measures the timeout
+    bursts = [code[:4], code[4:]]
+    alone = scale_sandbox.measure("alone", 2, bursts[:1], 10.0, one_at_a_time=True)
+    queued = scale_sandbox.measure("2 workers", 2, bursts, 10.0)
+    assert (alone.calls, queued.calls) == (4, 8)
+    for figures in (alone, queued):
+        assert 0 <= figures.wait_p50 <= figures.wait_p95 and 0 < figures.run_p50 <= figures.run_p95
+        assert figures.calls_per_s > 0
+    with pytest.raises(SystemExit):
+        scale_sandbox.main(["--workers", "0"])

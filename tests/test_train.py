@@ -166,8 +166,11 @@ def test_tiny_run_writes_metrics_trajectories_and_checkpoints(tmp_path):
                 "rollout/trajectory_tokens", "rollout/valid_tool_call_rate", "rollout/degenerate_group_rate",
                 "sandbox/success_rate", "sandbox/latency_p95", "train/loss", "train/clip_frac",
                 "train/sampler_logprob_diff", "train/grad_norm", "tokens/prefill", "tokens/sampled",
-                "tokens/trained", "tokens/sampled_total", "sandbox/cpu_s", "sandbox/cpu_s_total", "time/step"):
+                "tokens/trained", "tokens/sampled_total", "sandbox/cpu_s", "sandbox/cpu_s_total", "time/step",
+                "time/grade", "time/grade_max"):
         assert key in rows[0], key
+    for row in rows:  # every trajectory was graded, the longest grading one of them
+        assert 0 < row["time/grade_max"] <= row["time/grade"]
     assert rows[0]["reward/format"] > 0.5  # the boxed-digit model boxes its answers
     assert rows[1]["tokens/sampled_total"] == rows[0]["tokens/sampled"] + rows[1]["tokens/sampled"]
     assert rows[1]["sandbox/cpu_s_total"] == pytest.approx(rows[0]["sandbox/cpu_s"] + rows[1]["sandbox/cpu_s"])
@@ -284,8 +287,9 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
             torch.testing.assert_close(opt["state"][key][moment], state[moment], atol=1e-6, rtol=0)
 
 
-TIMING_METRICS = ("time/rollout", "time/train", "time/step", "time/weight_sync", "sandbox/latency_mean",
-                  "sandbox/latency_p50", "sandbox/latency_p95", "sandbox/cpu_s", "sandbox/cpu_s_total")
+TIMING_METRICS = ("time/rollout", "time/train", "time/step", "time/weight_sync", "time/grade", "time/grade_max",
+                  "sandbox/latency_mean", "sandbox/latency_p50", "sandbox/latency_p95", "sandbox/cpu_s",
+                  "sandbox/cpu_s_total")
 """Metrics that measure wall or CPU time; every other metric of a resumed run equals the uninterrupted one's."""
 
 
@@ -496,3 +500,29 @@ def test_services_refuse_the_sampler_trainer_correction_before_anything_loads():
             TrainConfig(engine=engine, behaviour_is="token-tis").validate()
     with pytest.raises(ConfigError, match="--passk must be in"):
         TrainConfig(advantage="passk", passk=8, group_size=8).validate()
+
+
+def test_trajectory_files_are_written_in_the_background_in_step_order_and_a_failed_write_raises_at_the_join(tmp_path):
+    from retool.trajectory_log import read_trajectory_log
+    from retool.train import TrajectoryWriter
+    from retool.types import Grade, Trajectory
+
+    def group(step: int) -> list:
+        trajectory = Trajectory(problem_id=f"p{step}", prompt_len=1, tokens_T=(1, 2), mask_T=(0, 1),
+                                logprobs_T=(0.0, -0.5), turns=(), grade=Grade(1.0, True, True, "2"))
+        return [([trajectory, trajectory], (0.5, -0.5))]
+
+    writer = TrajectoryWriter()
+    for step in (1, 2, 3):
+        writer.submit(tmp_path, step, group(step))
+    writer.join()
+    for step in (1, 2, 3):
+        rows = read_trajectory_log(tmp_path / "trajectories" / f"step_{step:06d}.jsonl.gz")
+        assert [(r.step, r.index, r.advantage, r.trajectory.problem_id) for r in rows] == [
+            (step, 0, 0.5, f"p{step}"), (step, 1, -0.5, f"p{step}")]
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    writer.submit(blocked, 4, group(4))  # trajectories/ cannot be made under a file
+    with pytest.raises(OSError):
+        writer.close()
+    writer.join()  # the failure was reported once; nothing is pending

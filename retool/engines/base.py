@@ -100,6 +100,9 @@ class Capabilities:
     stream_groups: bool = True
     """Takes ``forward_backward`` calls while its sampler is still sampling with the same
     weights, and losses positively homogeneous in the advantages (``--stream-groups``)."""
+    max_staleness: bool = True
+    """Hands out a sampler that keeps its weights while the trainer updates (``--max-staleness``
+    > 0: sampling ahead of training, ``retool.pipeline``)."""
 
 
 ENGINE_STATE_FILE = "engine.json"

@@ -28,6 +28,7 @@ class Requirements:
     resume: bool = False
     weight_sync: bool = False
     stream_groups: bool = False
+    max_staleness: bool = False
 
 
 def reads_checkpoint(engine: str, written_by: str) -> bool:
@@ -54,6 +55,8 @@ def check_supported(engine: str, needs: Requirements) -> None:
          "the weight-sync check (use --weight-sync-check-every 0)"),
         (caps.stream_groups or not needs.stream_groups,
          "--stream-groups (it cannot train while it samples; leave --stream-groups off)"),
+        (caps.max_staleness or not needs.max_staleness,
+         "--max-staleness > 0 (its sampler cannot keep older weights while it trains; use --max-staleness 0)"),
     ) if not ok]
     if problems:
         raise ConfigError(f"engine {engine} does not support {problems[0]}")
@@ -72,6 +75,7 @@ CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
     ("weight-sync tolerance", lambda c: "no check" if c.weight_sync_tolerance is None else
      f"{c.weight_sync_tolerance:g}" + ("" if c.weight_sync_repeatable else " (not repeatable: stale rule only)")),
     ("streaming (`--stream-groups`)", lambda c: _yes(c.stream_groups)),
+    ("sampling ahead (`--max-staleness`)", lambda c: _yes(c.max_staleness)),
 )
 
 

@@ -391,6 +391,7 @@ class Session:
         self.reported: dict = {}  # the interpreter's last "done" report (its CPU time so far)
         self.group = None  # its control group, if any (frozen between calls)
         self.settled = False  # frozen since its last call with the interpreter alone in it
+        self.frozen = False  # its group is frozen (or freezing): nothing of the session runs
         self.idle_since = 0.0  # when its last call ended (it is frozen FREEZE_IDLE_S later)
         self.cpu_mark: float | None = None  # its group's CPU seconds when its last call ended
 
@@ -1041,7 +1042,7 @@ class Zygote:
             slot = next((s for s in self.free_session_slots if s in self.ready_sessions), self.free_session_slots[0])
             self.free_session_slots.remove(slot)
             session = self.sessions[req["session"]] = Session(req["session"], slot, self._uid("session", slot))
-        if session.pid and session.group is not None and not self._resume(session):
+        if session.pid and session.group is not None and not self._clear(session):
             self._end_interpreter(session, "processes")
         fresh = not session.pid
         if fresh:
@@ -1060,6 +1061,9 @@ class Zygote:
                    "n": session.calls, "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"]}
         session.outbuf += (json.dumps(request) + "\n").encode()
         self._flush_control(session)
+        if session.frozen:  # the request is in its pipe already: the interpreter wakes once
+            session.group.thaw()
+            session.frozen = False
         self._reply({"op": "started", "id": call.id})
 
     def _start_interpreter(self, session: Session, req: dict) -> None:
@@ -1237,7 +1241,7 @@ class Zygote:
         """Between a session's calls, off the request's path: freeze its group once it has
         been idle for :data:`FREEZE_IDLE_S`; once frozen, check that the interpreter is
         alone in it. Then nothing can start there until it is thawed, so its next call only
-        thaws it (:meth:`_resume`). A group that holds other processes is left to that next
+        thaws it (:meth:`_clear`). A group that holds other processes is left to that next
         call, which kills them."""
         now = time.monotonic()
         for session in list(self.idle):
@@ -1246,39 +1250,41 @@ class Zygote:
             elif now - session.idle_since >= FREEZE_IDLE_S:
                 self.idle.remove(session)
                 session.group.freeze(wait=False)  # nothing of the session runs until its next call
+                session.frozen = True
                 self.settling.append(session)
         for session in list(self.settling):
             if session.call is not None or not session.pid or session.group is None:
                 self.settling.remove(session)
             elif session.group.frozen():
                 self.settling.remove(session)
-                session.settled = session.group.pids() == [session.pid]
+                session.settled = session.group.alone(session.pid)
 
-    def _resume(self, session: Session) -> bool:
+    def _clear(self, session: Session) -> bool:
         """Before a session's next call: kill every process in its group but the
         interpreter (from here, where the snippet cannot reach: whatever a call left,
-        whatever its threads started after it), frozen, then thaw it. A group not frozen
-        yet (the call came back to back) with the interpreter alone in it needs neither.
-        False when processes keep appearing: the interpreter must end."""
+        whatever its threads started after it), frozen, and leave it frozen: the call
+        thaws it once its request is in the interpreter's pipe. A group not frozen yet
+        (the call came back to back) with the interpreter alone in it needs neither
+        freeze nor thaw. False when processes keep appearing: the interpreter must end."""
         if session in self.idle:
             self.idle.remove(session)
-            if session.group.pids() == [session.pid]:
+            if session.group.alone(session.pid):
                 return True
         if session in self.settling:
             self.settling.remove(session)
         if not session.settled:
             try:
                 session.group.leave_only(session.pid)
+                session.frozen = True
             except OSError:  # processes keep appearing as fast as they are killed, or it would not freeze
                 return False
         session.settled = False
-        session.group.thaw()
         return True
 
     def _end_interpreter(self, session: Session, reason: str) -> None:
         """Kill the session's interpreter and everything it started, wait until they are
         gone, remove its directory; the session's next call starts a fresh one."""
-        session.settled, session.cpu_mark = False, None
+        session.settled, session.frozen, session.cpu_mark = False, False, None  # kill_all thaws
         if session in self.settling:
             self.settling.remove(session)
         if session in self.idle:

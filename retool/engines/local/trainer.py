@@ -24,6 +24,7 @@ checkpoint folder, never inside).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -468,6 +469,18 @@ class LocalTrainingClient:
         ``optim_step`` calls change what the returned sampler samples with.
         """
         return self.sampler
+
+    def frozen_sampler(self) -> LocalSamplingClient:
+        """A sampler on a copy of the current weights that later updates leave alone
+        (``retool train --max-staleness``): the frozen base weights are shared with the live
+        model, the trainable ones (a LoRA adapter: a few MB) and the buffers copied. With
+        ``--full-finetune`` the whole model is copied. The copy has its own lock, so it
+        samples while the live model trains."""
+        with self._lock:
+            shared: dict[int, Any] = {id(p): p for p in self.model.parameters() if not p.requires_grad}
+            model = copy.deepcopy(self.model, memo=shared)
+        return LocalSamplingClient(model, self.tokenizer, threading.Lock(), seed=self.sampler.seed,
+                                   settings=self.config.sampler)
 
     def close(self, status: str = "success") -> None:
         """End the run's use of the client: the local engine holds no process or session,

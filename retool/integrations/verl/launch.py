@@ -102,6 +102,8 @@ class VerlConfig(VerlSettings, TrainConfig):
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
         require(not self.stream_groups, "--stream-groups is retool train's own pipeline (verl schedules its own "
                 "rollout and update); leave it off")
+        require(self.max_staleness == 0, "--max-staleness is retool train's own pipeline (this verl-config "
+                "writes verl's synchronous trainer); use --max-staleness 0")
         require(self.curriculum == "none", "the difficulty curriculum has no verl equivalent here (verl's "
                 "dataloader draws the batches); drop --curriculum")
         require(self.advantage == "grpo" and self.overlong == "none" and self.behaviour_is == "off",
