@@ -1,21 +1,27 @@
-"""Peak memory and time of the demo's RL training step, layout by layout.
+"""Peak memory and time of the demo's RL (or SFT) training step, layout by layout.
 
 The demo's RL step trains 16 trajectories (2 problems x 8) of ~550 tokens that share a
 ~380-token system prompt, with ``packing='shared-prefix'`` and ``micro_batch_tokens``
 1,280 on SmolLM2-135M + LoRA r32, fp32. This script builds a batch of that shape
 (random tokens; the lengths of a measured demo step), and runs one PPO
 ``forward_backward`` of it once per variant of the trainer's memory settings
-(``logprob_chunk_tokens``, ``gradient_checkpointing``, ``micro_batch_tokens``), each in a
-fresh child process. A child builds the engine, runs one warm-up call, resets its peak
+(``logprob_chunk_tokens``, ``gradient_checkpointing``, ``micro_batch_tokens``,
+``prefix_once``), each in a fresh child process. A child builds the engine, runs one warm-up call, resets its peak
 RSS (``/proc/self/clear_refs``), runs the measured call and reads ``VmHWM``: the peak
 is the process's at its worst moment in the call, and the delta is what the call added
 to the RSS before it. It also writes the call's logprobs and gradients, which the
 parent compares with the first variant's (the same function, so they agree to float
 rounding). Prints one line per variant with the peak, the delta, seconds, the ratio of
-both to the first variant, the largest logprob and gradient differences, and the load.
+both to the first variant, the call's CPU time (user + system, all threads: less
+sensitive than wall time to other processes on a shared machine) and its ratio, the
+largest logprob and gradient differences, and the load; with ``--flops`` also the
+call's FLOPs (``torch.utils.flop_counter``: matmuls and attention, the work no load
+changes) and their ratio.
 
-    python bench/train_memory.py
+    python bench/train_memory.py   # the demo's layout, then prefix_once with and without checkpointing
     python bench/train_memory.py --variants chunk=0,chunk=256,chunk=256+ckpt,chunk=256+ckpt+mmap=1048576
+    python bench/train_memory.py --shape sft   # the demo's SFT step: 4 dialogues, cross-entropy
+    python bench/train_memory.py --flops       # and each variant's FLOPs
 """
 
 from __future__ import annotations
@@ -35,34 +41,41 @@ SHARED = 382
 """The prompt tokens all 16 share (system prompt and tool declaration)."""
 QUESTION = 40
 """Tokens a group's 8 trajectories share after that (the question)."""
+SFT_LENGTHS = (549, 549, 549, 549)
+"""An SFT step of the demo: 4 cold-start dialogues (2,196 tokens as in ``bench/training.py``),
+the same shared prompt, each with its own question; only assistant tokens trained."""
 
 
 def parse_variant(text: str) -> dict[str, int]:
     """``chunk=256+ckpt+mbt=1280`` -> engine settings (chunk = ``logprob_chunk_tokens``,
-    ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``; mmap = glibc's
-    ``MALLOC_MMAP_THRESHOLD_`` in bytes for the child, 0 = glibc's own dynamic one)."""
-    out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0}
+    ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``, once = ``prefix_once``
+    on; mmap = glibc's ``MALLOC_MMAP_THRESHOLD_`` in bytes for the child, 0 = glibc's own
+    dynamic one)."""
+    out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0,
+           "prefix_once": 0}
     names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens",
-             "mmap": "mmap"}
+             "mmap": "mmap", "once": "prefix_once"}
     for part in text.split("+"):
         key, _, value = part.partition("=")
         if key not in names:
-            raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N joined by +")
+            raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N, once, mmap=N joined by +")
         out[names[key]] = int(value) if value else 1
     return out
 
 
-def demo_batch(vocab: int, seed: int = 0) -> list:
-    """16 PPO datums shaped like a demo step: shared prompt, a question per group of 8,
-    assistant turns trained (weight 1) around an interpreter block (weight 0)."""
+def demo_batch(vocab: int, seed: int = 0, shape: str = "rl") -> list:
+    """Datums shaped like a demo step: shared prompt, a question per group (``rl``: 16
+    trajectories in 2 groups of 8; ``sft``: 4 dialogues, a question each), assistant
+    turns trained (weight 1) around an interpreter block (weight 0)."""
     from retool.types import Datum
 
     rng = random.Random(seed)
     draw = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
-    prompt, questions = draw(SHARED), [draw(QUESTION), draw(QUESTION)]
+    lengths, group = (DEMO_LENGTHS, 8) if shape == "rl" else (SFT_LENGTHS, 1)
+    prompt, questions = draw(SHARED), [draw(QUESTION) for _ in range(len(lengths) // group)]
     data = []
-    for i, n in enumerate(DEMO_LENGTHS):
-        tokens = prompt + questions[i // 8] + draw(n + 1 - SHARED - QUESTION)
+    for i, n in enumerate(lengths):
+        tokens = prompt + questions[i // group] + draw(n + 1 - SHARED - QUESTION)
         start = SHARED + QUESTION
         weights = [0.0] * start + [1.0] * (n - start)
         for j in range(start + 60, min(n, start + 90)):  # an interpreter reply: not trained
@@ -74,8 +87,9 @@ def demo_batch(vocab: int, seed: int = 0) -> list:
     return data
 
 
-def child(variant: str, out_file: str) -> int:
+def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> int:
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
     from retool.engines.local import LocalEngineConfig, LocalTrainingClient
 
@@ -83,19 +97,26 @@ def child(variant: str, out_file: str) -> int:
     engine = LocalTrainingClient(LocalEngineConfig(
         model="bundled:smollm2", packing="shared-prefix", device="cpu", dtype="float32",
         micro_batch_tokens=settings["micro_batch_tokens"], logprob_chunk_tokens=settings["logprob_chunk_tokens"],
-        gradient_checkpointing=bool(settings["gradient_checkpointing"])))
-    data = demo_batch(engine.vocab_size)
-    engine.forward_backward(data[:2], "ppo")  # warm-up: first-call allocations are not the step's
+        gradient_checkpointing=bool(settings["gradient_checkpointing"]), prefix_once=bool(settings["prefix_once"])))
+    data = demo_batch(engine.vocab_size, shape=shape)
+    loss_fn = "ppo" if shape == "rl" else "cross_entropy"
+    engine.forward_backward(data[:2], loss_fn)  # warm-up: first-call allocations are not the step's
     engine._discard_gradient()
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    start = time.perf_counter()
-    out = engine.forward_backward(data, "ppo")
-    seconds = time.perf_counter() - start
+    start, cpu_start = time.perf_counter(), time.process_time()
+    out = engine.forward_backward(data, loss_fn)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = _status_kib("VmHWM")
     grads = {name: p.grad.clone() for name, p in engine.model.named_parameters() if p.grad is not None}
+    total_flops = 0
+    if flops:  # the same call again, its matmul and attention FLOPs counted: a figure no load changes
+        engine._discard_gradient()
+        with FlopCounterMode(display=False) as counter:
+            engine.forward_backward(data, loss_fn)
+        total_flops = counter.get_total_flops()
     torch.save({"logprobs": out.logprobs_D, "grads": grads, "peak_kib": peak, "before_kib": before,
-                "seconds": seconds, "micro_batches": out.metrics["train/micro_batches"],
+                "seconds": seconds, "cpu_seconds": cpu_seconds, "flops": total_flops, "micro_batches": out.metrics["train/micro_batches"],
                 "loss": out.metrics["train/loss"]}, out_file)
     return 0
 
@@ -119,9 +140,13 @@ def compare(base: dict, other: dict) -> tuple[float, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="chunk=0,chunk=256,ckpt,chunk=256+ckpt",
+    p.add_argument("--variants", default="chunk=256+ckpt,chunk=256+ckpt+once,chunk=256+once",
                    help="comma-separated; the first is the baseline (see parse_variant)")
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--shape", choices=("rl", "sft"), default="rl",
+                   help="rl: the demo's RL step (16 trajectories, PPO); sft: its SFT step (4 dialogues)")
+    p.add_argument("--flops", action="store_true",
+                   help="also count each variant's FLOPs (torch's FlopCounterMode; one more call per variant)")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(*args.child)
@@ -130,14 +155,16 @@ def main() -> int:
     variants = args.variants.split(",")
     for v in variants:
         parse_variant(v)
-    print(f"load at start {os.getloadavg()}; batch: {len(DEMO_LENGTHS)} datums, {sum(DEMO_LENGTHS)} tokens")
+    lengths = DEMO_LENGTHS if args.shape == "rl" else SFT_LENGTHS
+    print(f"load at start {os.getloadavg()}; {args.shape} batch: {len(lengths)} datums, {sum(lengths)} tokens")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
             path = Path(tmp) / f"{len(results)}.pt"
             mmap = parse_variant(v)["mmap"]
             env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(mmap)} if mmap else {})}
-            subprocess.run([sys.executable, __file__, "--child", v, str(path)], check=True, env=env)
+            subprocess.run([sys.executable, __file__, "--child", v, str(path), args.shape,
+                            "flops" if args.flops else ""], check=True, env=env)
             results.append(torch.load(path, weights_only=False))
             _report(v, results[0], results[-1])
     print(f"load at end {os.getloadavg()}")
@@ -149,8 +176,16 @@ def _report(variant: str, base: dict, r: dict) -> None:
     mib = lambda kib: kib / 1024  # noqa: E731
     print(f"{variant:<22} peak {mib(r['peak_kib']):7.0f} MiB  (+{mib(r['peak_kib'] - r['before_kib']):5.0f} "
           f"over {mib(r['before_kib']):5.0f})  x{r['peak_kib'] / base['peak_kib']:.2f}   "
-          f"{r['seconds']:6.1f} s x{r['seconds'] / base['seconds']:.2f}   {r['micro_batches']:.0f} micro-batches  "
+          f"{r['seconds']:6.1f} s x{r['seconds'] / base['seconds']:.2f}   "
+          f"cpu {r['cpu_seconds']:6.1f} s x{r['cpu_seconds'] / base['cpu_seconds']:.2f}   {_flops(base, r)}"
+          f"{r['micro_batches']:.0f} micro-batches  "
           f"max |dlogprob| {lp:.1e}  max |dgrad|/max|grad| {grad:.1e}  load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def _flops(base: dict, r: dict) -> str:
+    if not r.get("flops"):
+        return ""
+    return f"{r['flops'] / 1e12:5.2f} TFLOP x{r['flops'] / base['flops']:.2f}   "
 
 
 if __name__ == "__main__":

@@ -170,6 +170,9 @@ class ModelConfig(EngineChoice):
                                           "recomputed in the backward (logits memory N x vocabulary instead of "
                                           "micro-batch x vocabulary; same values); 0 = full logits; local and "
                                           "vllm engines (services compute logprobs on their side)")
+    prefix_once: bool = option(False, "with packing shared-prefix: run the prompt prefix all sequences of a "
+                                      "training call share once per call, not once per micro-batch (same values; "
+                                      "local engine only)")
     init_from: str | None = option(None, "start from these weights: an SFT/RL run folder or a checkpoint folder")
 
     def validate_model(self) -> None:

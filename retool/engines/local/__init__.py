@@ -46,6 +46,7 @@ Modules, each using only the ones listed after it:
 
 - ``trainer``: ``LocalTrainingClient`` (forward/backward, micro-batches, packing, Adam,
   checkpoints) and ``create_training_client``.
+- ``trained_prefix``: the prompt prefix of a training call, run once for all its micro-batches.
 - ``sampler``: ``LocalSamplingClient`` (request batching, layouts, the choice of loop).
 - ``decode_loop``: the sampler's own decode loop (one forward per token, finished rows dropped).
 - ``lean_decode``: lean decode steps for Llama/Qwen models (merged weights, shared-prefix attention).
@@ -93,7 +94,7 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> Local
         model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
         lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
         gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
-        packing=cfg.packing, logprob_chunk_tokens=cfg.logprob_chunk_tokens, seed=seed, init_from=init_from,
+        packing=cfg.packing, logprob_chunk_tokens=cfg.logprob_chunk_tokens, prefix_once=cfg.prefix_once, seed=seed, init_from=init_from,
         sampler=cfg.local))
 
 

@@ -50,6 +50,12 @@ class LocalEngineConfig:
     log-softmax N tokens at a time, recomputed in the backward, so the logits' memory is
     ``N x vocabulary`` whatever the micro-batch (same values and gradients; one extra
     output-layer matmul). E.g. 1024 for a 150-250k vocabulary on a GPU."""
+    prefix_once: bool = False
+    """With ``packing='shared-prefix'``: run the input prefix every datum of a
+    ``forward_backward`` call shares (the rendered system prompt) once per call, not once
+    per micro-batch; the micro-batches run only what follows it, against its keys and
+    values, and its gradient is the sum of theirs (``trained_prefix``). Same logprobs and
+    gradients up to float rounding; needs a model whose logits are ``head(decoder(...))``."""
     sampler: LocalSettings = LocalSettings()
     """The sampler's settings (request window, rows per batch, prefix cache, KV store,
     batch KV budget, fast path, decode loop): ``retool.engines.LocalSettings``, the record

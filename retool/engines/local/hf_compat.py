@@ -6,8 +6,10 @@ for decode steps; see ``kv_cache``) pads, splices and pre-allocates HF caches: i
 (the ``ddp_cache_data`` keyword), swaps layers for a ``DynamicLayer`` subclass that
 overrides ``update``, recognises plain attention layers by class name, and hands the
 cache to ``generate`` under the keyword of the installed release (``past_key_values``
-before the rename, ``cache`` after). None of this is a stable API, so it lives here and
-nowhere else.
+before the rename, ``cache`` after). The trainer's ``prefix_once`` builds a read-only
+cache of ``DynamicLayer`` subclasses over a prefix's keys and values and lets
+checkpointed layers keep it (``GradientCheckpointingLayer._can_checkpoint_with_cache``).
+None of this is a stable API, so it lives here and nowhere else.
 
 :func:`fast_path_enabled` decides once per sampler whether the fast path may run: when
 it is switched off (``LocalSettings.fast_sampling=False`` or the environment
@@ -22,17 +24,21 @@ caches off for that model); transformers releases outside the tested range.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 TESTED_TRANSFORMERS = ("5.10.4", "5.24.0")
 """Oldest and newest transformers release the fast path was tested on (inclusive):
@@ -207,3 +213,71 @@ def reserved_layer_class() -> Any:
             self.keys, self.values = self._buffers[0][..., :have, :], self._buffers[1][..., :have, :]
 
     return _ReservedLayer
+
+
+# ---------------------------------------------------------------- training against a prefix
+
+
+def read_only_cache(prefix_kv: KV | None, layers: int) -> Any:
+    """A cache for a training forward that runs against ``prefix_kv`` (per layer
+    ``(keys, values)``; ``None``: no prefix) and records the keys and values it computes.
+
+    Each layer hands attention ``prefix + new`` keys and values but stores nothing, so the
+    cache is the same before and after a forward: an activation-checkpointed layer that
+    recomputes its forward in the backward sees what it saw the first time. The first
+    ``update`` of each layer records its new ``(keys, values)`` (:func:`recorded_kv`): the
+    prefix's own forward reads its keys and values from there, still attached to its graph.
+    """
+    layer_class = read_only_layer_class()
+    cache = DynamicCache()
+    empty = [None] * layers if prefix_kv is None else prefix_kv
+    cache.layers = [layer_class(kv) for kv in empty]
+    return cache
+
+
+def recorded_kv(cache: Any) -> KV:
+    """Per layer, the ``(keys, values)`` a :func:`read_only_cache` recorded in its first forward."""
+    return tuple(layer.recorded for layer in cache.layers)
+
+
+@functools.cache
+def read_only_layer_class() -> Any:
+    """``_ReadOnlyLayer``: an HF ``DynamicLayer`` whose ``update`` returns ``prefix + new``
+    without storing ``new`` (built once, on first use)."""
+    class _ReadOnlyLayer(DynamicLayer):
+        def __init__(self, prefix: tuple[Any, Any] | None) -> None:
+            super().__init__()
+            self.recorded: tuple[Any, Any] | None = None
+            if prefix is not None:
+                self.keys, self.values = prefix
+                self.is_initialized = True
+                self.dtype, self.device = prefix[0].dtype, prefix[0].device
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if self.recorded is None:
+                self.recorded = (key_states, value_states)
+            if not self.is_initialized:
+                return key_states, value_states
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    return _ReadOnlyLayer
+
+
+def checkpointing_keeps_cache_supported() -> bool:
+    """Whether this transformers lets an activation-checkpointed layer keep a cache that is
+    only read (``GradientCheckpointingLayer._can_checkpoint_with_cache``)."""
+    return hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+
+
+@contextlib.contextmanager
+def checkpointing_keeps_cache(model: Any) -> Iterator[None]:
+    """Within the block, ``model``'s checkpointed layers pass a cache on instead of
+    dropping it (safe for :func:`read_only_cache`, whose layers store nothing)."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache

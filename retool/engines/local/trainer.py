@@ -3,7 +3,8 @@
 It owns the model (LoRA adapter via PEFT by default, full fine-tuning as an option),
 the Adam optimiser and the RNG streams. ``forward_backward`` splits the datums into
 micro-batches under a token budget (length-bucketed, padding-free packed or packed with
-a shared prompt prefix computed once; ``retool.algo.plan_micro_batches``) and scales
+a shared prompt prefix computed once per micro-batch, or with ``prefix_once`` once per
+call: ``trained_prefix``; ``retool.algo.plan_micro_batches``) and scales
 every micro-batch by the whole batch's token count, so accumulated gradients equal the
 full-batch gradient of the token-mean loss. The same forward gives the policy's entropy
 (``train/entropy``) and, with ``logprob_chunk_tokens``, computes the output layer and
@@ -22,6 +23,7 @@ checkpoint folder, never inside).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -43,7 +45,7 @@ from retool import algo
 from retool.atomic import replace_folder
 from retool.engines.base import AdamParams, ForwardBackwardOutput, OptimStepOutput, run_now
 from retool.engines.local.config import LocalEngineConfig
-from retool.engines.local import memory
+from retool.engines.local import hf_compat, memory
 from retool.engines.local.kv_cache import common_prefix
 from retool.engines.local.model import (
     apply_lora,
@@ -56,6 +58,7 @@ from retool.engines.local.model import (
 )
 from retool.engines.local.probe import model_logprobs
 from retool.engines.local.sampler import LocalSamplingClient
+from retool.engines.local.trained_prefix import TrainedPrefix, decoder_and_head, trained_prefix, usable_prefix_length
 from retool.types import Datum
 
 STATE_FORMAT = 1
@@ -97,8 +100,10 @@ class LocalTrainingClient:
         self._pending_gradient = False
         self.sampler = LocalSamplingClient(self.model, self.tokenizer, self._lock, seed=config.seed,
                                            settings=config.sampler)
-        if config.logprob_chunk_tokens:
+        if config.logprob_chunk_tokens or config.prefix_once:
             check_chunkable(self.model)
+        if config.prefix_once:
+            _check_prefix_once(config)
         if config.packing != "bucketed":
             self._check_packing_is_exact()
 
@@ -127,6 +132,7 @@ class LocalTrainingClient:
         shared = _shared_prefix_length(data) if self.config.packing == "shared-prefix" else 0
         plan = algo.plan_micro_batches([d.num_tokens - shared for d in data],
                                        max(1, self.config.micro_batch_tokens - shared), self.config.packing)
+        once = usable_prefix_length(data, shared) if self.config.prefix_once else 0
         stats = _LossStats()
         logprobs_D: list[tuple[float, ...]] = [()] * len(data)
         with self._lock, model_mode(self.model, train=True):
@@ -137,11 +143,14 @@ class LocalTrainingClient:
             self.sampler.clear_kv_cache()
             memory.release_free_memory()
             try:
+                prefix = self._trained_prefix(data, once, config["temperature"]) if once else None
                 for indices in plan:
                     logprobs_B = self._micro_batch_backward(data, indices, loss_fn, config,
-                                                            total_weight, stats)
+                                                            total_weight, stats, prefix)
                     for i, logprobs_N in zip(indices, logprobs_B):
                         logprobs_D[i] = logprobs_N
+                if prefix is not None:
+                    prefix.backward()
             except BaseException:  # no partial gradient may reach a later optim_step
                 self._discard_gradient()
                 raise
@@ -150,11 +159,16 @@ class LocalTrainingClient:
         return ForwardBackwardOutput(tuple(logprobs_D), stats.metrics(loss_fn, len(data), len(plan)))
 
     def _micro_batch_backward(self, data: Sequence[Datum], indices: tuple[int, ...], loss_fn: str,
-                              config: dict[str, float], total_weight: float,
-                              stats: _LossStats) -> list[tuple[float, ...]]:
-        """Forward and backward of the datums ``indices``; their share of the token mean."""
+                              config: dict[str, float], total_weight: float, stats: _LossStats,
+                              prefix: TrainedPrefix | None = None) -> list[tuple[float, ...]]:
+        """Forward and backward of the datums ``indices``; their share of the token mean.
+        With ``prefix`` (computed once for the call) only the datums' suffixes run here."""
         batch = [data[i] for i in indices]
-        logprobs_B, entropy_B = self._target_logprobs(batch, config["temperature"])
+        if prefix is None:
+            logprobs_B, entropy_B = self._target_logprobs(batch, config["temperature"])
+        else:
+            suffix = self._shared_prefix_logprobs(batch, config["temperature"], prefix)
+            logprobs_B, entropy_B = prefix.prepend(indices, *suffix)
         logprobs_N = torch.cat(logprobs_B)
         weights_N = self._cat(batch, "weights_N")
         inputs = algo.LossInputs()
@@ -218,7 +232,21 @@ class LocalTrainingClient:
                                                   temperature)
         return list(logprobs[0].split(lengths)), list(entropy[0].split(lengths))
 
-    def _shared_prefix_logprobs(self, batch: list[Datum], temperature: float) -> tuple[list[Any], list[Any]]:
+    def _trained_prefix(self, data: Sequence[Datum], length: int, temperature: float) -> TrainedPrefix:
+        """The first ``length`` input tokens of every datum, run once (``prefix_once``)."""
+        chunk = self.config.logprob_chunk_tokens
+        _, head = decoder_and_head(self.model)
+
+        def logprobs(hidden_NH: Any, targets_N: Any, temperature: float) -> tuple[Any, Any]:
+            if chunk:
+                return chunked_logprobs(head, hidden_NH, targets_N, temperature, chunk)
+            scaled = head(hidden_NH).float() / temperature
+            return _gather_logprobs(scaled, targets_N), _entropy(scaled)
+
+        return trained_prefix(self.model, data, length, temperature, logprobs)
+
+    def _shared_prefix_logprobs(self, batch: list[Datum], temperature: float,
+                                past: TrainedPrefix | None = None) -> tuple[list[Any], list[Any]]:
         """Packed logprobs with the common input prefix of ``batch`` computed once.
 
         One row ``[prefix, suffix_1, ..., suffix_B]``: the prefix attends causally to
@@ -228,13 +256,19 @@ class LocalTrainingClient:
         logprobs gather its own targets from them (gradients add up through the gather).
         With chunked logprobs the prefix's hidden states are gathered instead, so its
         output projection runs once per datum (the layers below still run once).
+
+        With ``past`` (the call's prefix, computed once) the row holds only what follows
+        it: it attends to ``past``'s keys and values too, its positions continue after
+        them, and the logprobs returned are those of the targets after ``past``.
         """
-        shared = _shared_prefix_length(batch)
-        lengths = [d.num_tokens for d in batch]
-        prefix = list(batch[0].input_tokens_N[:shared])
-        suffixes = [list(d.input_tokens_N[shared:]) for d in batch]
+        past_length = past.length if past is not None else 0
+        inputs_B = [d.input_tokens_N[past_length:] for d in batch]
+        shared = common_prefix(inputs_B) if len(batch) > 1 else 0
+        lengths = [len(x) for x in inputs_B]
+        prefix = list(inputs_B[0][:shared])
+        suffixes = [list(x[shared:]) for x in inputs_B]
         tokens = prefix + [t for s in suffixes for t in s]
-        positions = list(range(shared)) + [p for n in lengths for p in range(shared, n)]
+        positions = [past_length + p for p in [*range(shared), *(p for n in lengths for p in range(shared, n))]]
         segment = [-1] * shared + [i for i, s in enumerate(suffixes) for _ in s]
         starts, offset = [], shared
         for s in suffixes:
@@ -246,10 +280,15 @@ class LocalTrainingClient:
         mask = causal & ((seg[None, :] == -1) | (seg[None, :] == seg[:, None]))
         rows = torch.tensor([r for start, n in zip(starts, lengths) for r in [*range(shared), *range(start, start + n - shared)]],
                             device=device)
-        targets = torch.tensor([t for d in batch for t in d.target_tokens_N], device=device)
+        targets = torch.tensor([t for d in batch for t in d.target_tokens_N[past_length:]], device=device)
         inputs = {"input_ids": torch.tensor([tokens], device=device),
-                  "position_ids": torch.tensor([positions], device=device), "attention_mask": mask[None, None]}
-        logprobs, entropy = self._policy_logprobs(inputs, targets, temperature, rows=rows)
+                  "position_ids": torch.tensor([positions], device=device)}
+        if past is not None:
+            mask = torch.cat([mask.new_ones(len(tokens), past_length), mask], dim=1)
+            inputs.update(hf_compat.forward_cache_kwargs(past.cache()))
+        inputs["attention_mask"] = mask[None, None]
+        with hf_compat.checkpointing_keeps_cache(self.model) if past is not None else contextlib.nullcontext():
+            logprobs, entropy = self._policy_logprobs(inputs, targets, temperature, rows=rows)
         return list(logprobs.split(lengths)), list(entropy.split(lengths))
 
     def _policy_logprobs(self, inputs: dict[str, Any], targets: Any, temperature: float,
@@ -268,14 +307,15 @@ class LocalTrainingClient:
             if rows is not None:
                 return _rows_logprobs(scaled[0], rows, targets)
             return _gather_logprobs(scaled, targets), _entropy(scaled)
-        decoder, head = _decoder_and_head(self.model)
+        decoder, head = decoder_and_head(self.model)
         hidden = decoder(**inputs, use_cache=False).last_hidden_state
         hidden = hidden[0][rows] if rows is not None else hidden.reshape(-1, hidden.shape[-1])
         logprobs, entropy = chunked_logprobs(head, hidden, targets.reshape(-1), temperature, chunk)
         return logprobs.reshape(targets.shape), entropy.reshape(targets.shape)
 
     def _check_packing_is_exact(self) -> None:
-        """Refuse packed layouts when they change logprobs (e.g. recurrent layers)."""
+        """Refuse packed layouts (and ``prefix_once``) when they change logprobs (e.g.
+        recurrent layers, or attention that ignores a cache)."""
         generator = torch.Generator().manual_seed(0)
         tokens = [torch.randint(0, self.vocab_size, (n,), generator=generator).tolist() for n in (7, 12)]
         tokens.append(tokens[1][:5] + tokens[0][:4])  # shares a 5-token prefix with the second
@@ -287,12 +327,17 @@ class LocalTrainingClient:
             if self.config.packing == "shared-prefix":
                 shared = torch.cat(self._shared_prefix_logprobs(batch[1:], 1.0)[0])
                 diffs.append((shared - alone[6:]).abs().max().item())
+            if self.config.prefix_once:
+                prefix = self._trained_prefix(batch[1:], 5, 1.0)
+                once = prefix.prepend([0, 1], *self._shared_prefix_logprobs(batch[1:], 1.0, prefix))[0]
+                diffs.append((torch.cat(once) - alone[6:]).abs().max().item())
         diff = max(diffs)
         tolerance = 1e-3 if self.model.dtype == torch.float32 else 5e-2
         if not diff <= tolerance:
             raise ValueError(
-                f"packing={self.config.packing!r} changes this model's logprobs (max diff {diff:.2g}): its "
-                "layers do not respect packed-sequence boundaries. Use packing='bucketed'.")
+                f"packing={self.config.packing!r}{' with prefix_once' * self.config.prefix_once} changes this "
+                f"model's logprobs (max diff {diff:.2g}): its layers do not respect packed-sequence boundaries "
+                "or a prefix's keys and values. Use packing='bucketed'.")
 
     # ------------------------------------------------------------ optimiser
 
@@ -469,6 +514,16 @@ def _validate_data(data: Sequence[Datum], loss_fn: str, vocab_size: int) -> None
             raise ValueError(f"datum {i} has a negative weight")
 
 
+def _check_prefix_once(config: LocalEngineConfig) -> None:
+    """Refuse ``prefix_once`` where it cannot run."""
+    if config.packing != "shared-prefix":
+        raise ValueError(f"prefix_once needs packing='shared-prefix', got packing={config.packing!r}")
+    if config.gradient_checkpointing and not hf_compat.checkpointing_keeps_cache_supported():
+        raise ValueError(f"prefix_once with gradient_checkpointing needs a transformers release whose "
+                         f"checkpointed layers can keep a cache (this is {hf_compat.installed_version()}); "
+                         "turn one of them off")
+
+
 def _shared_prefix_length(data: Sequence[Datum]) -> int:
     """Length of the input-token prefix every datum of ``data`` shares (0 for one datum)."""
     return common_prefix([d.input_tokens_N for d in data]) if len(data) > 1 else 0
@@ -502,12 +557,6 @@ def _entropy(scaled: Any) -> Any:
 def _block_entropy(scaled_CV: Any) -> Any:
     lse_C = scaled_CV.logsumexp(-1)
     return lse_C - (scaled_CV.softmax(-1) * scaled_CV).sum(-1)
-
-
-def _decoder_and_head(model: Any) -> tuple[Any, Any]:
-    """The layers below the output projection and the projection itself (PEFT-wrapped or not)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings()
 
 
 UNCHUNKABLE_CONFIG_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
