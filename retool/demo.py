@@ -111,6 +111,9 @@ class DemoConfig:
     gradient_checkpointing: bool = option(True, "training: recompute the layers' activations in the backward (the "
                                                 "RL step's peak memory 5.2 -> 2.5 GiB with chunked logprobs, same "
                                                 "gradients; docs/benchmarks.md)")
+    rl_prefix_once: bool = option(True, "RL training: the prompt every trajectory of a step shares runs once per "
+                                        "forward_backward instead of once per micro-batch (the RL step 0.61x the "
+                                        "FLOPs and time at the same peak; SFT gains nothing: docs/benchmarks.md)")
     rl_top_p: float = option(1.0, "nucleus sampling of the RL rollouts (1: the whole distribution; from one SFT "
                                   "adapter, groups of 8 were mixed for 14 of 16 problems at 1.0 against 8 of 16 at "
                                   "the evals' 0.7, docs/demo.md)")
@@ -253,7 +256,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-        gradient_checkpointing=cfg.gradient_checkpointing, top_p=cfg.rl_top_p,
+        gradient_checkpointing=cfg.gradient_checkpointing, prefix_once=cfg.rl_prefix_once, top_p=cfg.rl_top_p,
         refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
         sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
