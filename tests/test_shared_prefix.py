@@ -16,23 +16,10 @@ from retool import algo
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient, training_client
 from retool.engines.local.kv_cache import common_prefix
 from retool.engines.settings import ModelConfig
-from tests.test_engine_local import VOCAB, assert_same, build_tiny_model, grads, perturb_lora_b
+from tests.test_engine_local import (  # noqa: F401 - one_torch_thread (autouse) and tiny_model are fixtures used here
+    VOCAB, assert_same, grads, one_torch_thread, perturb_lora_b, tiny_model)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads (and spin-wait on a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def engine(tiny_model: str, **overrides) -> LocalTrainingClient:
