@@ -392,8 +392,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Adva
         # 2. rollout: a group of trajectories per problem, sampled on the current weights; with
         #    --refill-rounds, groups of fresh problems while too few are informative (dynamic sampling);
         #    first the weight-sync guard checks that sampler against the trainer (retool/weight_sync.py)
-        sampler = _current_sampler(trainer, step)
-        sync_metrics = trainer.weight_sync.check(step, trainer.engine, sampler) if trainer.weight_sync else {}
+        sampler, sync_metrics = _checked_sampler(trainer, step)
         if cfg.stream_groups:  # stages 2-6 overlapped: each group trained as soon as it ends
             metrics, groups_and_advantages = _streamed_step(trainer, sampler, step, batch, t0)
             return {**metrics, **sync_metrics}, groups_and_advantages
@@ -470,8 +469,7 @@ def _rolled_out_ahead(trainer: Trainer, step: int) -> tuple[Trainer, list[Group]
     the trainer that rollout ran on (stages 3-7 log its token usage), the groups, the
     refill rounds and the guard's metrics, with ``time/rollout_ahead`` (the rollout's own
     time) and ``time/rollout_wait`` (how long the trainer waited for it)."""
-    sampler = _current_sampler(trainer, step)
-    sync_metrics = trainer.weight_sync.check(step, trainer.engine, sampler) if trainer.weight_sync else {}
+    sampler, sync_metrics = _checked_sampler(trainer, step)
     t0 = time.monotonic()
     ahead = trainer.pipeline.advance(step, lambda later, version, before: _roll_out_ahead(
         before.trainer if before is not None else trainer, sampler, later, version))
@@ -504,6 +502,13 @@ def _group_datums(cfg: TrainConfig, group: Group) -> list[Datum]:
 
 
 # ---------------------------------------------------------------- the stages' details
+
+
+def _checked_sampler(trainer: Trainer, step: int) -> tuple[SamplingClient, dict[str, float]]:
+    """The step's sampler (:func:`_current_sampler`) and the weight-sync guard's metrics
+    of it (``{}`` without a guard)."""
+    sampler = _current_sampler(trainer, step)
+    return sampler, trainer.weight_sync.check(step, trainer.engine, sampler) if trainer.weight_sync else {}
 
 
 def _current_sampler(trainer: Trainer, step: int) -> SamplingClient:

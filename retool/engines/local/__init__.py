@@ -94,7 +94,8 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> Local
         model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
         lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
         gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
-        packing=cfg.packing, logprob_chunk_tokens=cfg.logprob_chunk_tokens, prefix_once=cfg.prefix_once, seed=seed, init_from=init_from,
+        packing=cfg.packing, logprob_chunk_tokens=cfg.logprob_chunk_tokens, prefix_once=cfg.prefix_once, seed=seed,
+        init_from=init_from,
         sampler=cfg.local))
 
 
