@@ -17,7 +17,7 @@ from retool.engines.local import LocalEngineConfig, LocalTrainingClient, trainin
 from retool.engines.local.kv_cache import common_prefix
 from retool.engines.settings import ModelConfig
 from tests.test_engine_local import (  # noqa: F401 - one_torch_thread (autouse) and tiny_model are fixtures used here
-    VOCAB, assert_same, grads, one_torch_thread, perturb_lora_b, tiny_model)
+    VOCAB, assert_same_step, one_torch_thread, perturb_lora_b, tiny_model)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,17 +52,6 @@ def datums(sharing: str, train_prompt: bool = False) -> list:
         logprobs = (-4.0 + torch.randn(len(tokens), generator=g)).tolist()
         out.append(algo.make_datum(tokens, mask, logprobs, advantage=(-1.0) ** i * (0.5 + i)))
     return out
-
-
-def assert_same_step(reference: LocalTrainingClient, shared: LocalTrainingClient, data: list,
-                     loss_fn: str) -> None:
-    a = reference.forward_backward(data, loss_fn)
-    b = shared.forward_backward(data, loss_fn)
-    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D, strict=True):
-        assert lp_b == pytest.approx(lp_a, abs=1e-5)
-    for key in ("train/loss", "train/entropy"):
-        assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-5)
-    assert_same(grads(reference), grads(shared))
 
 
 @pytest.mark.parametrize("sharing", ["nothing", "everything", "part"])
