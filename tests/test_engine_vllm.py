@@ -82,6 +82,18 @@ def test_the_server_command_has_lora_the_rank_and_the_logprobs_mode():
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert opts.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert ("--no-enable-chunked-prefill" in cmd) == (not vserver.cuda_visible())
+    assert cmd[cmd.index("--max-loras") + 1] == "2"
+
+
+@pytest.mark.parametrize("max_staleness, max_loras", [(0, 2), (1, 2), (2, 3), (4, 5)])
+def test_the_server_has_room_for_every_version_a_run_samples_with(max_staleness, max_loras):
+    """``--max-staleness K`` samples with K + 1 versions at once; never fewer than 2 (the swap)."""
+    from retool.engines.vllm import _server_options
+
+    options = _server_options("/m", VLLMSettings(), rank=8, mode="raw_logprobs", dtype="float32", seed=1,
+                              max_staleness=max_staleness)
+    cmd = options.command(8123)
+    assert cmd[cmd.index("--max-loras") + 1] == str(max_loras) and "--max-cpu-loras" not in cmd
 
 
 def run_retool(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -547,3 +559,126 @@ def _child_server_pid(parent: int) -> int | None:
         if int(stat[1]) == parent and vserver.SERVER_MODULE.encode() in cmd:
             return int(entry.name)
     return None
+
+
+# ---------------------------------------------------------------- sampling ahead: adapters in use stay loaded
+
+
+def _loaded_adapters(url: str) -> set[str]:
+    """The adapter names the server serves now (``GET /v1/models``, the base model left out)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+        return {m["id"] for m in json.loads(response.read())["data"]} - {vserver.BASE_MODEL_NAME}
+
+
+def _one_update(engine, tok) -> None:
+    """One real optim_step on a fixed sequence (the weight version goes up by one)."""
+    from retool import algo
+    from retool.engines import base
+
+    prompt, answer = _prompt(tok, "Name a prime number."), tok.encode(" Seven is prime.")
+    engine.forward_backward([algo.make_datum(prompt + answer, [0] * len(prompt) + [1] * len(answer),
+                                             [0.0] * (len(prompt) + len(answer)), 1.0)], "importance_sampling")
+    engine.optim_step(base.AdamParams(learning_rate=1e-3))
+
+
+@pytest.mark.slow
+def test_an_adapter_in_use_stays_loaded_until_its_last_request_ends(vllm_server, tmp_path):
+    """The unload rule against the real server (``--max-staleness 1``: K + 1 = 2 adapters): a
+    sampler of version v keeps answering after v + 1 is loaded while a request of v is in
+    flight; v is unloaded (and its folder removed) once that request ends and no sampler
+    of it is left; a sampler dropped without close() releases it too; what the pinned
+    vLLM does with a request naming an unloaded adapter (404) is why."""
+    import gc
+    import threading
+
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    from retool.engines.vllm import Server, VLLMTrainingClient
+
+    trainer = LocalTrainingClient(LocalEngineConfig(model="bundled:smollm2", lora_rank=8, lora_alpha=16.0))
+    engine = VLLMTrainingClient(trainer, Server(VLLMSettings(url=vllm_server.url, adapter_dir=str(tmp_path)), None),
+                                mode="raw_logprobs", seed=0, stop_token_ids=[2], timeout_s=600)
+    tok = trainer.get_tokenizer()
+    prompt = _prompt(tok, "Write a long story about a cat.")
+    others = _loaded_adapters(vllm_server.url)  # other tests' (an eval's checkpoint)
+    v0 = engine.save_weights_for_sampler()
+    _one_update(engine, tok)
+    long_request = SamplingParams(160, seed=3, stop_token_ids=(tok.vocab_size - 1,))  # runs to max_tokens
+    answers: list = []
+    in_flight = threading.Thread(target=lambda: answers.append(asyncio.run(v0.sample(prompt, 1, long_request))))
+    in_flight.start()
+    deadline = time.monotonic() + 60
+    while engine.leases.holders(v0.model_name) < 3 and time.monotonic() < deadline:  # engine, client, request
+        time.sleep(0.01)
+    v1 = engine.save_weights_for_sampler()  # loads version 1 while version 0's request runs
+    v0.close()  # no further request of v0 can start; the one in flight still holds it
+    assert engine.leases.holders(v0.model_name) == 1, "the request ended before the test could watch it"
+    assert _loaded_adapters(vllm_server.url) - others == {v0.model_name, v1.model_name}
+    quick = asyncio.run(v1.sample(prompt, 1, SamplingParams(4, seed=1)))  # the new version samples meanwhile
+    in_flight.join(timeout=600)
+    assert len(answers[0].sequences[0].tokens) == 160 and len(quick.sequences[0].tokens) == 4
+    assert _loaded_adapters(vllm_server.url) - others == {v1.model_name}
+    assert engine.leases.unloaded == [v0.model_name] and not (tmp_path / v0.model_name).exists()
+    stale = _client(vllm_server, v0.model_name)  # the server's answer to an unloaded adapter: refused
+    with pytest.raises(ValueError, match="404"):
+        asyncio.run(stale.sample(prompt, 1, SamplingParams(2, seed=1)))
+    with pytest.raises(RuntimeError, match="already unloaded"):
+        asyncio.run(v0.sample(prompt, 1, SamplingParams(2, seed=1)))
+
+    _one_update(engine, tok)
+    v2 = engine.save_weights_for_sampler()
+    assert _loaded_adapters(vllm_server.url) - others == {v1.model_name, v2.model_name}  # v1's sampler is still held
+    del v1
+    gc.collect()  # a sampler dropped without close() gives its adapter up too
+    assert _loaded_adapters(vllm_server.url) - others == {v2.model_name}
+    engine.close()  # the server at --vllm-url keeps running, with none of this run's adapters
+    assert _loaded_adapters(vllm_server.url) == others and not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_server_serves_more_adapters_than_max_loras_at_once(vllm_server, tmp_path):
+    """The pinned vLLM with ``--max-loras 2`` and three adapters loaded: every request of
+    each answers (the server schedules at most two per batch, it refuses none), so
+    ``--max-loras K + 1`` sizes the batch, not a limit on what a run may load."""
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+
+    trainer = LocalTrainingClient(LocalEngineConfig(model="bundled:smollm2", lora_rank=8, lora_alpha=16.0))
+    names = [f"many-{i}" for i in range(3)]
+    for name in names:
+        trainer.model.save_pretrained(str(tmp_path / name))
+        vclient.load_adapter(vllm_server.url, name, str(tmp_path / name))
+    try:
+        prompt = _prompt(trainer.get_tokenizer(), "Count to five.")
+
+        async def each():
+            return await asyncio.gather(*(_client(vllm_server, name).sample(prompt, 2, SamplingParams(8, seed=2))
+                                          for name in names))
+
+        results = asyncio.run(each())
+        assert [len(r.sequences) for r in results] == [2, 2, 2]
+        assert results[0].sequences[0].tokens == results[2].sequences[0].tokens  # same weights, same seed
+    finally:
+        for name in names:
+            vclient.unload_adapter(vllm_server.url, name)
+
+
+@pytest.mark.slow
+def test_train_with_max_staleness_1_on_vllm(vllm_server, arith_data, tmp_path):
+    """``--max-staleness 1`` end to end on the session's server: step 2 trains groups
+    sampled with version 1 (rolled out while step 1 trained, still in flight when step 2
+    loads version 2), the weight-sync guard checks every swap, and the run leaves the
+    server none of its adapters."""
+    from tests.test_staleness import assert_lagged
+
+    (tmp_path / "adapters").mkdir()
+    others = _loaded_adapters(vllm_server.url)
+    t0 = time.monotonic()
+    done = run_retool(*preset_args(arith_data, tmp_path / "run", "--engine", "vllm", "--vllm-url", vllm_server.url,
+                                   "--vllm-adapter-dir", str(tmp_path / "adapters"), "--max-staleness", "1",
+                                   "--weight-sync-check-every", "1", steps=2))
+    print(f"\nretool train --engine vllm --max-staleness 1: 2 steps in {time.monotonic() - t0:.0f} s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = assert_lagged(tmp_path / "run", 1)
+    assert [r["step"] for r in rows] == [1, 2] and all("weight_sync/max_abs_diff" in r for r in rows)
+    assert _loaded_adapters(vllm_server.url) == others and not any((tmp_path / "adapters").iterdir())

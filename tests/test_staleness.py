@@ -179,14 +179,23 @@ def test_the_frozen_sampler_shares_the_base_weights_and_copies_the_adapter():
 # ---------------------------------------------------------------- refusals
 
 
-def test_engines_without_a_frozen_sampler_refuse_before_anything_loads(tmp_path):
+def test_engines_without_a_frozen_sampler_refuse_before_anything_loads(tmp_path, monkeypatch):
+    import dataclasses
+
+    from retool.engines import registry
     from retool.integrations.verl.launch import VerlConfig
 
+    make_config(TrainConfig, engine="vllm", max_staleness=2, model=str(tmp_path))  # its adapters are leased
+    without = dataclasses.replace(registry.ENGINES["vllm"], capabilities=dataclasses.replace(
+        registry.ENGINES["vllm"].capabilities, max_staleness=False))
+    monkeypatch.setitem(registry.ENGINES, "vllm", without)  # an engine whose sampler cannot keep its weights
     with pytest.raises(ConfigError, match=r"^engine vllm does not support --max-staleness > 0 \("):
         make_config(TrainConfig, engine="vllm", max_staleness=1, model=str(tmp_path))
     make_config(TrainConfig, engine="vllm", model=str(tmp_path))  # 0: accepted
-    with pytest.raises(ConfigError, match="--max-staleness is retool train's own pipeline"):
+    with pytest.raises(ConfigError, match="--max-staleness is retool train's own pipeline: .* verl 0.9.1 ships"):
         make_config(VerlConfig, max_staleness=1)
+    setup_verl = Path(__file__).resolve().parents[1] / "scripts" / "setup_verl.sh"
+    assert '"verl==0.9.1"' in setup_verl.read_text()  # the version that refusal names is the pinned one
     with pytest.raises(ConfigError, match="--stream-groups with --max-staleness > 0 is not supported"):
         make_config(TrainConfig, stream_groups=True, max_staleness=1, model=str(tmp_path))
     with pytest.raises(ConfigError, match="max_staleness must be >= 0"):

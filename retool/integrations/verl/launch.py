@@ -20,7 +20,12 @@ config and checks each value.
 Refused, because the verl run would silently differ: text mode (the agent loop always
 declares the tool), the ``importance_sampling`` loss, dynamic sampling
 (``refill_rounds``), dropping degenerate groups, the difficulty curriculum, and retool's ``--advantage passk``,
-``--overlong`` and ``--behaviour-is`` (not mapped to verl's own options).
+``--overlong`` and ``--behaviour-is`` (not mapped to verl's own options). ``--max-staleness``
+too: the pinned verl 0.9.1 ships asynchronous trainers of its own
+(``verl.experimental.one_step_off_policy.main_ppo``: a fixed lag of one step on split
+rollout/trainer GPUs; ``verl.experimental.fully_async_policy``: a streaming rollouter with
+``async_training.staleness_threshold``, a share of samples rather than a version lag), but
+this writer emits only the synchronous ``verl.trainer.main_ppo``.
 
 Not covered: Megatron (FSDP only), verl's reference-model and critic settings (GRPO
 without KL uses neither).
@@ -102,8 +107,9 @@ class VerlConfig(VerlSettings, TrainConfig):
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
         require(not self.stream_groups, "--stream-groups is retool train's own pipeline (verl schedules its own "
                 "rollout and update); leave it off")
-        require(self.max_staleness == 0, "--max-staleness is retool train's own pipeline (this verl-config "
-                "writes verl's synchronous trainer); use --max-staleness 0")
+        require(self.max_staleness == 0, "--max-staleness is retool train's own pipeline: this verl-config "
+                "writes verl's synchronous trainer, not the one-step-off / fully-async trainers verl 0.9.1 ships "
+                "(verl.experimental.one_step_off_policy, fully_async_policy); use --max-staleness 0")
         require(self.curriculum == "none", "the difficulty curriculum has no verl equivalent here (verl's "
                 "dataloader draws the batches); drop --curriculum")
         require(self.advantage == "grpo" and self.overlong == "none" and self.behaviour_is == "off",
