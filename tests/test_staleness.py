@@ -192,8 +192,11 @@ def test_engines_without_a_frozen_sampler_refuse_before_anything_loads(tmp_path,
     with pytest.raises(ConfigError, match=r"^engine vllm does not support --max-staleness > 0 \("):
         make_config(TrainConfig, engine="vllm", max_staleness=1, model=str(tmp_path))
     make_config(TrainConfig, engine="vllm", model=str(tmp_path))  # 0: accepted
-    with pytest.raises(ConfigError, match="--max-staleness is retool train's own pipeline: .* verl 0.9.1 ships"):
-        make_config(VerlConfig, max_staleness=1)
+    make_config(VerlConfig, max_staleness=1)  # verl's one-step-off trainer (tests/verl)
+    with pytest.raises(ConfigError, match="^--max-staleness above 1 has no verl equivalent here: verl 0.9.1's"):
+        make_config(VerlConfig, max_staleness=2)
+    with pytest.raises(ConfigError, match="--rollout-gpus must be in 1..7 and a multiple of --tensor-parallel, got 3"):
+        make_config(VerlConfig, max_staleness=1, rollout_gpus=3, tensor_parallel=2)
     setup_verl = Path(__file__).resolve().parents[1] / "scripts" / "setup_verl.sh"
     assert '"verl==0.9.1"' in setup_verl.read_text()  # the version that refusal names is the pinned one
     with pytest.raises(ConfigError, match="--stream-groups with --max-staleness > 0 is not supported"):

@@ -34,12 +34,12 @@ def tiny_train(tmp_path: Path) -> str:
     return str(path)
 
 
-def run_sh_overrides(folder: Path) -> list[str]:
-    """The Hydra overrides ``run.sh`` passes, with ``$HERE`` expanded as bash would."""
+def run_sh_overrides(folder: Path, module: str = "verl.trainer.main_ppo") -> list[str]:
+    """The Hydra overrides ``run.sh`` passes to verl's ``module``, with ``$HERE`` expanded as bash would."""
     text = (folder / "run.sh").read_text().replace("${HERE}", str(folder))
-    command = text[text.index("python -m verl.trainer.main_ppo"):].replace("\\\n", " ")
+    command = text[text.index(f"python -m {module}"):].replace("\\\n", " ")
     words = shlex.split(command)
-    assert words[:3] == ["python", "-m", "verl.trainer.main_ppo"] and words[-1] == "$@"
+    assert words[:3] == ["python", "-m", module] and words[-1] == "$@"
     return words[3:-1]
 
 
@@ -191,3 +191,41 @@ def test_command_line_with_the_repos_preset(tmp_path):
     c = compose_verl(run_sh_overrides(out))
     assert c.trainer.total_training_steps == 20 and c.trainer.save_freq == 5
     assert c.actor_rollout_ref.model.path == "Qwen/Qwen3.5-4B"
+
+
+# ---------------------------------------------------------------- --max-staleness 1: verl's one-step-off trainer
+
+ONE_STEP_OFF = "verl.experimental.one_step_off_policy.main_ppo"
+ONE_STEP_OFF_DIR = str(Path(verl.__file__).parent / "experimental" / "one_step_off_policy" / "config")
+
+
+def test_max_staleness_1_writes_verls_one_step_off_trainer(tmp_path):
+    """``--max-staleness 1`` runs verl 0.9.1's own one-step-off trainer: its module, its
+    Hydra config (composed from the installed package, validated by verl), rollout GPUs
+    apart from the trainer's, the rollout's logprobs as PPO's old ones, and every other
+    setting as the synchronous launch writes it."""
+    from importlib.util import find_spec
+
+    assert find_spec(ONE_STEP_OFF) is not None
+    common = dict(train_data=tiny_train(tmp_path), nnodes=2, gpus_per_node=8, tensor_parallel=2)
+    cfg = make_config(VerlConfig, output_dir=str(tmp_path / "async"), max_staleness=1, rollout_gpus=2, **common)
+    overrides = run_sh_overrides(write_launch_folder(cfg), ONE_STEP_OFF)
+    with initialize_config_dir(config_dir=ONE_STEP_OFF_DIR, version_base=None):
+        c = compose(config_name="one_step_off_ppo_trainer", overrides=overrides)
+    assert validate(c) == [32]
+    omega_conf_to_dataclass(c.algorithm)
+    omega_conf_to_dataclass(c.actor_rollout_ref.rollout)
+    rollout = c.actor_rollout_ref.rollout
+    assert c.actor_rollout_ref.hybrid_engine is False  # OneStepOffRayTrainer asserts it
+    assert (c.rollout.nnodes, c.rollout.n_gpus_per_node, c.trainer.nnodes, c.trainer.n_gpus_per_node) == (2, 2, 2, 6)
+    assert rollout.mode == "async" and rollout.free_cache_engine is False and rollout.calculate_log_probs is True
+    assert c.algorithm.rollout_correction.bypass_mode is True
+    sync = compose_verl(run_sh_overrides(write_launch_folder(
+        make_config(VerlConfig, output_dir=str(tmp_path / "sync"), **common))))
+    for section in ("actor_rollout_ref.actor", "actor_rollout_ref.model", "data"):
+        mine, theirs = OmegaConf.select(c, section), OmegaConf.select(sync, section)
+        for key in ("clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "ppo_mini_batch_size", "optim",
+                    "lora_rank", "lora_alpha", "train_batch_size", "max_response_length"):
+            if key in theirs:
+                assert OmegaConf.to_container(mine)[key] == OmegaConf.to_container(theirs)[key], (section, key)
+    assert (rollout.n, rollout.temperature, rollout.top_p) == (8, 1.0, 1.0)

@@ -8,6 +8,7 @@ is the seed's run) plus the cluster's shape, it writes::
       agent_loop.yaml              verl's agent-loop registry entry, with retool's budgets
       reward_fn.py                 verl's custom reward hook (retool's grader)
       run.sh                       python -m verl.trainer.main_ppo <every setting>
+                                   (one_step_off_policy.main_ppo with --max-staleness 1)
 
 Every setting that decides the algorithm is written explicitly, including those whose
 verl default differs from the seed's run without any error to flag it: GRPO without a
@@ -20,12 +21,17 @@ config and checks each value.
 Refused, because the verl run would silently differ: text mode (the agent loop always
 declares the tool), the ``importance_sampling`` loss, dynamic sampling
 (``refill_rounds``), dropping degenerate groups, the difficulty curriculum, and retool's ``--advantage passk``,
-``--overlong`` and ``--behaviour-is`` (not mapped to verl's own options). ``--max-staleness``
-too: the pinned verl 0.9.1 ships asynchronous trainers of its own
-(``verl.experimental.one_step_off_policy.main_ppo``: a fixed lag of one step on split
-rollout/trainer GPUs; ``verl.experimental.fully_async_policy``: a streaming rollouter with
-``async_training.staleness_threshold``, a share of samples rather than a version lag), but
-this writer emits only the synchronous ``verl.trainer.main_ppo``.
+``--overlong`` and ``--behaviour-is`` (not mapped to verl's own options).
+
+``--max-staleness 1`` writes verl's own one-step-off trainer instead of the synchronous
+one (``verl.experimental.one_step_off_policy.main_ppo``, shipped by the pinned verl
+0.9.1): step t + 1's rollout runs on separate rollout GPUs (``--rollout-gpus`` of each
+node; the rest train) with the weights of step t while step t trains — the same fixed lag
+of one version as ``retool train --max-staleness 1``; the PPO ratio is taken against the
+rollout's own logprobs (``algorithm.rollout_correction.bypass_mode``), as retool's is.
+``--max-staleness`` above 1 is refused: verl 0.9.1's other mode, the fully-async trainer
+(``verl.experimental.fully_async_policy``), bounds staleness by a share of samples
+(``async_training.staleness_threshold``), not by a number of versions.
 
 Not covered: Megatron (FSDP only), verl's reference-model and critic settings (GRPO
 without KL uses neither).
@@ -73,6 +79,8 @@ class VerlSettings:
     gpus_per_node: int = option(8, "GPUs per node")
     rollout_engine: str = option("vllm", "verl's rollout server", choices=ROLLOUT_ENGINES)
     tensor_parallel: int = option(1, "tensor-parallel size of one rollout server")
+    rollout_gpus: int = option(0, "with --max-staleness 1: GPUs of each node for verl's separate rollout servers, "
+                                  "the others train (0 = half of --gpus-per-node)")
     gpu_memory_utilization: float = option(0.6, "share of GPU memory the rollout server may take")
     max_prompt_tokens: int = option(1024, "longest prompt (verl's data.max_prompt_length; longer rows are dropped)")
     agent_workers: int = option(8, "verl agent-loop workers (each holds one sandbox)")
@@ -107,14 +115,49 @@ class VerlConfig(VerlSettings, TrainConfig):
                 "dynamic sampling / dropping degenerate groups has no verl equivalent here")
         require(not self.stream_groups, "--stream-groups is retool train's own pipeline (verl schedules its own "
                 "rollout and update); leave it off")
-        require(self.max_staleness == 0, "--max-staleness is retool train's own pipeline: this verl-config "
-                "writes verl's synchronous trainer, not the one-step-off / fully-async trainers verl 0.9.1 ships "
-                "(verl.experimental.one_step_off_policy, fully_async_policy); use --max-staleness 0")
+        require(self.max_staleness <= 1, "--max-staleness above 1 has no verl equivalent here: verl 0.9.1's "
+                "one-step-off trainer (--max-staleness 1) lags one version; its fully-async trainer bounds "
+                "staleness by a share of samples, not versions; use --max-staleness 0 or 1")
+        if self.max_staleness:
+            rollout = self.one_step_off_rollout_gpus()
+            require(0 < rollout < self.gpus_per_node and rollout % self.tensor_parallel == 0,
+                    f"--max-staleness 1 splits each node's GPUs between rollout and training: --rollout-gpus must "
+                    f"be in 1..{self.gpus_per_node - 1} and a multiple of --tensor-parallel, got {rollout}")
         require(self.curriculum == "none", "the difficulty curriculum has no verl equivalent here (verl's "
                 "dataloader draws the batches); drop --curriculum")
         require(self.advantage == "grpo" and self.overlong == "none" and self.behaviour_is == "off",
                 "--advantage passk, --overlong and --behaviour-is are not mapped to verl's settings here; "
                 "leave them at grpo / none / off")
+
+
+    def one_step_off_rollout_gpus(self) -> int:
+        """The rollout GPUs of each node with ``--max-staleness 1`` (``--rollout-gpus``, or half)."""
+        return self.rollout_gpus or self.gpus_per_node // 2
+
+
+SYNC_TRAINER = "verl.trainer.main_ppo"
+ONE_STEP_OFF_TRAINER = "verl.experimental.one_step_off_policy.main_ppo"
+
+
+def trainer_module(cfg: VerlConfig) -> str:
+    """The verl entry point ``run.sh`` runs: the synchronous trainer, or the one-step-off one."""
+    return ONE_STEP_OFF_TRAINER if cfg.max_staleness else SYNC_TRAINER
+
+
+def one_step_off_overrides(cfg: VerlConfig) -> list[tuple[str, Any]]:
+    """What verl's one-step-off trainer adds (``--max-staleness 1``): its config's parent
+    found by package (its own file names a path relative to a verl checkout), the
+    rollout's GPUs apart from the trainer's (``trainer.n_gpus_per_node``: the rest), the rollout's logprobs as the PPO's old
+    ones, and the settings its config marks as required."""
+    rollout = cfg.one_step_off_rollout_gpus()
+    return [
+        ("hydra.searchpath", ["pkg://verl.trainer.config"]),
+        ("actor_rollout_ref.hybrid_engine", False),
+        ("rollout.nnodes", cfg.nnodes),
+        ("rollout.n_gpus_per_node", rollout),
+        ("actor_rollout_ref.rollout.free_cache_engine", False),
+        ("algorithm.rollout_correction.bypass_mode", True),
+    ]
 
 
 def agent_loop_settings(cfg: VerlConfig) -> dict[str, Any]:
@@ -200,7 +243,7 @@ def overrides(cfg: VerlConfig, folder: str, train_rows: int) -> list[tuple[str, 
         ("data.seed", cfg.seed),
         # ---- the trainer: cluster shape, length, checkpoints, validation, logs
         ("trainer.nnodes", cfg.nnodes),
-        ("trainer.n_gpus_per_node", cfg.gpus_per_node),
+        ("trainer.n_gpus_per_node", cfg.gpus_per_node - (cfg.one_step_off_rollout_gpus() if cfg.max_staleness else 0)),
         ("trainer.total_training_steps", cfg.max_steps),
         ("trainer.total_epochs", math.ceil(cfg.max_steps / steps_per_epoch)),
         ("trainer.save_freq", cfg.save_every),
@@ -211,7 +254,7 @@ def overrides(cfg: VerlConfig, folder: str, train_rows: int) -> list[tuple[str, 
         ("trainer.experiment_name", cfg.run_name or Path(cfg.run_dir).name),
         ("trainer.default_local_dir", cfg.run_dir),
         ("trainer.logger", ["console", *sinks]),
-    ]
+    ] + (one_step_off_overrides(cfg) if cfg.max_staleness else [])
 
 
 def hydra_value(value: Any) -> str:
@@ -240,14 +283,14 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def run_script(pairs: Sequence[tuple[str, Any]]) -> str:
-    """``run.sh``: one ``python -m verl.trainer.main_ppo`` with every override on its own line."""
+def run_script(pairs: Sequence[tuple[str, Any]], module: str = SYNC_TRAINER) -> str:
+    """``run.sh``: one ``python -m MODULE`` (verl's trainer) with every override on its own line."""
     lines = [f"    {_shell_word(f'{key}={hydra_value(value)}')}" for key, value in pairs]
     return ("#!/usr/bin/env bash\n"
             "# Written by `retool verl-config`; see docs/verl.md. Extra Hydra overrides may follow: bash run.sh key=value\n"
             "set -euo pipefail\n"
             'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
-            "python -m verl.trainer.main_ppo \\\n" + " \\\n".join(lines) + ' \\\n    "$@"\n')
+            f"python -m {module} \\\n" + " \\\n".join(lines) + ' \\\n    "$@"\n')
 
 
 def _shell_word(text: str) -> str:
@@ -281,7 +324,7 @@ def write_launch_folder(cfg: VerlConfig) -> Path:
     (out / "reward_fn.py").write_text('"""verl reward hook: retool\'s grader (written by `retool verl-config`)."""\n'
                                       "from retool.integrations.verl.reward_fn import compute_score  # noqa: F401\n")
     script = out / "run.sh"
-    script.write_text(run_script(overrides(cfg, "$HERE", len(train))))
+    script.write_text(run_script(overrides(cfg, "$HERE", len(train)), trainer_module(cfg)))
     script.chmod(0o755)
     return out
 
