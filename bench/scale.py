@@ -29,9 +29,18 @@ behind the rollout. With ``--max-staleness K`` likewise with ``retool train --ma
 K`` (step t+K sampled while step t trains): steps per hour and ratio, the trainer's wait
 for the sampler, and the ratio a perfect overlap of rollout and training would give.
 
+With ``--engine vllm`` (needs ``.venv-vllm``) the latency model is left out: the same
+``--max-staleness K`` comparison runs on the vLLM engine itself — the local trainer and a
+vLLM-CPU server in its own process on this machine (started once, ``--max-loras K + 1``),
+the CPU preset (``configs/cpu-smollm2.toml``, from the base model) at a tiny shape
+(``--batch-size``/``--group-size``, 24-token turns), synchronous and sampling-ahead runs
+alternating ``--repeats`` times; steps per hour over steps 2.. (step 1 cannot overlap),
+their ratio, the rollout/training split and the load.
+
 Usage::
 
     python bench/scale.py --steps 20                   # the unscaled overhead figure
+    nice -n 10 python bench/scale.py --engine vllm --steps 4 --batch-size 1 --group-size 4 --max-staleness 1
     python bench/scale.py --steps 4 --stream-groups    # synchronous vs streamed steps, in one run
     python bench/scale.py --steps 5 --max-staleness 1 --no-kill   # synchronous vs sampling one step ahead
     nice -n 10 python bench/scale.py --time-scale 10   # the 200-step soak, with kill + resume
@@ -452,6 +461,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
     parser.add_argument("--max-staleness", type=int, default=0,
                         help="also run the steps with retool train --max-staleness K (uninterrupted, fresh service) "
                              "and print both, their steps/hour and ratio")
+    parser.add_argument("--engine", choices=("tinker", "vllm"), default="tinker",
+                        help="tinker: the latency-model service (default); vllm: the vLLM engine on this machine "
+                             "(--max-staleness comparison only)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="--engine vllm: synchronous / sampling-ahead pairs, alternating (default 2)")
     parser.add_argument("--per-step", action=argparse.BooleanOptionalAction, default=True, help="print every step")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep runs here (default: a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="also write the totals here")
@@ -470,6 +484,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         args.kill = args.steps > args.kill_after + 1
     if args.max_staleness < 0:
         parser.error("--max-staleness must be >= 0")
+    if args.engine == "vllm":
+        if args.max_staleness < 1 or args.stream_groups or args.compare or args.steps < 2 or args.repeats < 1:
+            parser.error("--engine vllm compares --max-staleness K >= 1 with synchronous steps: give --max-staleness, "
+                         "--steps >= 2 and --repeats >= 1 (no --stream-groups / --compare)")
+        args.kill = False
     if args.kill and args.max_staleness:
         parser.error("--max-staleness compares uninterrupted runs: add --no-kill (or run fewer steps)")
     if args.kill and args.stream_groups:
@@ -479,12 +498,64 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
     return args, model
 
 
+def vllm_argv(args: argparse.Namespace, url: str, adapters: Path, data: Path, run: Path, max_staleness: int
+              ) -> list[str]:
+    """``retool train --engine vllm`` with the CPU preset at the bench's tiny shape, on the server at ``url``."""
+    argv = [sys.executable, "-m", "retool", "train", "--config", str(ROOT / "configs" / "cpu-smollm2.toml"),
+            "--init-from", "none", "--train-data", str(data), "--max-steps", str(args.steps),
+            "--batch-size", str(args.batch_size), "--group-size", str(args.group_size), "--refill-rounds", "0",
+            "--max-turn-tokens", "24", "--max-assistant-turns", "2", "--max-code-calls", "1", "--seed", str(args.seed),
+            "--save-every", str(args.save_every), "--sinks", "jsonl", "--run-dir", str(run),
+            "--engine", "vllm", "--vllm-url", url, "--vllm-adapter-dir", str(adapters)]
+    return argv + (["--max-staleness", str(max_staleness)] if max_staleness else [])
+
+
+def vllm_staleness(args: argparse.Namespace, work: Path) -> int:
+    """``--engine vllm``: synchronous and ``--max-staleness K`` runs alternating on one
+    vLLM-CPU server; print each run, then the comparison over steps 2..; 0 when all ran."""
+    from retool.bundled import smollm2_path
+    from retool.engines.vllm import max_loras_for
+    from retool.engines.vllm import server as vserver
+
+    data = work / "rl.jsonl"
+    subprocess.run([sys.executable, "-m", "retool", "task-data", "--split", "rl", "--n", str(args.problems),
+                    "--output", str(data)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    server = vserver.ManagedServer(vserver.ServerOptions(
+        model_dir=str(smollm2_path()), max_lora_rank=32, max_loras=max_loras_for(args.max_staleness),
+        dtype="float32", seed=args.seed))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    runs: dict[int, list[list[dict]]] = {0: [], args.max_staleness: []}
+    codes = []
+    try:
+        server.wait_ready()
+        for repeat in range(args.repeats):
+            for k in (0, args.max_staleness) if repeat % 2 == 0 else (args.max_staleness, 0):
+                run, adapters = work / f"k{k}-{repeat}", work / f"adapters-k{k}-{repeat}"
+                adapters.mkdir(parents=True)
+                t0 = time.monotonic()
+                codes.append(ClientRun(vllm_argv(args, server.url, adapters, data, run, k), run, env).run())
+                rows = _read_rows(run / "metrics.jsonl")
+                runs[k].append(rows)
+                print(f"K={k} repeat {repeat}: exit {codes[-1]}, {len(rows)} steps in {time.monotonic() - t0:.0f} s "
+                      f"(s/step {[round(r['time/step'], 1) for r in rows]}); load {os.getloadavg()}")
+    finally:
+        server.stop()
+    later = {k: [r for rows in all_rows for r in rows if r["step"] >= 2] for k, all_rows in runs.items()}
+    totals = {k: {"steps": float(len(rows)), "step_s": _mean(rows, "time/step")} for k, rows in later.items()}
+    print_staleness_comparison(totals[0], totals[args.max_staleness], later[0], later[args.max_staleness],
+                               args.max_staleness)
+    return 0 if all(code == 0 for code in codes) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.stdout.reconfigure(line_buffering=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated bench takes its client with it
     args, model = parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="retool-scale-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.engine == "vllm":
+        print(f"vLLM engine on this machine: {os.cpu_count()} cores; work dir {work}; load {os.getloadavg()}")
+        return vllm_staleness(args, work)
     tokenizer_dir = qwen35_tokenizer_folder(work / "qwen3.5-tokenizer")
     data = write_problems(work / "train.jsonl", args.problems)
     print(f"latency model: {model}\nwork dir {work}; load {os.getloadavg()}", flush=True)
