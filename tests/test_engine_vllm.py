@@ -215,6 +215,42 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+def test_adapter_leases_unload_once_when_the_last_holder_lets_go_from_any_thread(tmp_path):
+    """``AdapterLeases`` alone (the real server's side is tested below): 8 threads each
+    take and give back 500 holds; the adapter goes exactly once, after the last, with its
+    folder; a hold after that is refused with one line; ``close`` unloads what is left."""
+    import threading
+
+    from retool.engines.vllm.adapters import AdapterGoneError, AdapterLeases
+
+    unloaded: list[str] = []
+    leases = AdapterLeases(unloaded.append)
+    (tmp_path / "a").mkdir()
+    leases.add("a", tmp_path / "a")
+    leases.add("b", None)
+    start = threading.Barrier(8)
+
+    def churn() -> None:
+        start.wait()
+        for _ in range(500):
+            leases.acquire("a")
+            leases.release("a")
+
+    threads = [threading.Thread(target=churn) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert unloaded == [] and leases.holders("a") == 1
+    leases.release("a")  # its loader's hold, the last
+    assert unloaded == ["a"] and not (tmp_path / "a").exists() and leases.loaded() == ("b",)
+    with pytest.raises(AdapterGoneError, match="adapter a was already unloaded"):
+        leases.acquire("a")
+    leases.close()
+    leases.release("b")  # a client dropped after the run: nothing left to do
+    assert unloaded == ["a", "b"] and leases.loaded() == ()
+
+
 def test_docs_show_the_vllm_settings():
     from retool.config import markdown_table
 
