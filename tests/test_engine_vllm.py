@@ -702,9 +702,9 @@ def test_the_server_serves_more_adapters_than_max_loras_at_once(vllm_server, tmp
 @pytest.mark.slow
 def test_train_with_max_staleness_1_on_vllm(vllm_server, arith_data, tmp_path):
     """``--max-staleness 1`` end to end on the session's server: step 2 trains groups
-    sampled with version 1 (rolled out while step 1 trained, still in flight when step 2
-    loads version 2), the weight-sync guard checks every swap, and the run leaves the
-    server none of its adapters."""
+    sampled with version 1 (rolled out while step 1 trained; version 2 loads at the start
+    of step 2, before that rollout is waited for), the weight-sync guard checks every
+    swap, and the run leaves the server none of its adapters."""
     from tests.test_staleness import assert_lagged
 
     (tmp_path / "adapters").mkdir()
