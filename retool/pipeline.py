@@ -47,8 +47,9 @@ weighted against its own behaviour policy; ``--behaviour-is`` adds the truncated
 correction. :func:`staleness_metrics` logs the lag.
 
 Not covered: ``--stream-groups`` together with ``K >= 1``, in-flight weight updates
-within a trajectory (AReaL / PipelineRL), the vLLM engine (its server holds one adapter
-name per step) and verl (its own trainer).
+within a trajectory (AReaL / PipelineRL), and verl (``retool verl-config --max-staleness 1``
+writes verl's own one-step-off trainer instead). The vLLM engine keeps an adapter loaded
+while any sampler or request of its version is alive (``retool.engines.vllm.adapters``).
 """
 
 from __future__ import annotations
