@@ -29,11 +29,22 @@ tokens/s of HF ``generate``.
 Exactness: merged weights and the fused products change float rounding only; the
 logprobs of sampled tokens agree with the model's own forward pass within 1e-4
 (``tests/test_sampler_fast.py``).
+
+Precision (``decode_weights(..., dtype=torch.bfloat16)``, the sampler's
+``precision="bf16"``): the merged weights (merged in the model's fp32, then rounded
+once), the embeddings, norms and every KV buffer are bfloat16, so a step reads half the
+bytes; the output layer's product is bf16 too (:data:`HEAD_DTYPE`) and its logits are
+turned to fp32 before any softmax. The sampler then samples from that bf16 model, and
+its logprobs are the bf16 model's (``tests/test_sampler_precision.py`` pins how far they
+are from the fp32 trainer's). :func:`native_bf16` says whether this machine computes
+bf16 natively; without it (no ``avx512_bf16``/AMX) bf16 products are several times
+slower than fp32 ones.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +62,58 @@ PREFILL_SCORES_BYTES = 64 * 2**20
 """Most memory one chunk of rows of a lean prefill spends on attention scores (and their
 mask): rows are prefilled in chunks under it (a batch of 64 rows x 450 new columns
 without a shared prefix would need ~500 MB at once)."""
+
+
+PRECISIONS = ("fp32", "bf16", "auto")
+"""The sampler's ``precision`` settings (``LocalSettings.precision``)."""
+
+HEAD_DTYPE: Any = None
+"""Dtype of the output layer's product under bf16: ``None`` = the decode dtype (bf16 weights,
+half the bytes of the largest matrix); its logits are always turned to fp32 before the
+log-softmax. (A float32 head was measured as well, ``docs/benchmarks.md``.)"""
+
+
+def native_bf16(device: Any) -> bool:
+    """Whether ``device`` computes bfloat16 products natively: a CUDA GPU that supports
+    bf16, or a CPU with oneDNN and ``avx512_bf16`` or AMX (read from ``/proc/cpuinfo``;
+    other systems count as without)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass  # not Linux: no flags to read, so no native bf16 is assumed
+    return frozenset()
+
+
+def resolve_precision(precision: str, device: Any) -> Any:
+    """The dtype the lean steps decode in for a ``precision`` setting: ``None`` for fp32
+    (the model's own weights as they are), ``torch.bfloat16`` for bf16, and for auto
+    bf16 exactly when :func:`native_bf16`. Auto's choice is printed once per process."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        native = native_bf16(device)
+        _say_auto(str(torch.device(device)), native)
+        return torch.bfloat16 if native else None
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+@functools.cache
+def _say_auto(device: str, native: bool) -> None:
+    why = "computes bf16 natively" if native else "has no native bf16 (avx512_bf16/AMX)"
+    print(f"[sampler] precision auto -> {'bf16' if native else 'fp32'}: {device} {why}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -83,6 +146,8 @@ class DecodeWeights:
     kv_heads: int
     head_dim: int
     version: tuple
+    dtype: Any = None
+    """The dtype the weights were cast to (``None``: the model's own)."""
 
 
 def weight_version(model: Any) -> tuple:
@@ -91,28 +156,37 @@ def weight_version(model: Any) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
-def decode_weights(model: Any, previous: DecodeWeights | None = None) -> DecodeWeights | None:
+def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any = None) -> DecodeWeights | None:
     """The lean step's weights for ``model`` (``previous`` again while its weights have not
-    changed), or ``None`` when the architecture is not covered (see the module doc)."""
+    changed), or ``None`` when the architecture is not covered (see the module doc).
+    ``dtype`` (e.g. ``torch.bfloat16``) casts every weight once, after merging; ``None``
+    keeps the model's dtype."""
     version = weight_version(model)
-    if previous is not None and previous.version == version:
+    if previous is not None and previous.version == version and previous.dtype == dtype:
         return previous
     inner = _decoder(model)
     if inner is None:
         return None
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cast = functools.partial(_cast, dtype=dtype)
     try:
-        layers = tuple(_layer_weights(layer) for layer in inner.layers)
+        layers = tuple(_layer_weights(layer, cast) for layer in inner.layers)
     except _Unsupported:
         return None
     head = model.get_output_embeddings()
     if _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
         return None
-    return DecodeWeights(layers, inner.embed_tokens.weight, inner.norm.weight, _packed(head.weight.detach()),
-                         inner.rotary_emb,
+    head_weight = _packed(_cast(head.weight.detach(), HEAD_DTYPE or dtype))
+    return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), cast(inner.norm.weight.detach()),
+                         head_weight, inner.rotary_emb,
                          float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
-                         head_dim, version)
+                         head_dim, version, dtype)
+
+
+def _cast(tensor: Any, dtype: Any) -> Any:
+    """``tensor`` in ``dtype`` (itself when ``dtype`` is ``None`` or already its dtype)."""
+    return tensor if tensor is None or dtype is None else tensor.to(dtype)
 
 
 class _Unsupported(Exception):
@@ -137,7 +211,8 @@ def _decoder(model: Any) -> Any:
     return inner
 
 
-def _layer_weights(layer: Any) -> LayerWeights:
+def _layer_weights(layer: Any, cast: Any) -> LayerWeights:
+    """One layer's merged, fused weights, each passed through ``cast`` (a dtype) before packing."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = (_merged(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj"))
     o, gate, up, down = _merged(attn.o_proj), _merged(mlp.gate_proj), _merged(mlp.up_proj), _merged(mlp.down_proj)
@@ -149,29 +224,32 @@ def _layer_weights(layer: Any) -> LayerWeights:
         qkv_bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
                               for (w, _), b in zip((q, k, v), biases)])
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return LayerWeights(layer.input_layernorm.weight, _packed(torch.cat([q[0], k[0], v[0]])), qkv_bias,
-                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                        _packed(o[0]), o[1], layer.post_attention_layernorm.weight,
-                        _packed(torch.cat([gate[0], up[0]])), _packed(down[0]))
+    return LayerWeights(cast(layer.input_layernorm.weight.detach()), _packed(cast(torch.cat([q[0], k[0], v[0]]))),
+                        cast(qkv_bias), None if q_norm is None else cast(q_norm.weight.detach()),
+                        None if k_norm is None else cast(k_norm.weight.detach()),
+                        _packed(cast(o[0])), cast(o[1]), cast(layer.post_attention_layernorm.weight.detach()),
+                        _packed(cast(torch.cat([gate[0], up[0]]))), _packed(cast(down[0])))
 
 
 def _packed(weight: Any) -> Any:
     """``weight`` (out, in) reordered into oneDNN's blocked layout for :func:`_linear` when
-    that runs here (fp32 on a CPU with oneDNN): ~2.5x faster products at a few rows than
-    the plain layout (measured at 16 rows: 6.4 vs 15.9 ms for the 49k x 576 head)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_linear():
+    that runs here (fp32 or bf16 on a CPU with oneDNN): ~2.5x faster fp32 products at a
+    few rows than the plain layout (measured at 16 rows: 6.4 vs 15.9 ms for the 49k x 576
+    head), ~1.3x for bf16 ones (``docs/benchmarks.md``)."""
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
+            or not _onednn_linear(weight.dtype)):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
 @functools.cache
-def _onednn_linear() -> bool:
+def _onednn_linear(dtype: Any = torch.float32) -> bool:
     """Whether torch's oneDNN linear (the op ``torch.compile`` uses for frozen CPU weights)
-    is present and agrees with a plain product here."""
+    is present and agrees with a plain product here, in ``dtype``."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     generator = torch.Generator().manual_seed(0)
-    x, w = torch.randn(3, 8, generator=generator), torch.randn(5, 8, generator=generator)
+    x, w = torch.randn(3, 8, generator=generator).to(dtype), torch.randn(5, 8, generator=generator).to(dtype)
     try:
         got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None,
                                                  "none", [], "")
@@ -179,7 +257,8 @@ def _onednn_linear() -> bool:
         warnings.warn(f"oneDNN linear unavailable ({exc}); lean decode steps use plain products", RuntimeWarning,
                       stacklevel=2)
         return False
-    return bool(torch.allclose(got, x @ w.T, atol=1e-5))
+    atol = 1e-5 if dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(got.float(), x.float() @ w.float().T, atol=atol))
 
 
 def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
@@ -297,8 +376,7 @@ class LeanCache:
             h = F.rms_norm(x, (hidden,), layer.post_norm, w.eps)
             gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, layer.down)
-        last = x.view(rows, width, hidden)[:, -1]
-        return _linear(F.rms_norm(last, (hidden,), w.final_norm, w.eps), w.head)
+        return _logits(w, x.view(rows, width, hidden)[:, -1])
 
     def keep_rows(self, index: Any) -> None:
         """Keep only the batch rows ``index`` (layer by layer, so that the old and the new
@@ -343,7 +421,7 @@ class LeanCache:
             gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, layer.down)
         self.width = col + 1
-        return _linear(F.rms_norm(x, (hidden,), w.final_norm, w.eps), w.head)
+        return _logits(w, x)
 
     def _grow(self) -> None:
         """Double the room of every row's columns (only when the reserve ran out)."""
@@ -351,6 +429,23 @@ class LeanCache:
         for layer, (k, v) in enumerate(self.own):
             self.own[layer] = (F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)))
         self.bias = F.pad(self.bias, (0, extra))
+
+
+def _logits(w: DecodeWeights, x: Any) -> Any:
+    """The next-token logits (rows, vocab) of the last hidden states ``x``, in fp32 (the
+    head's product in its own dtype, :data:`HEAD_DTYPE`)."""
+    h = F.rms_norm(x, (x.shape[-1],), w.final_norm, w.eps)
+    return _linear(h.to(w.head.dtype), w.head).float()
+
+
+def prefix_kv(weights: DecodeWeights, prefix_ids: Any) -> KV:
+    """The KV of one row of tokens ``prefix_ids`` (1-D) through the lean weights, per layer
+    ``(kv_heads, P, head_dim)``: the shared prefix of a bf16 sampler, which must be the same
+    bf16 model as its decode steps (the fp32 path runs the model's own forward instead)."""
+    ids = prefix_ids[None]
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    cache, _ = LeanCache.prefill(weights, None, ids, torch.ones_like(ids), positions, 0)
+    return cache.row_kv(0)
 
 
 def _rope(x: Any, cos: Any, sin: Any) -> Any:
