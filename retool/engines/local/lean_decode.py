@@ -178,8 +178,7 @@ def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any
     if _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
         return None
     head_weight = _packed(_cast(head.weight.detach(), HEAD_DTYPE or dtype))
-    return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), cast(inner.norm.weight.detach()),
-                         head_weight, inner.rotary_emb,
+    return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), inner.norm.weight.detach(), head_weight, inner.rotary_emb,
                          float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
                          head_dim, version, dtype)
 
@@ -212,7 +211,8 @@ def _decoder(model: Any) -> Any:
 
 
 def _layer_weights(layer: Any, cast: Any) -> LayerWeights:
-    """One layer's merged, fused weights, each passed through ``cast`` (a dtype) before packing."""
+    """One layer's merged, fused weights, each matrix passed through ``cast`` (a dtype) before
+    packing; the RMSNorm weights stay as they are (they scale the fp32 residual stream)."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = (_merged(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj"))
     o, gate, up, down = _merged(attn.o_proj), _merged(mlp.gate_proj), _merged(mlp.up_proj), _merged(mlp.down_proj)
@@ -224,10 +224,10 @@ def _layer_weights(layer: Any, cast: Any) -> LayerWeights:
         qkv_bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
                               for (w, _), b in zip((q, k, v), biases)])
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return LayerWeights(cast(layer.input_layernorm.weight.detach()), _packed(cast(torch.cat([q[0], k[0], v[0]]))),
+    return LayerWeights(layer.input_layernorm.weight.detach(), _packed(cast(torch.cat([q[0], k[0], v[0]]))),
                         cast(qkv_bias), None if q_norm is None else cast(q_norm.weight.detach()),
                         None if k_norm is None else cast(k_norm.weight.detach()),
-                        _packed(cast(o[0])), cast(o[1]), cast(layer.post_attention_layernorm.weight.detach()),
+                        _packed(cast(o[0])), cast(o[1]), layer.post_attention_layernorm.weight.detach(),
                         _packed(cast(torch.cat([gate[0], up[0]]))), _packed(cast(down[0])))
 
 
@@ -262,7 +262,8 @@ def _onednn_linear(dtype: Any = torch.float32) -> bool:
 
 
 def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
-    """``x @ weight.T + bias`` for a weight from :func:`_packed`."""
+    """``x @ weight.T + bias`` for a weight from :func:`_packed` (``x`` in the weight's dtype)."""
+    x = x.to(weight.dtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -346,13 +347,13 @@ class LeanCache:
         w = self.weights
         rows, width = ids_BT.shape
         old, group, d = self.width, w.heads // w.kv_heads, w.head_dim
-        x = w.embed[ids_BT].reshape(rows * width, -1)
+        x = _stream(w, w.embed[ids_BT].reshape(rows * width, -1))
         cos, sin = w.rotary(x.view(rows, width, -1), positions_BT)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (rows, width, 1, head_dim)
         causal = torch.ones(width, width, dtype=torch.bool, device=ids_BT.device).tril()
         allowed = causal & ((mask_BT[:, None, :] != 0) | torch.eye(width, dtype=torch.bool, device=ids_BT.device))
         bias = torch.cat([self.bias[rows_slice, None, :old].expand(rows, width, old),
-                          x.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))], dim=-1)
+                          self.bias.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))], dim=-1)
         bias = bias[:, :, None].expand(rows, width, group, old + width).reshape(1, rows, width * group, old + width)
         hidden = x.shape[-1]
         q_size, kv_size = w.heads * d, w.kv_heads * d
@@ -368,7 +369,7 @@ class LeanCache:
             own_k[:, :, old:old + width] = _rope(k, cos, sin).permute(2, 0, 1, 3)
             own_v[:, :, old:old + width] = \
                 qkv[..., q_size + kv_size:].reshape(rows, width, w.kv_heads, d).permute(2, 0, 1, 3)
-            q = _rope(q, cos, sin).view(rows, width, w.kv_heads, group, d).permute(2, 0, 1, 3, 4)
+            q = _rope(q, cos, sin).to(own_k.dtype).view(rows, width, w.kv_heads, group, d).permute(2, 0, 1, 3, 4)
             attn = _attention_rows(q.reshape(w.kv_heads, rows, width * group, d), pk, pv,
                                    own_k[:, :, :old + width], own_v[:, :, :old + width], bias)
             attn = attn.view(w.kv_heads, rows, width, group, d).permute(1, 2, 0, 3, 4).reshape(rows * width, -1)
@@ -397,7 +398,7 @@ class LeanCache:
         rows, col = tokens_B.shape[0], self.width
         if col == self.own[0][0].shape[2]:
             self._grow()
-        x = w.embed[tokens_B]
+        x = _stream(w, w.embed[tokens_B])
         cos, sin = w.rotary(x[:, None], positions_B[:, None])
         cos, sin = cos[:, None, 0], sin[:, None, 0]  # (rows, 1, head_dim)
         hidden = x.shape[-1]
@@ -414,8 +415,8 @@ class LeanCache:
                 k = F.rms_norm(k, (w.head_dim,), layer.k_norm, w.eps)
             own_k[:, :, col] = _rope(k, cos, sin).transpose(0, 1)
             own_v[:, :, col] = qkv[:, q_size + kv_size:].view(rows, w.kv_heads, w.head_dim).transpose(0, 1)
-            attn = _attention(_rope(q, cos, sin), pk, pv, own_k[:, :, :col + 1], own_v[:, :, :col + 1], bias,
-                              w.kv_heads)
+            attn = _attention(_rope(q, cos, sin).to(own_k.dtype), pk, pv, own_k[:, :, :col + 1],
+                              own_v[:, :, :col + 1], bias, w.kv_heads)
             x = x + _linear(attn, layer.o, layer.o_bias)
             h = F.rms_norm(x, (hidden,), layer.post_norm, w.eps)
             gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
@@ -429,6 +430,13 @@ class LeanCache:
         for layer, (k, v) in enumerate(self.own):
             self.own[layer] = (F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)))
         self.bias = F.pad(self.bias, (0, extra))
+
+
+def _stream(w: DecodeWeights, x: Any) -> Any:
+    """The residual stream's dtype: fp32 under a cast copy (bf16 weights round each
+    product's output once; summing 30 layers' outputs in bf16 would round at every add),
+    else the model's own."""
+    return x if w.dtype is None else x.float()
 
 
 def _logits(w: DecodeWeights, x: Any) -> Any:
@@ -479,7 +487,7 @@ def _attention_rows(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any
         scores = torch.cat([prefix_scores.view(kv_heads, rows, n, prefix_len), own_scores], dim=-1)
     else:
         scores = own_scores
-    probs = scores.softmax(dim=-1)
+    probs = scores.softmax(dim=-1) if scores.dtype == torch.float32 else scores.float().softmax(-1).to(scores.dtype)
     out = torch.matmul(probs[..., prefix_len:], own_v)
     if prefix_len:
         prefix_probs = probs[..., :prefix_len].reshape(kv_heads, rows * n, prefix_len)
