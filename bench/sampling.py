@@ -115,6 +115,8 @@ def main() -> None:
                         help="old path (HF generate) vs new (own decode loop) on the rollout's requests")
     parser.add_argument("--precision", action="store_true",
                         help="lean loop in fp32 vs bf16 (and bf16 with an fp32 head) on the rollout's requests")
+    parser.add_argument("--variants", default="fp32,bf16,bf16-fp32-head",
+                        help="--precision's variants, comma-separated (one alone: its process peak RSS is its own)")
     parser.add_argument("--top-p", type=float, default=0.7, help="nucleus of --loops and --precision")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per variant (--decode, --loops)")
@@ -228,7 +230,7 @@ def loops_ab(engine, sampler, prompts_P, args) -> None:
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
-PRECISIONS = (("fp32", "fp32", None), ("bf16", "bf16", None), ("bf16, fp32 head", "bf16", "fp32"))
+PRECISIONS = (("fp32", "fp32", None), ("bf16", "bf16", None), ("bf16-fp32-head", "bf16", "fp32"))
 """(label, sampler precision, head dtype override) of ``--precision``'s variants."""
 
 
@@ -238,16 +240,19 @@ def precision_ab(engine, sampler, prompts_P, args) -> None:
     import torch
 
     from retool.engines.local import lean_decode, probe
+    from retool.peak_rss import own_peak_bytes
     from retool.render import Renderer
 
     stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=args.top_p, stop_token_ids=stops,
                             seed=0)
     sampler.decode_loop = "lean"
-    seconds: dict[str, list[float]] = {label: [] for label, _, _ in PRECISIONS}
+    chosen = args.variants.split(",")
+    variants = [v for v in PRECISIONS if v[0] in chosen]
+    seconds: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     results, merged_bytes, rss, kv_token = {}, {}, {}, {}
     for _ in range(args.repeats):
-        for label, precision, head in PRECISIONS:
+        for label, precision, head in variants:
             _set_precision(sampler, precision, head)
             start = time.perf_counter()
             results[label] = asyncio.run(sequences(sampler, prompts_P, params))
@@ -262,7 +267,7 @@ def precision_ab(engine, sampler, prompts_P, args) -> None:
     print(f"{len(prompts_P)} rollout requests x <= {args.max_tokens} tokens, top-p {args.top_p}, prompts of "
           f"{mean_prompt:.0f} tokens; lean loop; torch threads {_threads()}; best of {args.repeats}")
     base = None
-    for label, precision, _ in PRECISIONS:
+    for label, precision, _ in variants:
         lengths = [len(s.tokens) for s in results[label]]
         count, best = sum(lengths), min(seconds[label])
         half = precision == "bf16"
@@ -271,11 +276,12 @@ def precision_ab(engine, sampler, prompts_P, args) -> None:
         base = base or count / best
         mean, worst = _mismatch(engine.model, prompts_P, results[label], probe)
         print(f"{label}: {count / best:.1f} tok/s ({count} tokens, {best:.1f} s; runs "
-              f"{', '.join(f'{s:.1f}' for s in seconds[label])} s); {count / best / base:.2f}x fp32; bound "
+              f"{', '.join(f'{s:.1f}' for s in seconds[label])} s); {count / best / base:.2f}x the first; bound "
               f"{count / bound_s:.0f} tok/s (at {(bf16_rate if half else rate) / 1e9:.0f} GFLOP/s); merged copy "
               f"{merged_bytes[label] / 2**20:.0f} MiB; KV {kv_token[label]} B/token; RSS "
               f"{rss[label] / 2**30:.2f} GiB; |sampler - trainer| logprob mean {mean:.4f} max {worst:.4f}")
-    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; load average (1, 5, 15 min): "
+    print(f"process peak RSS {own_peak_bytes() / 2**30:.2f} GiB; memory bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"load average (1, 5, 15 min): "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -94,6 +94,15 @@ def test_bf16_off_the_lean_loop_is_refused_with_one_line():
         assert "\n" not in str(caught.value) and "needs local_decode_loop lean" in str(caught.value)
 
 
+def test_a_preset_sets_the_precision_and_a_bad_one_is_one_line(tmp_path):
+    from retool.config import config_from_dict
+    from retool.train import TrainConfig
+
+    assert config_from_dict(TrainConfig, {"local": {"precision": "bf16"}}).local.precision == "bf16"
+    with pytest.raises(ConfigError, match="local_precision must be fp32, bf16 or auto, got 'half'"):
+        config_from_dict(TrainConfig, {"local": {"precision": "half"}}).local.validate()
+
+
 def test_bf16_is_reproducible_from_its_seed_and_decodes_in_bf16(tiny_model):
     first, second = engine(tiny_model, "lean", precision="bf16"), engine(tiny_model, "lean", precision="bf16")
     results = batch(first, PROMPTS, 3, PARAMS)

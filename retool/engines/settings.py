@@ -56,6 +56,8 @@ class LocalSettings:
         require(self.max_sample_rows >= 1, f"local_max_sample_rows must be >= 1, got {self.max_sample_rows}")
         require(self.kv_cache_mb >= 0, f"local_kv_cache_mb must be >= 0, got {self.kv_cache_mb}")
         require(self.batch_kv_mb >= 0, f"local_batch_kv_mb must be >= 0, got {self.batch_kv_mb}")
+        require(self.precision in ("fp32", "bf16", "auto"),
+                f"local_precision must be fp32, bf16 or auto, got {self.precision!r}")
         require(self.precision != "bf16" or (self.decode_loop == "lean" and self.fast_sampling),
                 "local_precision bf16 needs local_decode_loop lean and local_fast_sampling on (the other decode "
                 "paths run the trainer's own fp32 model)")

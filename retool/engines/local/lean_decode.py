@@ -31,14 +31,16 @@ logprobs of sampled tokens agree with the model's own forward pass within 1e-4
 (``tests/test_sampler_fast.py``).
 
 Precision (``decode_weights(..., dtype=torch.bfloat16)``, the sampler's
-``precision="bf16"``): the merged weights (merged in the model's fp32, then rounded
-once), the embeddings, norms and every KV buffer are bfloat16, so a step reads half the
-bytes; the output layer's product is bf16 too (:data:`HEAD_DTYPE`) and its logits are
-turned to fp32 before any softmax. The sampler then samples from that bf16 model, and
-its logprobs are the bf16 model's (``tests/test_sampler_precision.py`` pins how far they
-are from the fp32 trainer's). :func:`native_bf16` says whether this machine computes
-bf16 natively; without it (no ``avx512_bf16``/AMX) bf16 products are several times
-slower than fp32 ones.
+``precision="bf16"``): the merged matrices (merged in the model's fp32, then rounded
+once), the embeddings and every KV buffer are bfloat16, so a step reads half the bytes;
+each product takes bf16 inputs and rounds its output to bf16, while the residual stream,
+RMSNorm, RoPE and the attention softmax run in fp32 (a bf16 residual stream rounds at
+every one of the 30 adds). The output layer's product is bf16 too (:data:`HEAD_DTYPE`;
+an fp32 head was measured slower and no closer at its worst) and its logits are fp32
+before any softmax. The sampler samples from that bf16 model and returns its logprobs
+(``tests/test_sampler_precision.py`` pins how far they are from the fp32 trainer's).
+:func:`native_bf16` says whether this machine computes bf16 natively; without it (no
+``avx512_bf16``/AMX) bf16 products are several times slower than fp32 ones.
 """
 
 from __future__ import annotations
@@ -178,7 +180,8 @@ def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any
     if _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
         return None
     head_weight = _packed(_cast(head.weight.detach(), HEAD_DTYPE or dtype))
-    return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), inner.norm.weight.detach(), head_weight, inner.rotary_emb,
+    return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), inner.norm.weight.detach(), head_weight,
+                         inner.rotary_emb,
                          float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
                          head_dim, version, dtype)
 

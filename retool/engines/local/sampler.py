@@ -100,6 +100,17 @@ class LocalSamplingClient:
     float rounding); ``bench/sampling.py --loops`` compares them. The merged copy costs
     the model's weights once more in memory (538 MB for SmolLM2-135M in fp32).
 
+    Precision (``precision``): ``fp32`` (default) decodes with the trainer's weights as
+    they are. ``bf16`` makes the lean loop's merged copy in bfloat16 (half its memory: 310
+    vs 513 MiB for SmolLM2-135M), and with it the KV cache, the KV store (its budget
+    counts bf16 bytes) and the shared prefix's forward; the residual stream, softmaxes and
+    logits stay fp32. Tokens are drawn from that bf16 model and the logprobs returned are
+    its own, a little off the fp32 trainer's (``docs/benchmarks.md``: mean 0.02 nats on
+    SmolLM2). The ``own`` and ``generate`` loops refuse bf16 (``LocalSettings.validate``);
+    a model the lean loop does not cover decodes in fp32 with a warning. ``auto`` is bf16
+    where :func:`lean_decode.native_bf16` (``avx512_bf16``/AMX, or a bf16 GPU), else fp32;
+    ``precision`` (the property) says which one runs.
+
     Fast path: the prefix cache, the KV store, reserved room and the own decode loop
     reach into transformers' cache internals (``hf_compat``). With ``fast_sampling`` off, or on
     a transformers release outside ``hf_compat.TESTED_TRANSFORMERS``, all of them are off
