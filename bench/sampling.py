@@ -32,6 +32,17 @@ the same sampled tokens. It prints tokens/s of each, the ratios, the load, and t
 machine for the same tokens: matmul rate and memory bandwidth measured in the same run,
 each step costing at least its FLOPs at that rate and its bytes (weights + the rows' KV)
 at that bandwidth (``machine_bound``).
+
+``--precision`` is the lean loop in fp32 against bf16 (``--local-precision``) on the same
+rollout requests, alternating ``--repeats`` times, and a third variant, bf16 with an fp32
+output layer (the head's product in fp32): tokens/s of each, the ratio to fp32, the
+machine bound for each (bf16 halves the bytes of the weights and the KV; its matmul rate
+is measured too), the merged copy's and a token's KV bytes, the process RSS, and the
+mismatch PPO sees — mean and max |sampler - trainer (fp32)| logprob over the sampled
+tokens (``train/sampler_logprob_diff``). ``--requests 64 --top-p 0.7`` is the held-out
+eval's shape (the sampler's batches of 64 rows).
+
+    python bench/sampling.py --requests 16 --max-tokens 128 --precision
 """
 
 from __future__ import annotations
@@ -102,6 +113,11 @@ def main() -> None:
                         help="only compare the decode-step optimisations with HF's plain path")
     parser.add_argument("--loops", action="store_true",
                         help="old path (HF generate) vs new (own decode loop) on the rollout's requests")
+    parser.add_argument("--precision", action="store_true",
+                        help="lean loop in fp32 vs bf16 (and bf16 with an fp32 head) on the rollout's requests")
+    parser.add_argument("--variants", default="fp32,bf16,bf16-fp32-head",
+                        help="--precision's variants, comma-separated (one alone: its process peak RSS is its own)")
+    parser.add_argument("--top-p", type=float, default=0.7, help="nucleus of --loops and --precision")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per variant (--decode, --loops)")
     args = parser.parse_args()
@@ -114,7 +130,7 @@ def main() -> None:
                                                    sampler=LocalSettings(max_sample_rows=args.requests)))
     sampler = engine.save_weights_for_sampler()
     sampler.kv_cache_bytes = 0  # the store of earlier turns is bench/multiturn.py's subject
-    make = tool_prompts if args.tool_prompts or args.loops else prompts
+    make = tool_prompts if args.tool_prompts or args.loops or args.precision else prompts
     prompts_P = make(engine.get_tokenizer(), args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)
     timed(all_at_once(sampler, prompts_P[:2], SamplingParams(max_tokens=2)))  # warm-up
@@ -122,6 +138,8 @@ def main() -> None:
         return decode_ab(sampler, prompts_P, args)
     if args.loops:
         return loops_ab(engine, sampler, prompts_P, args)
+    if args.precision:
+        return precision_ab(engine, sampler, prompts_P, args)
 
     calls = sampler.calls
     base_tokens, base_s = timed(one_at_a_time(sampler, prompts_P, params))
@@ -183,7 +201,8 @@ def loops_ab(engine, sampler, prompts_P, args) -> None:
     from retool.render import Renderer
 
     stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=0.7, stop_token_ids=stops, seed=0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=args.top_p, stop_token_ids=stops,
+                            seed=0)
     seconds: dict[str, list[float]] = {loop: [] for loop, _ in LOOPS}
     tokens = {}
     for _ in range(args.repeats):
@@ -211,18 +230,112 @@ def loops_ab(engine, sampler, prompts_P, args) -> None:
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
+PRECISIONS = (("fp32", "fp32", None), ("bf16", "bf16", None), ("bf16-fp32-head", "bf16", "fp32"))
+"""(label, sampler precision, head dtype override) of ``--precision``'s variants."""
+
+
+def precision_ab(engine, sampler, prompts_P, args) -> None:
+    """The lean loop in fp32 vs bf16 (vs bf16 with an fp32 head), same seeded rollout requests."""
+    import psutil
+    import torch
+
+    from retool.engines.local import lean_decode, probe
+    from retool.peak_rss import own_peak_bytes
+    from retool.render import Renderer
+
+    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=args.top_p, stop_token_ids=stops,
+                            seed=0)
+    sampler.decode_loop = "lean"
+    chosen = args.variants.split(",")
+    variants = [v for v in PRECISIONS if v[0] in chosen]
+    seconds: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    results, merged_bytes, rss, kv_token = {}, {}, {}, {}
+    for _ in range(args.repeats):
+        for label, precision, head in variants:
+            _set_precision(sampler, precision, head)
+            start = time.perf_counter()
+            results[label] = asyncio.run(sequences(sampler, prompts_P, params))
+            seconds[label].append(time.perf_counter() - start)
+            merged_bytes[label] = _lean_bytes(sampler._lean_weights, engine.model.dtype)
+            kv_token[label] = sampler.kv_bytes_per_token
+            rss[label] = psutil.Process().memory_info().rss
+    lean_decode.HEAD_DTYPE = None
+    rate, bandwidth = machine_rates()
+    bf16_rate = machine_rates(torch.bfloat16)[0]
+    mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
+    print(f"{len(prompts_P)} rollout requests x <= {args.max_tokens} tokens, top-p {args.top_p}, prompts of "
+          f"{mean_prompt:.0f} tokens; lean loop; torch threads {_threads()}; best of {args.repeats}")
+    base = None
+    for label, precision, _ in variants:
+        lengths = [len(s.tokens) for s in results[label]]
+        count, best = sum(lengths), min(seconds[label])
+        half = precision == "bf16"
+        bound_s = machine_bound(engine.model, prompts_P, lengths, bf16_rate if half else rate, bandwidth,
+                                element_bytes=2 if half else 4)
+        base = base or count / best
+        mean, worst = _mismatch(engine.model, prompts_P, results[label], probe)
+        print(f"{label}: {count / best:.1f} tok/s ({count} tokens, {best:.1f} s; runs "
+              f"{', '.join(f'{s:.1f}' for s in seconds[label])} s); {count / best / base:.2f}x the first; bound "
+              f"{count / bound_s:.0f} tok/s (at {(bf16_rate if half else rate) / 1e9:.0f} GFLOP/s); merged copy "
+              f"{merged_bytes[label] / 2**20:.0f} MiB; KV {kv_token[label]} B/token; RSS "
+              f"{rss[label] / 2**30:.2f} GiB; |sampler - trainer| logprob mean {mean:.4f} max {worst:.4f}")
+    print(f"process peak RSS {own_peak_bytes() / 2**30:.2f} GiB; memory bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"load average (1, 5, 15 min): "
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def _set_precision(sampler, precision: str, head: str | None) -> None:
+    """Switch a sampler's decode dtype (and the head's) between runs; its merged copy is made again."""
+    import torch
+
+    from retool.engines.local import kv_cache, lean_decode
+
+    lean_decode.HEAD_DTYPE = torch.float32 if head == "fp32" else None
+    sampler.dtype = lean_decode.resolve_precision(precision, sampler.model.device)
+    sampler.kv_bytes_per_token = kv_cache.kv_bytes_per_token(sampler.model, sampler.dtype)
+    sampler.clear_kv_cache()
+
+
+def _lean_bytes(weights, model_dtype) -> int:
+    """Bytes a lean merged copy adds: its matrices (packed ones at their element size) and
+    its embeddings when cast (in the model's dtype they are the model's own tensor)."""
+    if weights is None:
+        return 0
+    tensors = [t for layer in weights.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    tensors += [weights.head] + ([weights.embed] if weights.embed.dtype != model_dtype else [])
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+async def sequences(sampler, prompts_P, params) -> list:
+    results = await asyncio.gather(*(sampler.sample(p, 1, params) for p in prompts_P))
+    return [r.sequences[0] for r in results]
+
+
+def _mismatch(model, prompts_P, sequences_P, probe) -> tuple[float, float]:
+    """Mean and max |sampler - trainer| logprob over every sampled token (temperature 1:
+    the sampler's logprobs are the unfiltered policy's, as the trainer's)."""
+    diffs = []
+    for prompt, seq in zip(prompts_P, sequences_P):
+        trainer = probe.model_logprobs(model, list(prompt) + list(seq.tokens), len(prompt))
+        diffs += [abs(a - b) for a, b in zip(seq.logprobs, trainer, strict=True)]
+    return sum(diffs) / len(diffs), max(diffs)
+
+
 def _threads() -> int:
     import torch
 
     return torch.get_num_threads()
 
 
-def machine_rates() -> tuple[float, float]:
-    """(fp32 matmul FLOP/s, memory bytes/s) of this machine now: best of a few runs of a
-    1024^3 matmul and of summing a 256 MB tensor."""
+def machine_rates(dtype=None) -> tuple[float, float]:
+    """(matmul FLOP/s in ``dtype``, default fp32; memory bytes/s) of this machine now: best
+    of a few runs of a 1024^3 matmul and of summing a 256 MB tensor."""
     import torch
 
-    a, b, big = torch.randn(1024, 1024), torch.randn(1024, 1024), torch.randn(64 * 2**20)
+    dtype = dtype or torch.float32
+    a, b = torch.randn(1024, 1024).to(dtype), torch.randn(1024, 1024).to(dtype)
+    big = torch.randn(64 * 2**20)
     matmul = min(_timed_once(lambda: a @ b) for _ in range(5))
     read = min(_timed_once(big.sum) for _ in range(5))
     return 2 * 1024**3 / matmul, big.nbytes / read
@@ -234,18 +347,18 @@ def _timed_once(fn) -> float:
     return time.perf_counter() - start
 
 
-def machine_bound(model, prompts_P, lengths_R, rate: float, bandwidth: float) -> float:
+def machine_bound(model, prompts_P, lengths_R, rate: float, bandwidth: float, element_bytes: int = 4) -> float:
     """Seconds the work cannot beat on this machine: a prefill of every prompt token (the
     shared prefix once) at ``rate``, then per decode step, for the rows still running,
-    the larger of its FLOPs at ``rate`` and its bytes (all weights + those rows' KV) at
-    ``bandwidth``."""
+    the larger of its FLOPs at ``rate`` and its bytes (all weights + those rows' KV, at
+    ``element_bytes`` a number) at ``bandwidth``."""
     from retool.engines.local import kv_cache
 
     config = model.config
     params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = params * element_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
     shared = kv_cache.shared_prefix_length([tuple(p) for p in prompts_P])
     prefill_tokens = shared + sum(len(p) - shared for p in prompts_P)
     seconds = 2 * params * prefill_tokens / rate

@@ -55,6 +55,7 @@ from retool.atomic import atomic_write_text
 from retool.bundled import BundledModelMissing, resolve_model_name
 from retool.config import ConfigError, add_config_args, config_from_args, make_config, option, require
 from retool.curriculum import CURRICULA
+from retool.engines.settings import LocalSettings
 from retool.evaluate import EvalConfig, evaluate, format_behaviour
 from retool.flag_checks import output_folder
 from retool.log import read_metrics
@@ -134,6 +135,11 @@ class DemoConfig:
     rl_save_every: int = option(0, "also keep an RL checkpoint every N steps (0: only the last)")
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
+    sampler_precision: str = option("fp32", "number format the evals' and RL rollouts' sampler decodes in "
+                                            "(--local-precision of retool eval/train): fp32; bf16 = half the "
+                                            "sampler's weight and KV memory, faster on a CPU with native bf16; "
+                                            "auto = bf16 where the CPU has it (avx512_bf16/AMX); training stays "
+                                            "fp32", choices=("fp32", "bf16", "auto"))
 
     def validate(self) -> None:
         for name in ("sft_dialogues", "sft_steps", "sft_batch_size", "rl_problems", "rl_steps", "rl_batch_size",
@@ -145,6 +151,7 @@ class DemoConfig:
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
         require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
+        LocalSettings(precision=self.sampler_precision).validate()
         try:
             tasks.parse_difficulty(self.rl_difficulty)
         except ValueError as err:
@@ -223,6 +230,7 @@ def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint
         max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, seed=cfg.seed,
         interpreter=cfg.interpreter, sandbox_workers=4, concurrency=problems, device=cfg.device, dtype=cfg.dtype,
+        local=LocalSettings(precision=cfg.sampler_precision),
         limit=problems if problems < cfg.eval_problems else None, output=str(eval_path(out, label)))
     return evaluate(eval_cfg).summary
 
@@ -261,7 +269,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
         sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
-        dtype=cfg.dtype)
+        dtype=cfg.dtype, local=LocalSettings(precision=cfg.sampler_precision))
     return train(train_cfg, resume=(run_dir / "config.json").exists())
 
 

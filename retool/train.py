@@ -163,7 +163,7 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
                                              "(retool/weight_sync.py; 0 = off)")
     weight_sync_tolerance: float | None = option(None, "max |sampler - trainer logprob| the check allows; none = "
                                                        "the engine's (1e-3 in float32, 0.1 in bfloat16, 0.25 "
-                                                       "on a service)")
+                                                       "with a bf16 sampler on float32 weights or on a service)")
 
     def validate(self) -> None:
         self.validate_settings()
@@ -802,7 +802,7 @@ def build_trainer(cfg: TrainConfig, problems: list[Problem] | None = None) -> Tr
     rollout = Rollout(renderer, None, sandbox, grading, cfg.rollout_config(temperature=cfg.temperature, top_p=cfg.top_p))
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     guard = guard_for(cfg.engine, cfg.weight_sync_check_every, renderer, cfg.weight_sync_tolerance,
-                      half_precision=_half_precision(cfg))
+                      half_precision=_half_precision(cfg), bf16_sampler=_bf16_sampler(cfg))
     ahead = pipeline.Pipeline[Ahead](cfg.max_staleness, cfg.max_steps) if cfg.max_staleness else None
     return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost, weight_sync=guard, pipeline=ahead,
                    grading=grading)
@@ -815,6 +815,17 @@ def _half_precision(cfg: TrainConfig) -> bool:
     from retool.engines.local.model import resolve_device, resolve_dtype  # torch: heavy, kept off retool train --help
 
     return str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))) != "torch.float32"
+
+
+def _bf16_sampler(cfg: TrainConfig) -> bool:
+    """Whether the local engine's sampler decodes in bfloat16 (``--local-precision``) on
+    float32 weights."""
+    if cfg.engine != "local" or _half_precision(cfg):
+        return False
+    from retool.engines.local.lean_decode import resolve_precision  # torch: heavy, kept off retool train --help
+    from retool.engines.local.model import resolve_device
+
+    return resolve_precision(cfg.local.precision, resolve_device(cfg.device)) is not None
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Path:

@@ -65,6 +65,13 @@ HALF_PRECISION_TOLERANCE = 0.1
 on a GPU): the fp32 figures of the capabilities assume float32 weights."""
 
 
+BF16_SAMPLER_TOLERANCE = 0.25
+"""The tolerance of a local sampler that decodes in bfloat16 (``--local-precision bf16``)
+against a float32 trainer: bf16 rounding alone moves SmolLM2's probe logprobs by 0.10
+(the lean bf16 steps; HF's own bf16 model 0.12, autocast 0.10), so 0.1 would stop sound
+runs. Rule 2 still catches a stale sampler at any tolerance."""
+
+
 class WeightSyncError(RuntimeError):
     """The sampler is not on the trainer's current weights; the message is one line."""
 
@@ -209,10 +216,11 @@ class WeightSyncGuard:
 
 
 def guard_for(engine: str, every: int, renderer: Any, tolerance: float | None, *, half_precision: bool = False,
-              ) -> WeightSyncGuard | None:
+              bf16_sampler: bool = False) -> WeightSyncGuard | None:
     """The guard of a run (``None`` with ``every`` 0): ``tolerance`` ``None`` takes the
     engine's (:class:`~retool.engines.base.Capabilities`), or
-    :data:`HALF_PRECISION_TOLERANCE` when the weights are half precision."""
+    :data:`HALF_PRECISION_TOLERANCE` when the weights are half precision, or
+    :data:`BF16_SAMPLER_TOLERANCE` when only the sampler is (``bf16_sampler``)."""
     if every == 0:
         return None
     capabilities = engine_spec(engine).capabilities
@@ -220,5 +228,6 @@ def guard_for(engine: str, every: int, renderer: Any, tolerance: float | None, *
         engine_tolerance = capabilities.weight_sync_tolerance
         if engine_tolerance is None:
             raise ValueError(f"engine {engine} has no weight-sync check")
-        tolerance = max(engine_tolerance, HALF_PRECISION_TOLERANCE) if half_precision else engine_tolerance
+        floor = BF16_SAMPLER_TOLERANCE if bf16_sampler else HALF_PRECISION_TOLERANCE if half_precision else 0.0
+        tolerance = max(engine_tolerance, floor)
     return WeightSyncGuard(engine, build_probe(renderer), tolerance, every, capabilities.weight_sync_repeatable)

@@ -32,8 +32,8 @@ def test_a_sampler_that_skips_the_re_merge_stops_the_run_with_one_line(tmp_path,
 
     real, first = lean_decode.decode_weights, []
 
-    def merged_once(model, previous=None):
-        first or first.append(real(model))
+    def merged_once(model, previous=None, dtype=None):
+        first or first.append(real(model, dtype=dtype))
         return first[0]
 
     monkeypatch.setattr(lean_decode, "decode_weights", merged_once)

@@ -44,12 +44,23 @@ class LocalSettings:
                                       "loop through the model's forward (drops finished rows from the batch); "
                                       "generate = one HF generate call per batch, the first path",
                               choices=("lean", "own", "generate"))
+    precision: str = option("fp32", "number format the sampler decodes in: fp32 = the trainer's weights as they "
+                                    "are (float32 on a CPU); bf16 = a bfloat16 copy of the merged weights, KV "
+                                    "cache and KV store (half the memory, faster products on a CPU with native "
+                                    "bf16: avx512_bf16/AMX; lean decode loop only; logprobs are the bf16 "
+                                    "model's); auto = bf16 where the CPU or GPU computes bf16 natively, else "
+                                    "fp32", choices=("fp32", "bf16", "auto"))
 
     def validate(self) -> None:
         require(self.sample_window_s >= 0, f"local_sample_window_s must be >= 0, got {self.sample_window_s}")
         require(self.max_sample_rows >= 1, f"local_max_sample_rows must be >= 1, got {self.max_sample_rows}")
         require(self.kv_cache_mb >= 0, f"local_kv_cache_mb must be >= 0, got {self.kv_cache_mb}")
         require(self.batch_kv_mb >= 0, f"local_batch_kv_mb must be >= 0, got {self.batch_kv_mb}")
+        require(self.precision in ("fp32", "bf16", "auto"),
+                f"local_precision must be fp32, bf16 or auto, got {self.precision!r}")
+        require(self.precision != "bf16" or (self.decode_loop == "lean" and self.fast_sampling),
+                "local_precision bf16 needs local_decode_loop lean and local_fast_sampling on (the other decode "
+                "paths run the trainer's own fp32 model)")
 
 
 @dataclass(frozen=True)

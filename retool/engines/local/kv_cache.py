@@ -150,14 +150,15 @@ def nbytes(kv: KV) -> int:
     return sum(k.nbytes + v.nbytes for k, v in kv)
 
 
-def kv_bytes_per_token(model: Any) -> int:
+def kv_bytes_per_token(model: Any, dtype: Any = None) -> int:
     """Bytes of keys and values one token takes in a pure-attention cache of ``model``
-    (every layer, at the model's dtype); 0 when its config does not say."""
+    (every layer, at ``dtype``, default the model's: a bf16 sampler's cache takes half);
+    0 when its config does not say."""
     config = model.config
     layers, heads = getattr(config, "num_hidden_layers", 0), getattr(config, "num_attention_heads", 0)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
-    return 2 * layers * kv_heads * head_dim * model.dtype.itemsize
+    return 2 * layers * kv_heads * head_dim * (dtype or model.dtype).itemsize
 
 
 def common_prefix(prompts: Sequence[Sequence[int]]) -> int:

@@ -29,11 +29,24 @@ tokens/s of HF ``generate``.
 Exactness: merged weights and the fused products change float rounding only; the
 logprobs of sampled tokens agree with the model's own forward pass within 1e-4
 (``tests/test_sampler_fast.py``).
+
+Precision (``decode_weights(..., dtype=torch.bfloat16)``, the sampler's
+``precision="bf16"``): the merged matrices (merged in the model's fp32, then rounded
+once), the embeddings and every KV buffer are bfloat16, so a step reads half the bytes;
+each product takes bf16 inputs and rounds its output to bf16, while the residual stream,
+RMSNorm, RoPE and the attention softmax run in fp32 (a bf16 residual stream rounds at
+every one of the 30 adds). The output layer's product is bf16 too (:data:`HEAD_DTYPE`;
+an fp32 head was measured slower and no closer at its worst) and its logits are fp32
+before any softmax. The sampler samples from that bf16 model and returns its logprobs
+(``tests/test_sampler_precision.py`` pins how far they are from the fp32 trainer's).
+:func:`native_bf16` says whether this machine computes bf16 natively; without it (no
+``avx512_bf16``/AMX) bf16 products are several times slower than fp32 ones.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +64,58 @@ PREFILL_SCORES_BYTES = 64 * 2**20
 """Most memory one chunk of rows of a lean prefill spends on attention scores (and their
 mask): rows are prefilled in chunks under it (a batch of 64 rows x 450 new columns
 without a shared prefix would need ~500 MB at once)."""
+
+
+PRECISIONS = ("fp32", "bf16", "auto")
+"""The sampler's ``precision`` settings (``LocalSettings.precision``)."""
+
+HEAD_DTYPE: Any = None
+"""Dtype of the output layer's product under bf16: ``None`` = the decode dtype (bf16 weights,
+half the bytes of the largest matrix); its logits are always turned to fp32 before the
+log-softmax. (A float32 head was measured as well, ``docs/benchmarks.md``.)"""
+
+
+def native_bf16(device: Any) -> bool:
+    """Whether ``device`` computes bfloat16 products natively: a CUDA GPU that supports
+    bf16, or a CPU with oneDNN and ``avx512_bf16`` or AMX (read from ``/proc/cpuinfo``;
+    other systems count as without)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass  # not Linux: no flags to read, so no native bf16 is assumed
+    return frozenset()
+
+
+def resolve_precision(precision: str, device: Any) -> Any:
+    """The dtype the lean steps decode in for a ``precision`` setting: ``None`` for fp32
+    (the model's own weights as they are), ``torch.bfloat16`` for bf16, and for auto
+    bf16 exactly when :func:`native_bf16`. Auto's choice is printed once per process."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        native = native_bf16(device)
+        _say_auto(str(torch.device(device)), native)
+        return torch.bfloat16 if native else None
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+@functools.cache
+def _say_auto(device: str, native: bool) -> None:
+    why = "computes bf16 natively" if native else "has no native bf16 (avx512_bf16/AMX)"
+    print(f"[sampler] precision auto -> {'bf16' if native else 'fp32'}: {device} {why}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -83,6 +148,8 @@ class DecodeWeights:
     kv_heads: int
     head_dim: int
     version: tuple
+    dtype: Any = None
+    """The dtype the weights were cast to (``None``: the model's own)."""
 
 
 def weight_version(model: Any) -> tuple:
@@ -91,28 +158,37 @@ def weight_version(model: Any) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
-def decode_weights(model: Any, previous: DecodeWeights | None = None) -> DecodeWeights | None:
+def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any = None) -> DecodeWeights | None:
     """The lean step's weights for ``model`` (``previous`` again while its weights have not
-    changed), or ``None`` when the architecture is not covered (see the module doc)."""
+    changed), or ``None`` when the architecture is not covered (see the module doc).
+    ``dtype`` (e.g. ``torch.bfloat16``) casts every weight once, after merging; ``None``
+    keeps the model's dtype."""
     version = weight_version(model)
-    if previous is not None and previous.version == version:
+    if previous is not None and previous.version == version and previous.dtype == dtype:
         return previous
     inner = _decoder(model)
     if inner is None:
         return None
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cast = functools.partial(_cast, dtype=dtype)
     try:
-        layers = tuple(_layer_weights(layer) for layer in inner.layers)
+        layers = tuple(_layer_weights(layer, cast) for layer in inner.layers)
     except _Unsupported:
         return None
     head = model.get_output_embeddings()
     if _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
         return None
-    return DecodeWeights(layers, inner.embed_tokens.weight, inner.norm.weight, _packed(head.weight.detach()),
+    head_weight = _packed(_cast(head.weight.detach(), HEAD_DTYPE or dtype))
+    return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), inner.norm.weight.detach(), head_weight,
                          inner.rotary_emb,
                          float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
-                         head_dim, version)
+                         head_dim, version, dtype)
+
+
+def _cast(tensor: Any, dtype: Any) -> Any:
+    """``tensor`` in ``dtype`` (itself when ``dtype`` is ``None`` or already its dtype)."""
+    return tensor if tensor is None or dtype is None else tensor.to(dtype)
 
 
 class _Unsupported(Exception):
@@ -137,7 +213,9 @@ def _decoder(model: Any) -> Any:
     return inner
 
 
-def _layer_weights(layer: Any) -> LayerWeights:
+def _layer_weights(layer: Any, cast: Any) -> LayerWeights:
+    """One layer's merged, fused weights, each matrix passed through ``cast`` (a dtype) before
+    packing; the RMSNorm weights stay as they are (they scale the fp32 residual stream)."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = (_merged(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj"))
     o, gate, up, down = _merged(attn.o_proj), _merged(mlp.gate_proj), _merged(mlp.up_proj), _merged(mlp.down_proj)
@@ -149,29 +227,32 @@ def _layer_weights(layer: Any) -> LayerWeights:
         qkv_bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
                               for (w, _), b in zip((q, k, v), biases)])
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return LayerWeights(layer.input_layernorm.weight, _packed(torch.cat([q[0], k[0], v[0]])), qkv_bias,
-                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                        _packed(o[0]), o[1], layer.post_attention_layernorm.weight,
-                        _packed(torch.cat([gate[0], up[0]])), _packed(down[0]))
+    return LayerWeights(layer.input_layernorm.weight.detach(), _packed(cast(torch.cat([q[0], k[0], v[0]]))),
+                        cast(qkv_bias), None if q_norm is None else cast(q_norm.weight.detach()),
+                        None if k_norm is None else cast(k_norm.weight.detach()),
+                        _packed(cast(o[0])), cast(o[1]), layer.post_attention_layernorm.weight.detach(),
+                        _packed(cast(torch.cat([gate[0], up[0]]))), _packed(cast(down[0])))
 
 
 def _packed(weight: Any) -> Any:
     """``weight`` (out, in) reordered into oneDNN's blocked layout for :func:`_linear` when
-    that runs here (fp32 on a CPU with oneDNN): ~2.5x faster products at a few rows than
-    the plain layout (measured at 16 rows: 6.4 vs 15.9 ms for the 49k x 576 head)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_linear():
+    that runs here (fp32 or bf16 on a CPU with oneDNN): ~2.5x faster fp32 products at a
+    few rows than the plain layout (measured at 16 rows: 6.4 vs 15.9 ms for the 49k x 576
+    head), ~1.3x for bf16 ones (``docs/benchmarks.md``)."""
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
+            or not _onednn_linear(weight.dtype)):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
 @functools.cache
-def _onednn_linear() -> bool:
+def _onednn_linear(dtype: Any = torch.float32) -> bool:
     """Whether torch's oneDNN linear (the op ``torch.compile`` uses for frozen CPU weights)
-    is present and agrees with a plain product here."""
+    is present and agrees with a plain product here, in ``dtype``."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     generator = torch.Generator().manual_seed(0)
-    x, w = torch.randn(3, 8, generator=generator), torch.randn(5, 8, generator=generator)
+    x, w = torch.randn(3, 8, generator=generator).to(dtype), torch.randn(5, 8, generator=generator).to(dtype)
     try:
         got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None,
                                                  "none", [], "")
@@ -179,11 +260,13 @@ def _onednn_linear() -> bool:
         warnings.warn(f"oneDNN linear unavailable ({exc}); lean decode steps use plain products", RuntimeWarning,
                       stacklevel=2)
         return False
-    return bool(torch.allclose(got, x @ w.T, atol=1e-5))
+    atol = 1e-5 if dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(got.float(), x.float() @ w.float().T, atol=atol))
 
 
 def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
-    """``x @ weight.T + bias`` for a weight from :func:`_packed`."""
+    """``x @ weight.T + bias`` for a weight from :func:`_packed` (``x`` in the weight's dtype)."""
+    x = x.to(weight.dtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -267,13 +350,13 @@ class LeanCache:
         w = self.weights
         rows, width = ids_BT.shape
         old, group, d = self.width, w.heads // w.kv_heads, w.head_dim
-        x = w.embed[ids_BT].reshape(rows * width, -1)
+        x = _stream(w, w.embed[ids_BT].reshape(rows * width, -1))
         cos, sin = w.rotary(x.view(rows, width, -1), positions_BT)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (rows, width, 1, head_dim)
         causal = torch.ones(width, width, dtype=torch.bool, device=ids_BT.device).tril()
         allowed = causal & ((mask_BT[:, None, :] != 0) | torch.eye(width, dtype=torch.bool, device=ids_BT.device))
         bias = torch.cat([self.bias[rows_slice, None, :old].expand(rows, width, old),
-                          x.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))], dim=-1)
+                          self.bias.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))], dim=-1)
         bias = bias[:, :, None].expand(rows, width, group, old + width).reshape(1, rows, width * group, old + width)
         hidden = x.shape[-1]
         q_size, kv_size = w.heads * d, w.kv_heads * d
@@ -289,7 +372,7 @@ class LeanCache:
             own_k[:, :, old:old + width] = _rope(k, cos, sin).permute(2, 0, 1, 3)
             own_v[:, :, old:old + width] = \
                 qkv[..., q_size + kv_size:].reshape(rows, width, w.kv_heads, d).permute(2, 0, 1, 3)
-            q = _rope(q, cos, sin).view(rows, width, w.kv_heads, group, d).permute(2, 0, 1, 3, 4)
+            q = _rope(q, cos, sin).to(own_k.dtype).view(rows, width, w.kv_heads, group, d).permute(2, 0, 1, 3, 4)
             attn = _attention_rows(q.reshape(w.kv_heads, rows, width * group, d), pk, pv,
                                    own_k[:, :, :old + width], own_v[:, :, :old + width], bias)
             attn = attn.view(w.kv_heads, rows, width, group, d).permute(1, 2, 0, 3, 4).reshape(rows * width, -1)
@@ -297,8 +380,7 @@ class LeanCache:
             h = F.rms_norm(x, (hidden,), layer.post_norm, w.eps)
             gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, layer.down)
-        last = x.view(rows, width, hidden)[:, -1]
-        return _linear(F.rms_norm(last, (hidden,), w.final_norm, w.eps), w.head)
+        return _logits(w, x.view(rows, width, hidden)[:, -1])
 
     def keep_rows(self, index: Any) -> None:
         """Keep only the batch rows ``index`` (layer by layer, so that the old and the new
@@ -319,7 +401,7 @@ class LeanCache:
         rows, col = tokens_B.shape[0], self.width
         if col == self.own[0][0].shape[2]:
             self._grow()
-        x = w.embed[tokens_B]
+        x = _stream(w, w.embed[tokens_B])
         cos, sin = w.rotary(x[:, None], positions_B[:, None])
         cos, sin = cos[:, None, 0], sin[:, None, 0]  # (rows, 1, head_dim)
         hidden = x.shape[-1]
@@ -336,14 +418,14 @@ class LeanCache:
                 k = F.rms_norm(k, (w.head_dim,), layer.k_norm, w.eps)
             own_k[:, :, col] = _rope(k, cos, sin).transpose(0, 1)
             own_v[:, :, col] = qkv[:, q_size + kv_size:].view(rows, w.kv_heads, w.head_dim).transpose(0, 1)
-            attn = _attention(_rope(q, cos, sin), pk, pv, own_k[:, :, :col + 1], own_v[:, :, :col + 1], bias,
-                              w.kv_heads)
+            attn = _attention(_rope(q, cos, sin).to(own_k.dtype), pk, pv, own_k[:, :, :col + 1],
+                              own_v[:, :, :col + 1], bias, w.kv_heads)
             x = x + _linear(attn, layer.o, layer.o_bias)
             h = F.rms_norm(x, (hidden,), layer.post_norm, w.eps)
             gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, layer.down)
         self.width = col + 1
-        return _linear(F.rms_norm(x, (hidden,), w.final_norm, w.eps), w.head)
+        return _logits(w, x)
 
     def _grow(self) -> None:
         """Double the room of every row's columns (only when the reserve ran out)."""
@@ -351,6 +433,30 @@ class LeanCache:
         for layer, (k, v) in enumerate(self.own):
             self.own[layer] = (F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)))
         self.bias = F.pad(self.bias, (0, extra))
+
+
+def _stream(w: DecodeWeights, x: Any) -> Any:
+    """The residual stream's dtype: fp32 under a cast copy (bf16 weights round each
+    product's output once; summing 30 layers' outputs in bf16 would round at every add),
+    else the model's own."""
+    return x if w.dtype is None else x.float()
+
+
+def _logits(w: DecodeWeights, x: Any) -> Any:
+    """The next-token logits (rows, vocab) of the last hidden states ``x``, in fp32 (the
+    head's product in its own dtype, :data:`HEAD_DTYPE`)."""
+    h = F.rms_norm(x, (x.shape[-1],), w.final_norm, w.eps)
+    return _linear(h.to(w.head.dtype), w.head).float()
+
+
+def prefix_kv(weights: DecodeWeights, prefix_ids: Any) -> KV:
+    """The KV of one row of tokens ``prefix_ids`` (1-D) through the lean weights, per layer
+    ``(kv_heads, P, head_dim)``: the shared prefix of a bf16 sampler, which must be the same
+    bf16 model as its decode steps (the fp32 path runs the model's own forward instead)."""
+    ids = prefix_ids[None]
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    cache, _ = LeanCache.prefill(weights, None, ids, torch.ones_like(ids), positions, 0)
+    return cache.row_kv(0)
 
 
 def _rope(x: Any, cos: Any, sin: Any) -> Any:
@@ -384,7 +490,7 @@ def _attention_rows(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any
         scores = torch.cat([prefix_scores.view(kv_heads, rows, n, prefix_len), own_scores], dim=-1)
     else:
         scores = own_scores
-    probs = scores.softmax(dim=-1)
+    probs = scores.softmax(dim=-1) if scores.dtype == torch.float32 else scores.float().softmax(-1).to(scores.dtype)
     out = torch.matmul(probs[..., prefix_len:], own_v)
     if prefix_len:
         prefix_probs = probs[..., :prefix_len].reshape(kv_heads, rows * n, prefix_len)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,17 @@ class LocalSamplingClient:
     float rounding); ``bench/sampling.py --loops`` compares them. The merged copy costs
     the model's weights once more in memory (538 MB for SmolLM2-135M in fp32).
 
+    Precision (``precision``): ``fp32`` (default) decodes with the trainer's weights as
+    they are. ``bf16`` makes the lean loop's merged copy in bfloat16 (half its memory: 310
+    vs 513 MiB for SmolLM2-135M), and with it the KV cache, the KV store (its budget
+    counts bf16 bytes) and the shared prefix's forward; the residual stream, softmaxes and
+    logits stay fp32. Tokens are drawn from that bf16 model and the logprobs returned are
+    its own, a little off the fp32 trainer's (``docs/benchmarks.md``: mean 0.02 nats on
+    SmolLM2). The ``own`` and ``generate`` loops refuse bf16 (``LocalSettings.validate``);
+    a model the lean loop does not cover decodes in fp32 with a warning. ``auto`` is bf16
+    where :func:`lean_decode.native_bf16` (``avx512_bf16``/AMX, or a bf16 GPU), else fp32;
+    ``precision`` (the property) says which one runs.
+
     Fast path: the prefix cache, the KV store, reserved room and the own decode loop
     reach into transformers' cache internals (``hf_compat``). With ``fast_sampling`` off, or on
     a transformers release outside ``hf_compat.TESTED_TRANSFORMERS``, all of them are off
@@ -126,9 +138,10 @@ class LocalSamplingClient:
         self.prefix_cached_tokens = 0
         self.kv_store = kv_cache.KVStore(settings.kv_cache_mb * 2**20 if self.fast else 0)
         self.batch_kv_bytes = settings.batch_kv_mb * 2**20
-        self.kv_bytes_per_token = kv_cache.kv_bytes_per_token(model)
         self.reserve_kv = self.fast
         self.decode_loop = settings.decode_loop if self.fast else "generate"
+        self.dtype = self._decode_dtype(settings.precision)
+        self.kv_bytes_per_token = kv_cache.kv_bytes_per_token(model, self.dtype)
         self.nucleus_candidates = 256
         self._lean_weights: lean_decode.DecodeWeights | None = None
         self.kv_reused_tokens = 0
@@ -141,6 +154,27 @@ class LocalSamplingClient:
         self.sampled_tokens = 0
         self._pending: list[_Request] = []
         self._runner: asyncio.Task | None = None
+
+    def _decode_dtype(self, precision: str) -> Any:
+        """The lean steps' dtype for ``precision`` (``None``: the model's own): bf16 only on
+        the lean loop (``auto`` falls back to the model's dtype on the others; an explicit
+        bf16 there is refused by ``LocalSettings.validate``, or here when the fast path is
+        off for an untested transformers release)."""
+        dtype = lean_decode.resolve_precision(precision, self.model.device)
+        if dtype is None or dtype == self.model.dtype:
+            return None
+        if self.decode_loop != "lean":
+            if precision == "bf16":
+                raise ValueError("precision bf16 needs the lean decode loop, which is off here (fast sampling off "
+                                 "or an untested transformers release)")
+            return None
+        return dtype
+
+    @property
+    def precision(self) -> str:
+        """What the sampler decodes in now: ``bf16`` or ``fp32`` (the model's own weights;
+        bfloat16 for a bf16 model), for logs and run records."""
+        return "bf16" if (self.dtype or self.model.dtype) == torch.bfloat16 else "fp32"
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -258,7 +292,7 @@ class LocalSamplingClient:
         sampler = decoding.RowSampler(params, decoding.row_generators(seeds, device), self.nucleus_candidates)
         with self._lock, torch.no_grad(), model_mode(self.model, train=False):
             lean = self._lean() if self.decode_loop == "lean" else None
-            cache, input_ids, attention_mask, prefix_saved, reused = self._layout(prompts, lean is not None)
+            cache, input_ids, attention_mask, prefix_saved, reused = self._layout(prompts, lean)
             if self.reserve_kv and lean is None:
                 cache = hf_compat.with_reserved_room(cache, self.model.config, max(max_tokens_R))
             if self.decode_loop != "generate":
@@ -307,7 +341,8 @@ class LocalSamplingClient:
         self._store_rows(out, attention_mask, prompts, sequences)
         return sequences
 
-    def _layout(self, prompts: list[tuple[int, ...]], lean: bool) -> tuple[Any, Any, Any, int, int]:
+    def _layout(self, prompts: list[tuple[int, ...]],
+                lean: lean_decode.DecodeWeights | None) -> tuple[Any, Any, Any, int, int]:
         """Cache, input ids, attention mask, and the prompt tokens saved by the prefix cache
         and by the KV store, for one call: stored KV of earlier turns, else a shared prefix
         computed once, else plain left padding. With ``lean`` the cache is a
@@ -315,30 +350,43 @@ class LocalSamplingClient:
         row), else an HF cache (``None``: none)."""
         pad, device = self.tokenizer.pad_token_id, self.model.device
         shared = kv_cache.shared_prefix_length(prompts) if self.prefix_cache else 0
-        layout = kv_cache.restored_layout if lean else kv_cache.stored_layout
+        layout = kv_cache.restored_layout if lean is not None else kv_cache.stored_layout
         stored = layout(self.kv_store, prompts, shared, pad, device)
         if stored is not None:
             cache, input_ids, attention_mask, reused = stored
             return cache, input_ids, attention_mask, 0, reused
-        prefix = self._prefix_kv(prompts[0][:shared]) if shared else None
+        prefix = self._prefix_kv(prompts[0][:shared], lean) if shared else None
         if prefix is None:
             shared = 0
         input_ids, attention_mask = kv_cache.left_pad(prompts, pad, device, keep=shared)
         if prefix is None:
             cache = None
         else:
-            cache = kv_cache.Restored(prefix) if lean else kv_cache.repeated_cache(prefix, len(prompts))
+            cache = kv_cache.Restored(prefix) if lean is not None else kv_cache.repeated_cache(prefix, len(prompts))
         return cache, input_ids, attention_mask, shared * (len(prompts) - 1), 0
 
     def _lean(self) -> lean_decode.DecodeWeights | None:
         """The lean step's weights for the model's current weights (merged again only
-        after they changed), or ``None`` for a model it does not cover."""
-        self._lean_weights = lean_decode.decode_weights(self.model, self._lean_weights)
+        after they changed, or in another dtype), or ``None`` for a model it does not cover
+        (then a bf16 sampler decodes in the model's own dtype: the loop falls back to
+        ``own``)."""
+        self._lean_weights = lean_decode.decode_weights(self.model, self._lean_weights, self.dtype)
+        if self._lean_weights is None and self.dtype is not None:
+            warnings.warn(f"precision bf16: the lean decode loop does not cover {type(self.model).__name__}; the "
+                          "sampler decodes in the model's own dtype", RuntimeWarning, stacklevel=2)
+            self.dtype = None
+            self.kv_bytes_per_token = kv_cache.kv_bytes_per_token(self.model)
         return self._lean_weights
 
-    def _prefix_kv(self, prefix: tuple[int, ...]) -> Any:
+    def _prefix_kv(self, prefix: tuple[int, ...], lean: lean_decode.DecodeWeights | None) -> Any:
         """The KV of ``prefix`` (one row), or ``None`` when the model's cache is not pure
-        attention (then the prefix cache and store stay off)."""
+        attention (then the prefix cache and store stay off). Lean weights in another dtype
+        than the model's (bf16) compute it themselves, so that the prefix is the same bf16
+        model as the steps after it."""
+        if lean is not None and lean.dtype is not None:
+            kv = lean_decode.prefix_kv(lean, torch.tensor(prefix, device=self.model.device))
+            self.kv_store.remember(prefix, kv)
+            return kv
         kv = kv_cache.prefix_kv(self.model, prefix, self.kv_store)
         if kv is None:
             self.prefix_cache = False
