@@ -6,7 +6,7 @@ The demo's RL step trains 16 trajectories (2 problems x 8) of ~550 tokens that s
 (random tokens; the lengths of a measured demo step), and runs one PPO
 ``forward_backward`` of it once per variant of the trainer's memory settings
 (``logprob_chunk_tokens``, ``gradient_checkpointing``, ``micro_batch_tokens``,
-``prefix_once``), each in a fresh child process. A child builds the engine, runs one warm-up call, resets its peak
+``prefix_once``, ``train_precision``), each in a fresh child process. A child builds the engine, runs one warm-up call, resets its peak
 RSS (``/proc/self/clear_refs``), runs the measured call and reads ``VmHWM``: the peak
 is the process's at its worst moment in the call, and the delta is what the call added
 to the RSS before it. It also writes the call's logprobs and gradients, which the
@@ -14,7 +14,10 @@ parent compares with the first variant's (the same function, so they agree to fl
 rounding). Prints one line per variant with the peak, the delta, seconds, the ratio of
 both to the first variant, the call's CPU time (user + system, all threads: less
 sensitive than wall time to other processes on a shared machine) and its ratio, the
-largest logprob and gradient differences, and the load; with ``--flops`` also the
+largest and mean logprob differences (the mean over trained tokens is the
+``train/sampler_logprob_diff`` PPO would see with an fp32 sampler, when the first variant
+is fp32: the fp32 sampler matches the fp32 trainer to ~1e-4), the gradient difference
+and cosine, the loss, and the load; with ``--flops`` also the
 call's FLOPs (``torch.utils.flop_counter``: matmuls and attention, the work no load
 changes) and their ratio.
 
@@ -22,6 +25,8 @@ changes) and their ratio.
     python bench/train_memory.py --variants chunk=0,chunk=256,chunk=256+ckpt,chunk=256+ckpt+mmap=1048576
     python bench/train_memory.py --shape sft   # the demo's SFT step: 4 dialogues, cross-entropy
     python bench/train_memory.py --flops       # and each variant's FLOPs
+    python bench/train_memory.py --variants chunk=256+ckpt+once,chunk=256+ckpt+once+bf16,chunk=256+ckpt+once,chunk=256+ckpt+once+bf16
+                                               # fp32 / bf16 autocast, alternated (bf16+head16: the head in bf16 too)
 """
 
 from __future__ import annotations
@@ -50,15 +55,17 @@ def parse_variant(text: str) -> dict[str, int]:
     """``chunk=256+ckpt+mbt=1280`` -> engine settings (chunk = ``logprob_chunk_tokens``,
     ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``, once = ``prefix_once``
     on; mmap = glibc's ``MALLOC_MMAP_THRESHOLD_`` in bytes for the child, 0 = glibc's own
-    dynamic one)."""
+    dynamic one; bf16 = ``train_precision='bf16'``; head16 = with bf16, the output head in
+    bf16 too, ``trainer.HEAD_IN_BF16``)."""
     out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0,
-           "prefix_once": 0}
+           "prefix_once": 0, "bf16": 0, "head16": 0}
     names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens",
-             "mmap": "mmap", "once": "prefix_once"}
+             "mmap": "mmap", "once": "prefix_once", "bf16": "bf16", "head16": "head16"}
     for part in text.split("+"):
         key, _, value = part.partition("=")
         if key not in names:
-            raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N, once, mmap=N joined by +")
+            raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N, once, bf16, head16, "
+                             "mmap=N joined by +")
         out[names[key]] = int(value) if value else 1
     return out
 
@@ -91,13 +98,15 @@ def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> in
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from retool.engines.local import LocalEngineConfig, LocalTrainingClient
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient, trainer
 
     settings = parse_variant(variant)
+    trainer.HEAD_IN_BF16 = bool(settings["head16"])
     engine = LocalTrainingClient(LocalEngineConfig(
         model="bundled:smollm2", packing="shared-prefix", device="cpu", dtype="float32",
         micro_batch_tokens=settings["micro_batch_tokens"], logprob_chunk_tokens=settings["logprob_chunk_tokens"],
-        gradient_checkpointing=bool(settings["gradient_checkpointing"]), prefix_once=bool(settings["prefix_once"])))
+        gradient_checkpointing=bool(settings["gradient_checkpointing"]), prefix_once=bool(settings["prefix_once"]),
+        train_precision="bf16" if settings["bf16"] else "fp32"))
     data = demo_batch(engine.vocab_size, shape=shape)
     loss_fn = "ppo" if shape == "rl" else "cross_entropy"
     engine.forward_backward(data[:2], loss_fn)  # warm-up: first-call allocations are not the step's
@@ -115,7 +124,7 @@ def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> in
         with FlopCounterMode(display=False) as counter:
             engine.forward_backward(data, loss_fn)
         total_flops = counter.get_total_flops()
-    torch.save({"logprobs": out.logprobs_D, "grads": grads, "peak_kib": peak, "before_kib": before,
+    torch.save({"logprobs": out.logprobs_D, "weights": [d.weights_N for d in data], "grads": grads, "peak_kib": peak, "before_kib": before,
                 "seconds": seconds, "cpu_seconds": cpu_seconds, "flops": total_flops, "micro_batches": out.metrics["train/micro_batches"],
                 "loss": out.metrics["train/loss"]}, out_file)
     return 0
@@ -128,14 +137,22 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def compare(base: dict, other: dict) -> tuple[float, float]:
-    """Largest logprob difference, and largest gradient difference relative to the
-    largest gradient entry (over every trained tensor; LoRA A gets none from a fresh
-    adapter, whose B is zero)."""
-    lp = max(abs(a - b) for x, y in zip(base["logprobs"], other["logprobs"]) for a, b in zip(x, y))
+def compare(base: dict, other: dict) -> tuple[float, float, float, float]:
+    """Largest logprob difference, the mean one over trained tokens, the largest gradient
+    difference relative to the largest gradient entry, and the cosine of the whole
+    gradients (over every trained tensor; LoRA A gets none from a fresh adapter, whose B
+    is zero)."""
+    import torch
+
+    pairs = [(abs(a - b), w) for x, y, ws in zip(base["logprobs"], other["logprobs"], base["weights"])
+             for a, b, w in zip(x, y, ws)]
+    lp = max(d for d, _ in pairs)
+    trained = [d for d, w in pairs if w != 0]
     scale = max(float(g.abs().max()) for g in base["grads"].values())
     grad = max(float((base["grads"][k] - other["grads"][k]).abs().max()) for k in base["grads"])
-    return lp, grad / scale
+    flat = lambda r: torch.cat([r["grads"][k].double().flatten() for k in base["grads"]])  # noqa: E731
+    cosine = float(torch.nn.functional.cosine_similarity(flat(base), flat(other), dim=0))
+    return lp, sum(trained) / len(trained), grad / scale, cosine
 
 
 def main() -> int:
@@ -172,14 +189,15 @@ def main() -> int:
 
 
 def _report(variant: str, base: dict, r: dict) -> None:
-    lp, grad = compare(base, r)
+    lp, mean_lp, grad, cosine = compare(base, r)
     mib = lambda kib: kib / 1024  # noqa: E731
     print(f"{variant:<22} peak {mib(r['peak_kib']):7.0f} MiB  (+{mib(r['peak_kib'] - r['before_kib']):5.0f} "
           f"over {mib(r['before_kib']):5.0f})  x{r['peak_kib'] / base['peak_kib']:.2f}   "
           f"{r['seconds']:6.1f} s x{r['seconds'] / base['seconds']:.2f}   "
           f"cpu {r['cpu_seconds']:6.1f} s x{r['cpu_seconds'] / base['cpu_seconds']:.2f}   {_flops(base, r)}"
           f"{r['micro_batches']:.0f} micro-batches  "
-          f"max |dlogprob| {lp:.1e}  max |dgrad|/max|grad| {grad:.1e}  load {os.getloadavg()[0]:.1f}", flush=True)
+          f"|dlogprob| max {lp:.1e} trained mean {mean_lp:.1e}  max |dgrad|/max|grad| {grad:.1e} "
+          f"cos {cosine:.5f}  loss {r['loss']:.4f}  load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def _flops(base: dict, r: dict) -> str:

@@ -55,7 +55,7 @@ from retool.atomic import atomic_write_text
 from retool.bundled import BundledModelMissing, resolve_model_name
 from retool.config import ConfigError, add_config_args, config_from_args, make_config, option, require
 from retool.curriculum import CURRICULA
-from retool.engines.settings import LocalSettings
+from retool.engines.settings import TRAIN_PRECISIONS, LocalSettings
 from retool.evaluate import EvalConfig, evaluate, format_behaviour
 from retool.flag_checks import output_folder
 from retool.log import read_metrics
@@ -113,6 +113,11 @@ class DemoConfig:
     gradient_checkpointing: bool = option(True, "training: recompute the layers' activations in the backward (the "
                                                 "RL step's peak memory 5.2 -> 2.5 GiB with chunked logprobs, same "
                                                 "gradients; docs/benchmarks.md)")
+    train_precision: str = option("fp32", "training arithmetic of the SFT and RL stages: fp32, bf16 (autocast over "
+                                          "fp32 weights; ~2x faster steps on a CPU with native bf16, many times "
+                                          "slower on one without) or auto (bf16 where the CPU or GPU has it "
+                                          "natively, else fp32); see retool train --help and docs/train.md",
+                                  choices=TRAIN_PRECISIONS)
     rl_prefix_once: bool = option(True, "RL training: the prompt every trajectory of a step shares runs once per "
                                         "forward_backward instead of once per micro-batch (the RL step 0.61x the "
                                         "FLOPs and time at the same peak; SFT gains nothing: docs/benchmarks.md)")
@@ -246,7 +251,8 @@ def run_sft(cfg: DemoConfig, out: Path, sft_path: Path) -> Path:
                           batch_size=cfg.sft_batch_size, max_steps=cfg.sft_steps, lr=cfg.sft_lr,
                           max_seq_tokens=cfg.max_trajectory_tokens, packing=cfg.packing,
                           micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-                          gradient_checkpointing=cfg.gradient_checkpointing, interpreter=cfg.interpreter,
+                          gradient_checkpointing=cfg.gradient_checkpointing, train_precision=cfg.train_precision,
+                          interpreter=cfg.interpreter,
                           run_dir=str(run_dir),
                           save_every=cfg.sft_steps, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
     return sft(sft_cfg, resume=(run_dir / "config.json").exists())
@@ -266,6 +272,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
         gradient_checkpointing=cfg.gradient_checkpointing, prefix_once=cfg.rl_prefix_once, top_p=cfg.rl_top_p,
+        train_precision=cfg.train_precision,
         refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
         sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,

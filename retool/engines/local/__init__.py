@@ -62,6 +62,7 @@ Not covered: multiple GPUs, quantised (QLoRA) training, stop strings, speculativ
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -90,13 +91,15 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> Local
     """The training client a ``retool train``/``retool sft`` config describes, starting
     from the weights in the checkpoint folder ``init_from`` when given."""
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else tuple(cfg.lora_targets.split(","))
-    return LocalTrainingClient(LocalEngineConfig(
+    client = LocalTrainingClient(LocalEngineConfig(
         model=cfg.model, full_finetune=cfg.full_finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
         lora_targets=targets, device=cfg.device, dtype=cfg.dtype,
         gradient_checkpointing=cfg.gradient_checkpointing, micro_batch_tokens=cfg.micro_batch_tokens,
         packing=cfg.packing, logprob_chunk_tokens=cfg.logprob_chunk_tokens, prefix_once=cfg.prefix_once, seed=seed,
-        init_from=init_from,
+        train_precision=cfg.train_precision, init_from=init_from,
         sampler=cfg.local))
+    print(client.precision_note, file=sys.stderr)
+    return client
 
 
 def sampler(request: SamplerRequest) -> EngineSampler:

@@ -20,7 +20,8 @@ micro-batch's further common prefix inside its packed row).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,12 +80,16 @@ def usable_prefix_length(data: Sequence[Datum], common: int) -> int:
     return max(0, min([common] + [d.num_tokens - 1 for d in data]))
 
 
-def trained_prefix(model: Any, data: Sequence[Datum], length: int, temperature: float,
-                   logprobs: Any) -> TrainedPrefix:
+def trained_prefix(model: Any, data: Sequence[Datum], length: int, temperature: float, logprobs: Any,
+                   compute: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> TrainedPrefix:
     """Run the first ``length`` input tokens (shared by every datum of ``data``) once.
 
     ``logprobs(hidden_NH, targets_N, temperature)`` turns hidden states into target
     logprobs and detached entropies (the trainer's output layer, whole or in chunks).
+    ``compute()`` is the context the layers below the head run in (the trainer's bf16
+    autocast, or nothing): their keys and values then have its dtype, as the
+    micro-batches' own do. The deferred backward needs no context (autograd keeps each
+    operation's dtype; checkpointed layers recompute under the one they ran in).
     """
     device = model.device
     tokens = torch.tensor([list(data[0].input_tokens_N[:length])], device=device)
@@ -94,7 +99,7 @@ def trained_prefix(model: Any, data: Sequence[Datum], length: int, temperature: 
     pairs_U, index_DP = torch.unique(positions_DP * vocab + targets_DP, return_inverse=True)
     decoder, _ = decoder_and_head(model)
     cache = hf_compat.read_only_cache(None, decoder.config.num_hidden_layers)
-    with hf_compat.checkpointing_keeps_cache(model):
+    with hf_compat.checkpointing_keeps_cache(model), compute():
         hidden = decoder(input_ids=tokens, **hf_compat.forward_cache_kwargs(cache), use_cache=False).last_hidden_state
     logprob_U, entropy_U = logprobs(hidden[0][pairs_U // vocab], pairs_U % vocab, temperature)
     kv_outputs = hf_compat.recorded_kv(cache)

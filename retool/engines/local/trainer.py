@@ -8,9 +8,12 @@ call: ``trained_prefix``; ``retool.algo.plan_micro_batches``) and scales
 every micro-batch by the whole batch's token count, so accumulated gradients equal the
 full-batch gradient of the token-mean loss. The same forward gives the policy's entropy
 (``train/entropy``) and, with ``logprob_chunk_tokens``, computes the output layer and
-log-softmax chunk by chunk (:func:`chunked_logprobs`) so the logits never exist whole; a
-sampler-trainer correction in the loss config (``algo.behaviour_weights``) weighs each
-token by ``pi_old / mu``, ``pi_old`` being that forward's logprobs. ``optim_step`` applies Adam(W);
+log-softmax chunk by chunk (:func:`chunked_logprobs`) so the logits never exist whole;
+with ``train_precision='bf16'`` the layers below the output head run under bf16
+autocast (:func:`resolve_train_precision`: fp32 master weights and optimiser, output
+head, log-softmax and loss in fp32); a sampler-trainer correction in the loss config
+(``algo.behaviour_weights``) weighs each token by ``pi_old / mu``, ``pi_old`` being that
+forward's logprobs. ``optim_step`` applies Adam(W);
 ``save_state``/``load_state`` write and read a resumable checkpoint folder (weights,
 optimiser moments, RNG states, sampler seed and call counter). Its ``sampler`` shares
 the model; a lock keeps sampling and training from overlapping, and every change of
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -43,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from retool import algo
 from retool.atomic import replace_folder
+from retool.config import ConfigError
 from retool.engines.base import AdamParams, ForwardBackwardOutput, OptimStepOutput, run_now
 from retool.engines.local.config import LocalEngineConfig
 from retool.engines.local import hf_compat, memory
@@ -59,10 +64,18 @@ from retool.engines.local.model import (
 from retool.engines.local.probe import model_logprobs
 from retool.engines.local.sampler import LocalSamplingClient
 from retool.engines.local.trained_prefix import TrainedPrefix, decoder_and_head, trained_prefix, usable_prefix_length
+from retool.engines.settings import TRAIN_PRECISIONS
 from retool.types import Datum
 
 STATE_FORMAT = 1
 """Version of the folder layout ``save_state`` writes."""
+
+HEAD_IN_BF16 = False
+"""Whether ``train_precision='bf16'`` runs the output head (hidden x vocabulary, the largest
+single matmul: 576 x 49,152 for SmolLM2) under bf16 autocast too. Off: on the demo's RL
+step it raised the mean logprob error against fp32 1.7x (0.039 against 0.023) and the
+largest gradient difference 2x, for ~20 % of the step's CPU time (``bench/train_memory.py``
+variant ``head16``, ``docs/benchmarks.md``)."""
 
 
 class LocalTrainingClient:
@@ -78,10 +91,14 @@ class LocalTrainingClient:
             raise ValueError(f"unknown packing {config.packing!r}; choose one of {algo.PACKINGS}")
         if config.logprob_chunk_tokens < 0:
             raise ValueError(f"logprob_chunk_tokens must be >= 0, got {config.logprob_chunk_tokens}")
+        if config.train_precision not in TRAIN_PRECISIONS:
+            raise ValueError(f"unknown train_precision {config.train_precision!r}; choose one of {TRAIN_PRECISIONS}")
         self.config = config
         base, self.tokenizer = load_model(config.model, device=config.device, dtype=config.dtype,
                                           trust_remote_code=config.trust_remote_code)
         self.device = base.device
+        self.train_precision, self.precision_reason = resolve_train_precision(config.train_precision, self.device)
+        self._bf16_compute = False  # the start-up checks below run in fp32; set at the end
         if config.gradient_checkpointing:
             enable_checkpointing(base)
         with torch.random.fork_rng(devices=cuda_devices(self.device)):
@@ -106,6 +123,14 @@ class LocalTrainingClient:
             _check_prefix_once(config)
         if config.packing != "bucketed":
             self._check_packing_is_exact()
+        self._head_apart = _has_separate_head(self.model)
+        self._bf16_compute = self.train_precision == "bf16"
+
+    @property
+    def precision_note(self) -> str:
+        """One line for the run's log: the training precision chosen, and why."""
+        return (f"local trainer: train_precision {self.train_precision} ({self.precision_reason}); "
+                f"weights {str(self.model.dtype).removeprefix('torch.')}")
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -238,12 +263,13 @@ class LocalTrainingClient:
         _, head = decoder_and_head(self.model)
 
         def logprobs(hidden_NH: Any, targets_N: Any, temperature: float) -> tuple[Any, Any]:
-            if chunk:
-                return chunked_logprobs(head, hidden_NH, targets_N, temperature, chunk)
-            scaled = head(hidden_NH).float() / temperature
-            return _gather_logprobs(scaled, targets_N), _entropy(scaled)
+            with self._head_autocast():
+                if chunk:
+                    return chunked_logprobs(head, hidden_NH, targets_N, temperature, chunk)
+                scaled = head(hidden_NH).float() / temperature
+                return _gather_logprobs(scaled, targets_N), _entropy(scaled)
 
-        return trained_prefix(self.model, data, length, temperature, logprobs)
+        return trained_prefix(self.model, data, length, temperature, logprobs, compute=self._autocast)
 
     def _shared_prefix_logprobs(self, batch: list[Datum], temperature: float,
                                 past: TrainedPrefix | None = None) -> tuple[list[Any], list[Any]]:
@@ -302,20 +328,55 @@ class LocalTrainingClient:
         """
         chunk = self.config.logprob_chunk_tokens
         if not chunk:
-            logits = self.model(**inputs, use_cache=False).logits
-            scaled = logits.float() / temperature
+            scaled = self._logits(inputs).float() / temperature
             if rows is not None:
                 return _rows_logprobs(scaled[0], rows, targets)
             return _gather_logprobs(scaled, targets), _entropy(scaled)
         decoder, head = decoder_and_head(self.model)
-        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        with self._autocast():
+            hidden = decoder(**inputs, use_cache=False).last_hidden_state
         hidden = hidden[0][rows] if rows is not None else hidden.reshape(-1, hidden.shape[-1])
-        logprobs, entropy = chunked_logprobs(head, hidden, targets.reshape(-1), temperature, chunk)
+        with self._head_autocast():
+            logprobs, entropy = chunked_logprobs(head, hidden, targets.reshape(-1), temperature, chunk)
         return logprobs.reshape(targets.shape), entropy.reshape(targets.shape)
+
+    def _logits(self, inputs: dict[str, Any]) -> Any:
+        """The model's logits for ``inputs``; under bf16, the head apart in fp32 where it can be."""
+        if not (self._bf16_compute and self._head_apart):
+            with self._autocast():
+                return self.model(**inputs, use_cache=False).logits
+        decoder, head = decoder_and_head(self.model)
+        with self._autocast():
+            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        with self._head_autocast():
+            return head(hidden)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast when training in bf16 (``train_precision``), else nothing."""
+        if not self._bf16_compute:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _head_autocast(self) -> contextlib.AbstractContextManager:
+        """The output head's arithmetic: fp32 unless ``HEAD_IN_BF16`` (then as the layers')."""
+        return self._autocast() if HEAD_IN_BF16 else contextlib.nullcontext()
 
     def _check_packing_is_exact(self) -> None:
         """Refuse packed layouts (and ``prefix_once``) when they change logprobs (e.g.
-        recurrent layers, or attention that ignores a cache)."""
+        recurrent layers, or attention that ignores a cache). Runs in fp32 (bf16 weights
+        upcast for it, and back): whether layers respect packed boundaries does not depend
+        on the compute dtype, and bf16 rounding differs between layouts by more than a
+        tolerance that would still tell a boundary leak apart."""
+        with fp32_weights(self.model):
+            diff = self._packing_diff()
+        if not diff <= 1e-3:
+            raise ConfigError(
+                f"packing={self.config.packing!r}{' with prefix_once' * self.config.prefix_once} changes this "
+                f"model's logprobs (max diff {diff:.2g}): its layers do not respect packed-sequence boundaries "
+                "or a prefix's keys and values. Use packing='bucketed'.")
+
+    def _packing_diff(self) -> float:
+        """Largest logprob difference of the packed layouts from running each sequence alone."""
         generator = torch.Generator().manual_seed(0)
         tokens = [torch.randint(0, self.vocab_size, (n,), generator=generator).tolist() for n in (7, 12)]
         tokens.append(tokens[1][:5] + tokens[0][:4])  # shares a 5-token prefix with the second
@@ -331,13 +392,7 @@ class LocalTrainingClient:
                 prefix = self._trained_prefix(batch[1:], 5, 1.0)
                 once = prefix.prepend([0, 1], *self._shared_prefix_logprobs(batch[1:], 1.0, prefix))[0]
                 diffs.append((torch.cat(once) - alone[6:]).abs().max().item())
-        diff = max(diffs)
-        tolerance = 1e-3 if self.model.dtype == torch.float32 else 5e-2
-        if not diff <= tolerance:
-            raise ValueError(
-                f"packing={self.config.packing!r}{' with prefix_once' * self.config.prefix_once} changes this "
-                f"model's logprobs (max diff {diff:.2g}): its layers do not respect packed-sequence boundaries "
-                "or a prefix's keys and values. Use packing='bucketed'.")
+        return max(diffs)
 
     # ------------------------------------------------------------ optimiser
 
@@ -431,7 +486,7 @@ class LocalTrainingClient:
         return {"format": STATE_FORMAT, "engine": "local", "model": c.model,
                 "weights": "model.safetensors" if c.full_finetune else "adapter", "optimizer": "optimizer.pt",
                 "full_finetune": c.full_finetune, "lora": lora, "optim_steps": self.optim_steps,
-                "config": asdict(c)}
+                "train_precision": self.train_precision, "config": asdict(c)}
 
     def _rng_state(self) -> dict[str, Any]:
         return {"torch": torch.get_rng_state(),
@@ -496,6 +551,51 @@ def create_training_client(**options: Any) -> LocalTrainingClient:
 
 
 # ---------------------------------------------------------------- training helpers
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, through oneDNN).
+    Without, torch emulates bf16 and its matmuls run many times slower than fp32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return torch.backends.mkldnn.is_available() and any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_train_precision(choice: str, device: torch.device) -> tuple[str, str]:
+    """``(precision, why)`` for ``train_precision`` ``choice`` on ``device``: ``auto`` is
+    bf16 on CUDA (where it supports bf16) and on a CPU with native bf16, else fp32."""
+    if choice != "auto":
+        return choice, "as set"
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+        return ("bf16", "auto: CUDA") if native else ("fp32", "auto: this GPU has no bf16")
+    if cpu_has_native_bf16():
+        return "bf16", "auto: the CPU has native bf16"
+    return "fp32", "auto: the CPU has no native bf16 (it would be emulated, slower than fp32)"
+
+
+@contextlib.contextmanager
+def fp32_weights(model: Any) -> Any:
+    """The model's floating-point parameters and buffers in fp32 for a while, then back in
+    their own dtypes (exactly: bf16 -> fp32 -> bf16 round-trips). Nothing to do for fp32."""
+    tensors = [t for t in itertools.chain(model.parameters(), model.buffers())
+               if t.is_floating_point() and t.dtype != torch.float32]
+    dtypes = [t.dtype for t in tensors]
+    for t in tensors:
+        t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, dtype in zip(tensors, dtypes):
+            t.data = t.data.to(dtype)
+
+
+def _has_separate_head(model: Any) -> bool:
+    """Whether the model's logits are ``head(decoder(...))`` (``check_chunkable``)."""
+    try:
+        check_chunkable(model)
+    except ValueError:
+        return False
+    return True
 
 
 def _validate_data(data: Sequence[Datum], loss_fn: str, vocab_size: int) -> None:
