@@ -113,7 +113,7 @@ class DemoConfig:
     gradient_checkpointing: bool = option(True, "training: recompute the layers' activations in the backward (the "
                                                 "RL step's peak memory 5.2 -> 2.5 GiB with chunked logprobs, same "
                                                 "gradients; docs/benchmarks.md)")
-    train_precision: str = option("fp32", "training arithmetic of the SFT and RL stages: fp32, bf16 (autocast over "
+    train_precision: str = option("auto", "training arithmetic of the SFT and RL stages: fp32, bf16 (autocast over "
                                           "fp32 weights; ~2x faster steps on a CPU with native bf16, many times "
                                           "slower on one without) or auto (bf16 where the CPU or GPU has it "
                                           "natively, else fp32); see retool train --help and docs/train.md",
@@ -140,11 +140,11 @@ class DemoConfig:
     rl_save_every: int = option(0, "also keep an RL checkpoint every N steps (0: only the last)")
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
-    sampler_precision: str = option("fp32", "number format the evals' and RL rollouts' sampler decodes in "
+    sampler_precision: str = option("auto", "number format the evals' and RL rollouts' sampler decodes in "
                                             "(--local-precision of retool eval/train): fp32; bf16 = half the "
                                             "sampler's weight and KV memory, faster on a CPU with native bf16; "
-                                            "auto = bf16 where the CPU has it (avx512_bf16/AMX); training stays "
-                                            "fp32", choices=("fp32", "bf16", "auto"))
+                                            "auto = bf16 where the CPU has it (avx512_bf16/AMX); training has "
+                                            "its own --train-precision", choices=("fp32", "bf16", "auto"))
 
     def validate(self) -> None:
         for name in ("sft_dialogues", "sft_steps", "sft_batch_size", "rl_problems", "rl_steps", "rl_batch_size",
