@@ -68,6 +68,7 @@ from retool.runs import latest_checkpoint
 from retool.serialize import to_jsonable
 from retool.sft import ConversationError, SFTConfig, sft
 from retool.train import TrainConfig, train
+from retool.weight_sync import WeightSyncError
 
 if TYPE_CHECKING:
     from retool.report.compare import Comparison
@@ -476,4 +477,7 @@ def _run_demo_command(args: argparse.Namespace) -> int:
     except (ConfigError, BundledModelMissing, ReportInputError, ConversationError, TemplateError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except WeightSyncError as err:  # the RL stage's sampler is not on the trainer's weights: a run failure
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0

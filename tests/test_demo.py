@@ -112,6 +112,21 @@ def test_sft_dialogues_over_the_trajectory_budget_are_one_error_line(tmp_path, c
     assert err[-1].startswith("error: all 16 dialogues are longer than max_seq_tokens=200"), err[-1]
 
 
+def test_a_failed_weight_sync_check_is_one_error_line(tmp_path, capsys, monkeypatch):
+    from retool import demo
+    from retool.weight_sync import WeightSyncError
+
+    def sampler_on_other_weights(cfg):
+        raise WeightSyncError("weight-sync check failed on engine local at step 1: the sampler is not on the "
+                              "trainer's current weights")
+
+    monkeypatch.setattr(demo, "run_demo", sampler_on_other_weights)
+    assert cli_main(["demo", "--output-dir", str(tmp_path / "demo")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: weight-sync check failed on engine local at step 1: the sampler is not on the trainer's "
+                   "current weights"]
+
+
 def test_quick_shrinks_the_defaults():
     quick = DemoConfig(quick=True).shrunk()
     full = DemoConfig()
