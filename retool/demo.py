@@ -24,12 +24,12 @@ the gain exceeds two standard errors), so the reader can judge what RL bought. I
 gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
 ones that teach — as "N of M groups informative".
 
-Measured at these defaults on the idle 2-core machine (docs/demo.md records every seed
-run; seeds 42, 1, 2, 3 were named beforehand): seed 42, 29.0 minutes, after SFT 74.0 % →
-after RL 81.2 %, RL's gain +7.3 points at paired s.e. 2.2 (z 3.29, beyond two standard
-errors), 24 of 31 RL groups informative, peak memory 3.6 GiB for the process tree; seed 1,
-34.3 minutes, 75.0 % → 81.2 %, +6.3 points at s.e. 3.3 (z 1.88, within the noise); seeds 2
-and 3 not run yet. Measured, never guaranteed: a seed can land within the noise.
+Measured at these defaults on the idle 2-core machine, bf16 chosen by ``auto`` (its CPU has
+avx512_bf16; docs/demo.md records every seed run; seeds 42, 1, 2, 3 were named
+beforehand): seed 42, 20.4 minutes, after SFT 76.0 % → after RL 87.0 %, RL's gain +10.9
+points at paired s.e. 3.4 (z 3.21, beyond two standard errors), 23 of 30 RL groups
+informative, peak memory 3.8 GiB for the process tree; seed 1, 24.9 minutes, 77.1 % →
+85.4 %, +8.3 points at s.e. 3.1 (z 2.68); seeds 2 and 3 not run yet. Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
 
