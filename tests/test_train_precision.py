@@ -153,8 +153,8 @@ def test_the_guard_still_catches_a_stale_sampler_under_bf16(tmp_path, monkeypatc
 
     real, first = lean_decode.decode_weights, []
 
-    def merged_once(model, previous=None):  # the stale-merge bug: the first weights kept
-        first or first.append(real(model))
+    def merged_once(model, previous=None, dtype=None):  # the stale-merge bug: the first weights kept
+        first or first.append(real(model, dtype=dtype))
         return first[0]
 
     monkeypatch.setattr(lean_decode, "decode_weights", merged_once)
