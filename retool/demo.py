@@ -328,7 +328,8 @@ def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
            memory: PeakRSS | None = None, stage_seconds: dict[str, float] | None = None) -> list[Path]:
     """Plots, the HTML viewer and the summary files (with the process tree's peak memory:
-    ``peak_pss_mb``, its real footprint, and ``peak_rss_mb``, RSS summed over it; and, when
+    ``peak_pss_mb``, its real footprint, ``peak_rss_mb``, RSS summed over it, and
+    ``peak_pss_mb_by_stage``, each stage's own PSS peak; and, when
     given, each stage's wall time in this invocation)."""
     written = plots.plot_checkpoints(out / "eval", out / "plots", order=STAGES)
     written += plots.plot_training(rl_dir, out / "plots")
@@ -341,7 +342,9 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
                                          "paired_stderr": m.stderr, "z": m.z} for m in gain.metrics},
                              "significant": accuracy.significant},
                "peak_pss_mb": round(memory.peak_bytes / 2**20) if memory else 0,
-               "peak_rss_mb": round(memory.rss_peak_bytes / 2**20) if memory else 0}
+               "peak_rss_mb": round(memory.rss_peak_bytes / 2**20) if memory else 0,
+               "peak_pss_mb_by_stage": {name: round(peak / 2**20) for name, peak in memory.stage_pss_bytes.items()}
+               if memory else {}}
     if stage_seconds is not None:
         summary["stage_seconds"] = {stage: round(seconds, 1) for stage, seconds in stage_seconds.items()}
     rollouts = rl_rollouts(rl_dir)
@@ -442,15 +445,21 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     with clock("data"):
         paths = make_data(cfg, out)
     with PeakRSS() as memory:
-        with clock("eval before SFT"):
+        def stage(name: str) -> contextlib.AbstractContextManager:
+            both = contextlib.ExitStack()
+            both.enter_context(clock(name))
+            both.enter_context(memory.stage(name))
+            return both
+
+        with stage("eval before SFT"):
             summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
-        with clock("SFT"):
+        with stage("SFT"):
             sft_dir = run_sft(cfg, out, paths["sft"])
-        with clock("eval after SFT"):
+        with stage("eval after SFT"):
             summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
-        with clock("RL"):
+        with stage("RL"):
             rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
-        with clock("eval after RL"):
+        with stage("eval after RL"):
             summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
     report(cfg, out, summaries, gain, rl_dir, memory, clock.seconds)

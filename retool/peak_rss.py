@@ -14,7 +14,9 @@ and keeps two peaks:
 
 The process's own exact peak (``ru_maxrss``) is reported too, and ``peak_bytes`` (what
 the demo prints first and records as ``peak_pss_mb``) is the larger of the PSS peak and
-that floor, which the sampling cannot miss.
+that floor, which the sampling cannot miss. Inside ``with peak.stage(name)`` a reading
+also counts towards that stage's own PSS peak (``stage_pss_bytes``: which stage of the
+demo sets the peak).
 
 Not covered: spikes shorter than the interval between samples are seen only in the
 process's own peak; memory the kernel holds for the processes (page tables, tmpfs
@@ -23,9 +25,11 @@ files of the sandbox's scratch folders) is not in either sum.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -79,13 +83,16 @@ def own_peak_bytes() -> int:
 class PeakRSS:
     """Samples the process tree's memory while in a ``with`` block: ``sampled_bytes`` is
     the largest summed RSS seen, ``sampled_pss_bytes`` the largest summed PSS, and
-    ``peak_bytes`` the PSS peak (at least this process's own peak)."""
+    ``peak_bytes`` the PSS peak (at least this process's own peak); ``stage_pss_bytes``
+    the PSS peak of each ``stage`` block by name."""
 
     def __init__(self, interval_s: float = 0.5) -> None:
         self.interval_s = interval_s
         self.sampled_bytes = 0
         self.sampled_pss_bytes = 0
         self.unreadable = 0
+        self.stage_pss_bytes: dict[str, int] = {}
+        self._stage: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
 
@@ -97,6 +104,20 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
 
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Readings taken inside this block count towards ``stage_pss_bytes[name]`` too (one
+        reading is taken on entry and one on exit, so a stage shorter than the interval
+        still has one)."""
+        self._stage = name
+        self.stage_pss_bytes.setdefault(name, 0)
+        self._read()
+        try:
+            yield
+        finally:
+            self._read()
+            self._stage = None
+
     @property
     def peak_bytes(self) -> int:
         return max(self.sampled_pss_bytes, own_peak_bytes())
@@ -106,13 +127,18 @@ class PeakRSS:
         """The largest summed RSS seen (at least this process's own peak, as ``peak_bytes``)."""
         return max(self.sampled_bytes, own_peak_bytes())
 
+    def _read(self) -> None:
+        stage = self._stage
+        reading = tree_memory(psutil.Process())
+        self.sampled_bytes = max(self.sampled_bytes, reading.rss_bytes)
+        if reading.pss_bytes > self.sampled_pss_bytes:
+            self.sampled_pss_bytes, self.unreadable = reading.pss_bytes, reading.unreadable
+        if stage is not None:
+            self.stage_pss_bytes[stage] = max(self.stage_pss_bytes.get(stage, 0), reading.pss_bytes)
+
     def _sample(self) -> None:
-        process = psutil.Process()
         while True:
-            reading = tree_memory(process)
-            self.sampled_bytes = max(self.sampled_bytes, reading.rss_bytes)
-            if reading.pss_bytes > self.sampled_pss_bytes:
-                self.sampled_pss_bytes, self.unreadable = reading.pss_bytes, reading.unreadable
+            self._read()
             if self._stop.wait(self.interval_s):
                 return
 
@@ -122,4 +148,12 @@ class PeakRSS:
         return (f"peak memory: {self.peak_bytes / 2**30:.2f} GiB (PSS, shared pages split between processes), "
                 f"this process and its sandbox and grader processes together; their RSS summed peaked at "
                 f"{self.rss_peak_bytes / 2**30:.2f} GiB (counts shared pages once per process), this process "
-                f"alone at {own_peak_bytes() / 2**30:.2f} GiB (sampled every {self.interval_s:g} s{unreadable})")
+                f"alone at {own_peak_bytes() / 2**30:.2f} GiB (sampled every {self.interval_s:g} s{unreadable})"
+                + self.stage_sentence())
+
+    def stage_sentence(self) -> str:
+        """``; PSS peak by stage: SFT 2.10 GiB, …`` (empty without stages)."""
+        if not self.stage_pss_bytes:
+            return ""
+        return "; PSS peak by stage: " + ", ".join(f"{name} {peak / 2**30:.2f} GiB"
+                                                   for name, peak in self.stage_pss_bytes.items())

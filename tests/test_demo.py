@@ -31,8 +31,13 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     assert "RL vs SFT on the same 2 held-out problems" in printed and "too small to show learning" in printed
     summaries = json.loads((out / "summary.json").read_text())
     gain = summaries.pop("rl_vs_sft")
-    assert summaries.pop("peak_rss_mb") >= summaries.pop("peak_pss_mb") > 100  # the process tree's peak memory
+    peak_pss = summaries.pop("peak_pss_mb")
+    assert summaries.pop("peak_rss_mb") >= peak_pss > 100  # the process tree's peak memory
     assert "peak memory: " in printed and "GiB (PSS" in printed
+    by_stage = summaries.pop("peak_pss_mb_by_stage")  # which stage set the peak
+    assert list(by_stage) == ["eval before SFT", "SFT", "eval after SFT", "RL", "eval after RL"]
+    assert all(100 < peak <= peak_pss for peak in by_stage.values())
+    assert "PSS peak by stage: eval before SFT " in printed
     rollouts = summaries.pop("rl_rollouts")
     # each stage's wall time in this invocation, printed and in summary.json
     stage_seconds = summaries.pop("stage_seconds")

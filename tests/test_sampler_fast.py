@@ -250,6 +250,32 @@ def test_peak_rss_counts_child_processes():
     assert "GiB (PSS" in memory.sentence() and "RSS summed" in memory.sentence()
 
 
+def test_peak_rss_keeps_each_stages_own_peak():
+    """A child holding 200 MB during the second stage only: that stage's PSS peak shows
+    it, the first's does not (the demo's per-stage figure)."""
+    import subprocess
+    import sys
+    import time
+
+    from retool.peak_rss import PeakRSS
+
+    holds = "import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); " \
+            "print('ok', flush=True); time.sleep(30)"
+    with PeakRSS(interval_s=0.1) as memory:
+        with memory.stage("small"):
+            pass  # one reading on entry, one on exit, even for a stage shorter than the interval
+        with memory.stage("large"):
+            child = subprocess.Popen([sys.executable, "-c", holds], stdout=subprocess.PIPE, text=True)
+            assert child.stdout.readline().strip() == "ok"
+            time.sleep(0.3)
+        child.kill()
+        child.wait()
+    small, large = memory.stage_pss_bytes["small"], memory.stage_pss_bytes["large"]
+    assert list(memory.stage_pss_bytes) == ["small", "large"]
+    assert large >= small + 150 * 2**20 and small > 0
+    assert "PSS peak by stage: small " in memory.sentence()
+
+
 def test_tree_pss_counts_pages_a_forked_child_shares_once():
     """A forked child shares its parent's 200 MB copy-on-write: the RSS sum counts them
     twice, the PSS sum once (the demo's first figure)."""

@@ -156,6 +156,44 @@ def test_a_bf16_batch_holds_twice_the_rows_of_an_fp32_one_in_the_same_kv_budget(
     assert [len(c) for c in bf16.sampler._chunks(rows)] == [8] * 2
 
 
+def _frozen(client: LocalTrainingClient) -> LocalTrainingClient:
+    """``client`` with its sampler replaced by a frozen one over the same model and settings."""
+    live = client.sampler
+    client.sampler = LocalSamplingClient(client.model, client.tokenizer, threading.Lock(), seed=live.seed,
+                                         settings=client.config.sampler, frozen=True)
+    return client
+
+
+def test_a_frozen_bf16_sampler_frees_the_models_matrices_and_samples_what_a_live_one_samples(tiny_model):
+    """retool eval's sampler-only engine: once the bf16 copy exists the fp32 matrices are
+    freed (the memory a demo eval saves) and every later call — a next turn from the KV
+    store, a cleared store, the probe — still samples what a sampler keeping them samples."""
+    live, frozen = engine(tiny_model, "lean", precision="bf16"), _frozen(engine(tiny_model, "lean", precision="bf16"))
+    matrices = sum(p.numel() * p.element_size() for p in frozen.model.parameters() if p.dim() >= 2)
+    first = batch(frozen, PROMPTS, 3, PARAMS)
+    assert first == batch(live, PROMPTS, 3, PARAMS)
+    assert frozen.sampler.released_bytes == matrices > 0
+    assert all(p.numel() == 0 for p in frozen.model.parameters() if p.dim() >= 2)  # really gone
+    assert any(p.numel() for p in frozen.model.parameters() if p.dim() == 1)  # the norms the copy shares stay
+    contexts = [list(prompt) + list(r.sequences[0].tokens) + [40, 41] for prompt, r in zip(PROMPTS, first)]
+    assert batch(frozen, contexts, 2, PARAMS) == batch(live, contexts, 2, PARAMS)  # from the KV store
+    for client in (live, frozen):
+        client.sampler.clear_kv_cache()
+    assert batch(frozen, contexts, 2, PARAMS) == batch(live, contexts, 2, PARAMS)
+    tokens = list(contexts[0]) + [5, 6, 7]
+    assert asyncio.run(frozen.sampler.compute_logprobs(tokens, len(contexts[0]))) == \
+        asyncio.run(live.sampler.compute_logprobs(tokens, len(contexts[0])))
+
+
+def test_a_frozen_fp32_sampler_keeps_the_models_weights(tiny_model):
+    """In fp32 the lean copy merges from the model's own matrices again after each
+    update, and nothing is freed."""
+    frozen = _frozen(engine(tiny_model, "lean"))
+    batch(frozen, PROMPTS, 2, PARAMS)
+    assert frozen.sampler.released_bytes == 0
+    assert all(p.numel() for p in frozen.model.parameters())
+
+
 def _requests(prompts, max_tokens: int) -> list:
     from retool.engines.local.sampler import _Request
 

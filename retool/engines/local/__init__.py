@@ -104,7 +104,9 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> Local
 
 def sampler(request: SamplerRequest) -> EngineSampler:
     """A sampler only, for ``retool eval``: the base model, or a checkpoint's weights in
-    the adapter shape it was saved with. No optimiser and no gradients are set up."""
+    the adapter shape it was saved with. No optimiser and no gradients are set up; the
+    weights never change, so a bf16 sampler frees the model's fp32 matrices once it holds
+    its merged bf16 copy (``LocalSamplingClient(frozen=True)``)."""
     model, tokenizer = load_model(request.model, device=request.device, dtype=request.dtype)
     checkpoint = request.checkpoint
     if checkpoint is not None:
@@ -113,7 +115,7 @@ def sampler(request: SamplerRequest) -> EngineSampler:
         load_weights(model, Path(request.checkpoint_dir), checkpoint.full_finetune)
     model.requires_grad_(False)
     client = LocalSamplingClient(model, tokenizer, threading.Lock(), seed=request.seed,
-                                 settings=request.settings or LocalSettings())
+                                 settings=request.settings or LocalSettings(), frozen=True)
     return EngineSampler(tokenizer, client)
 
 

@@ -98,7 +98,9 @@ class LocalSamplingClient:
     ``own``); ``generate`` is one HF ``generate`` call per batch, which computes every row
     until the last one finishes. All draw the same tokens with the same logprobs (up to
     float rounding); ``bench/sampling.py --loops`` compares them. The merged copy costs
-    the model's weights once more in memory (538 MB for SmolLM2-135M in fp32).
+    the model's weights once more in memory (538 MB for SmolLM2-135M in fp32); a
+    ``frozen`` sampler (``retool eval``'s, whose weights never change) with a bf16 copy
+    frees the model's fp32 matrices instead (:meth:`_release_model`).
 
     Precision (``precision``): ``fp32`` (default) decodes with the trainer's weights as
     they are. ``bf16`` makes the lean loop's merged copy in bfloat16 (half its memory: 310
@@ -127,8 +129,11 @@ class LocalSamplingClient:
     """
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
-                 settings: LocalSettings = LocalSettings()) -> None:
+                 settings: LocalSettings = LocalSettings(), frozen: bool = False) -> None:
         settings.validate()
+        self.frozen = frozen
+        self.released_bytes = 0
+        """Bytes of the model's matrices freed once the lean step had its own copy (``frozen``)."""
         if settings.decode_loop not in DECODE_LOOPS:
             raise ValueError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, got {settings.decode_loop!r}")
         self.model, self.tokenizer, self._lock = model, tokenizer, lock
@@ -187,9 +192,11 @@ class LocalSamplingClient:
 
     def clear_kv_cache(self) -> None:
         """Forget every stored KV cache and the lean step's merged weights (they belong to
-        the weights that made them)."""
+        the weights that made them; a frozen sampler that freed the model's matrices keeps
+        its copy, the only one left)."""
         self.kv_store.clear()
-        self._lean_weights = None
+        if not self.released_bytes:
+            self._lean_weights = None
 
     async def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
         """Teacher-forced logprobs of ``tokens[start:]`` through this sampler's decode path (the
@@ -369,14 +376,37 @@ class LocalSamplingClient:
         """The lean step's weights for the model's current weights (merged again only
         after they changed, or in another dtype), or ``None`` for a model it does not cover
         (then a bf16 sampler decodes in the model's own dtype: the loop falls back to
-        ``own``)."""
+        ``own``). A ``frozen`` sampler whose lean copy is in another dtype than the model
+        frees the model's matrices after the first merge (:meth:`_release_model`) and
+        merges no more."""
+        if self.released_bytes:
+            return self._lean_weights
         self._lean_weights = lean_decode.decode_weights(self.model, self._lean_weights, self.dtype)
         if self._lean_weights is None and self.dtype is not None:
             warnings.warn(f"precision bf16: the lean decode loop does not cover {type(self.model).__name__}; the "
                           "sampler decodes in the model's own dtype", RuntimeWarning, stacklevel=2)
             self.dtype = None
             self.kv_bytes_per_token = kv_cache.kv_bytes_per_token(self.model)
+        if self.frozen and self._lean_weights is not None and self.dtype is not None:
+            self._release_model()
         return self._lean_weights
+
+    def _release_model(self) -> None:
+        """Free the model's weight matrices (every parameter of two or more dimensions:
+        the layers' products, LoRA's A and B, the embeddings) once the lean step holds its
+        own merged copy in its own dtype: every path of a bf16 sampler then reads that copy
+        (the prefill, the steps, the shared prefix, the probe), so the fp32 matrices only
+        cost memory — 540 MB for SmolLM2-135M. The vectors (RMSNorm weights, which the
+        lean copy shares) stay. Only for a sampler whose weights never change
+        (``frozen``: ``retool eval``'s sampler-only engine); a training engine's sampler
+        merges again after every update and keeps them."""
+        freed = 0
+        for parameter in self.model.parameters():
+            if parameter.dim() >= 2 and parameter.numel():
+                freed += parameter.numel() * parameter.element_size()
+                parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+        self.released_bytes = max(freed, 1)
+        memory.release_free_memory()
 
     def _prefix_kv(self, prefix: tuple[int, ...], lean: lean_decode.DecodeWeights | None) -> Any:
         """The KV of ``prefix`` (one row), or ``None`` when the model's cache is not pure
