@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from retool.config import ConfigError
-from retool.engines.local import LocalEngineConfig, LocalTrainingClient, trainer
+from retool.engines.local import LocalEngineConfig, LocalTrainingClient, lean_decode, trainer
 from retool.log import read_metrics
 from retool.train import build_trainer, train, train_step
 from retool.weight_sync import WeightSyncError
@@ -112,8 +112,8 @@ def test_bf16_steps_and_resumes_exactly(make_engine, tmp_path):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_is_bf16_exactly_where_the_cpu_has_native_bf16(make_engine, monkeypatch, native):
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        monkeypatch.setattr(torch.cpu, probe, lambda: native)
+    flags = {"avx512f", "avx512_bf16"} if native else {"avx2", "avx512f"}
+    monkeypatch.setattr(lean_decode, "_cpu_flags", lambda: frozenset(flags))  # the sampler's probe, shared
     engine = make_engine(train_precision="auto", device="cpu")
     assert engine.train_precision == ("bf16" if native else "fp32")
     assert f"train_precision {engine.train_precision} (auto: the CPU has" in engine.precision_note
@@ -149,8 +149,6 @@ def test_a_bf16_run_logs_its_precision_and_passes_the_weight_sync_guard(tmp_path
 
 
 def test_the_guard_still_catches_a_stale_sampler_under_bf16(tmp_path, monkeypatch):
-    from retool.engines.local import lean_decode
-
     real, first = lean_decode.decode_weights, []
 
     def merged_once(model, previous=None, dtype=None):  # the stale-merge bug: the first weights kept

@@ -50,7 +50,7 @@ from retool.atomic import replace_folder
 from retool.config import ConfigError
 from retool.engines.base import AdamParams, ForwardBackwardOutput, OptimStepOutput, run_now
 from retool.engines.local.config import LocalEngineConfig
-from retool.engines.local import hf_compat, memory
+from retool.engines.local import hf_compat, lean_decode, memory
 from retool.engines.local.kv_cache import common_prefix
 from retool.engines.local.model import (
     apply_lora,
@@ -553,22 +553,17 @@ def create_training_client(**options: Any) -> LocalTrainingClient:
 # ---------------------------------------------------------------- training helpers
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, through oneDNN).
-    Without, torch emulates bf16 and its matmuls run many times slower than fp32."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return torch.backends.mkldnn.is_available() and any(getattr(torch.cpu, name, lambda: False)() for name in probes)
-
-
 def resolve_train_precision(choice: str, device: torch.device) -> tuple[str, str]:
     """``(precision, why)`` for ``train_precision`` ``choice`` on ``device``: ``auto`` is
-    bf16 on CUDA (where it supports bf16) and on a CPU with native bf16, else fp32."""
+    bf16 on CUDA (where it supports bf16) and on a CPU with native bf16, else fp32 — the
+    same probe as the sampler's ``--local-precision auto`` (:func:`lean_decode.native_bf16`),
+    so the two never choose differently on one machine."""
     if choice != "auto":
         return choice, "as set"
+    native = lean_decode.native_bf16(device)
     if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
         return ("bf16", "auto: CUDA") if native else ("fp32", "auto: this GPU has no bf16")
-    if cpu_has_native_bf16():
+    if native:
         return "bf16", "auto: the CPU has native bf16"
     return "fp32", "auto: the CPU has no native bf16 (it would be emulated, slower than fp32)"
 
