@@ -17,6 +17,9 @@ Stages (each one resumes if the demo is re-run with the same output folder):
 
 Every eval uses the same held-out problems, sampling settings and grader. The output
 folder holds every stage's own run folder, so anything can be inspected or re-plotted.
+Stages 2–6 each run in a process of their own (:mod:`retool.stage_process`), so the
+memory one stage leaves resident is not carried under the next; the peak memory the demo
+prints is the whole process tree's (stage processes, sandbox and grader processes).
 
 The printed table and ``summary.md`` compare after RL with after SFT on the same held-out
 problems, as ``retool compare`` does (difference, paired standard error, z, and whether
@@ -67,6 +70,7 @@ from retool.results import EvalSummary
 from retool.runs import latest_checkpoint
 from retool.serialize import to_jsonable
 from retool.sft import ConversationError, SFTConfig, sft
+from retool.stage_process import StageDied, in_own_process
 from retool.train import TrainConfig, train
 from retool.weight_sync import WeightSyncError
 
@@ -451,16 +455,20 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
             both.enter_context(memory.stage(name))
             return both
 
+        # Each stage in its own process: what one leaves resident is not under the next.
         with stage("eval before SFT"):
-            summaries = {STAGES[0]: run_eval(cfg, out, paths["test"], STAGES[0], None, cfg.base_eval_problems)}
+            summaries = {STAGES[0]: in_own_process("eval before SFT", run_eval, cfg, out, paths["test"], STAGES[0],
+                                                   None, cfg.base_eval_problems)}
         with stage("SFT"):
-            sft_dir = run_sft(cfg, out, paths["sft"])
+            sft_dir = in_own_process("SFT", run_sft, cfg, out, paths["sft"])
         with stage("eval after SFT"):
-            summaries[STAGES[1]] = run_eval(cfg, out, paths["test"], STAGES[1], sft_dir)
+            summaries[STAGES[1]] = in_own_process("eval after SFT", run_eval, cfg, out, paths["test"], STAGES[1],
+                                                  sft_dir)
         with stage("RL"):
-            rl_dir = run_rl(cfg, out, paths["rl"], sft_dir)
+            rl_dir = in_own_process("RL", run_rl, cfg, out, paths["rl"], sft_dir)
         with stage("eval after RL"):
-            summaries[STAGES[2]] = run_eval(cfg, out, paths["test"], STAGES[2], rl_dir)
+            summaries[STAGES[2]] = in_own_process("eval after RL", run_eval, cfg, out, paths["test"], STAGES[2],
+                                                  rl_dir)
     gain = rl_gain(out)
     report(cfg, out, summaries, gain, rl_dir, memory, clock.seconds)
     print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir))
@@ -486,7 +494,7 @@ def _run_demo_command(args: argparse.Namespace) -> int:
     except (ConfigError, BundledModelMissing, ReportInputError, ConversationError, TemplateError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except WeightSyncError as err:  # the RL stage's sampler is not on the trainer's weights: a run failure
+    except (WeightSyncError, StageDied) as err:  # the RL sampler off the trainer's weights; a stage's process killed
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

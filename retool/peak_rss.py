@@ -12,9 +12,10 @@ and keeps two peaks:
   that dropped its uid) counts with its RSS, and ``unreadable`` says how many did;
 - the summed **RSS**, the upper bound the first version of this module reported.
 
-The process's own exact peak (``ru_maxrss``) is reported too, and ``peak_bytes`` (what
-the demo prints first and records as ``peak_pss_mb``) is the larger of the PSS peak and
-that floor, which the sampling cannot miss. Inside ``with peak.stage(name)`` a reading
+The exact peak of the largest single process (``ru_maxrss`` of this process and of the
+children it has waited for, such as the demo's finished stage processes) is reported too,
+and ``peak_bytes`` (what the demo prints first and records as ``peak_pss_mb``) is the
+larger of the PSS peak and that floor, which the sampling cannot miss. Inside ``with peak.stage(name)`` a reading
 also counts towards that stage's own PSS peak (``stage_pss_bytes``: which stage of the
 demo sets the peak).
 
@@ -76,8 +77,17 @@ def tree_rss_bytes(process: psutil.Process) -> int:
 
 def own_peak_bytes() -> int:
     """This process's own peak RSS so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return _bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def single_process_peak_bytes() -> int:
+    """The largest peak RSS of one process: this one, or any child it has waited for (a
+    finished stage process of the demo, a sandbox worker)."""
+    return max(own_peak_bytes(), _bytes(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+
+
+def _bytes(maxrss: int) -> int:
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
 
 
 class PeakRSS:
@@ -120,12 +130,12 @@ class PeakRSS:
 
     @property
     def peak_bytes(self) -> int:
-        return max(self.sampled_pss_bytes, own_peak_bytes())
+        return max(self.sampled_pss_bytes, single_process_peak_bytes())
 
     @property
     def rss_peak_bytes(self) -> int:
-        """The largest summed RSS seen (at least this process's own peak, as ``peak_bytes``)."""
-        return max(self.sampled_bytes, own_peak_bytes())
+        """The largest summed RSS seen (at least one process's own peak, as ``peak_bytes``)."""
+        return max(self.sampled_bytes, single_process_peak_bytes())
 
     def _read(self) -> None:
         stage = self._stage
@@ -147,8 +157,8 @@ class PeakRSS:
         unreadable = f"; {self.unreadable} processes' PSS unreadable, counted at their RSS" if self.unreadable else ""
         return (f"peak memory: {self.peak_bytes / 2**30:.2f} GiB (PSS, shared pages split between processes), "
                 f"this process and its sandbox and grader processes together; their RSS summed peaked at "
-                f"{self.rss_peak_bytes / 2**30:.2f} GiB (counts shared pages once per process), this process "
-                f"alone at {own_peak_bytes() / 2**30:.2f} GiB (sampled every {self.interval_s:g} s{unreadable})"
+                f"{self.rss_peak_bytes / 2**30:.2f} GiB (counts shared pages once per process), the largest "
+                f"single process at {single_process_peak_bytes() / 2**30:.2f} GiB (sampled every {self.interval_s:g} s{unreadable})"
                 + self.stage_sentence())
 
     def stage_sentence(self) -> str:
