@@ -29,10 +29,12 @@ ones that teach — as "N of M groups informative".
 
 Measured at these defaults on the idle 2-core machine, bf16 chosen by ``auto`` (its CPU has
 avx512_bf16; docs/demo.md records every seed run; seeds 42, 1, 2, 3 were named
-beforehand): seed 42, 20.4 minutes, after SFT 76.0 % → after RL 87.0 %, RL's gain +10.9
-points at paired s.e. 3.4 (z 3.21, beyond two standard errors), 23 of 30 RL groups
-informative, peak memory 3.8 GiB for the process tree; seed 1, 24.9 minutes, 77.1 % →
-85.4 %, +8.3 points at s.e. 3.1 (z 2.68); seeds 2 and 3 not run yet. Measured, never guaranteed: a seed can land within the noise.
+beforehand): seed 42, 33.0 minutes on a slow day (15.7 on a fast one), after SFT 76.0 % →
+after RL 88.5 %, RL's gain +12.5 points at paired s.e. 3.3 (z 3.77, beyond two standard
+errors), 24 of 27 RL groups informative, peak memory 3.29 GiB for the process tree;
+seed 1 +8.3 points (s.e. 3.1, z 2.68); seed 2 +9.4 (3.5, z 2.68); seed 3, whose cold start
+is the weakest (68.8 %), +7.3 (4.1, z 1.77: within the noise). Measured, never
+guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
 
