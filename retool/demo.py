@@ -46,10 +46,10 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -75,6 +75,8 @@ from retool.sft import ConversationError, SFTConfig, sft
 from retool.stage_process import StageDied, in_own_process
 from retool.train import TrainConfig, train
 from retool.weight_sync import WeightSyncError
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from retool.report.compare import Comparison
@@ -451,26 +453,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
     with clock("data"):
         paths = make_data(cfg, out)
     with PeakRSS() as memory:
-        def stage(name: str) -> contextlib.AbstractContextManager:
-            both = contextlib.ExitStack()
-            both.enter_context(clock(name))
-            both.enter_context(memory.stage(name))
-            return both
+        def stage(name: str, function: Callable[..., T], *args: object) -> T:
+            """One stage, timed and its memory peak kept, in a process of its own (what one stage
+            leaves resident is not under the next)."""
+            with clock(name), memory.stage(name):
+                return in_own_process(name, function, *args)
 
-        # Each stage in its own process: what one leaves resident is not under the next.
-        with stage("eval before SFT"):
-            summaries = {STAGES[0]: in_own_process("eval before SFT", run_eval, cfg, out, paths["test"], STAGES[0],
-                                                   None, cfg.base_eval_problems)}
-        with stage("SFT"):
-            sft_dir = in_own_process("SFT", run_sft, cfg, out, paths["sft"])
-        with stage("eval after SFT"):
-            summaries[STAGES[1]] = in_own_process("eval after SFT", run_eval, cfg, out, paths["test"], STAGES[1],
-                                                  sft_dir)
-        with stage("RL"):
-            rl_dir = in_own_process("RL", run_rl, cfg, out, paths["rl"], sft_dir)
-        with stage("eval after RL"):
-            summaries[STAGES[2]] = in_own_process("eval after RL", run_eval, cfg, out, paths["test"], STAGES[2],
-                                                  rl_dir)
+        summaries = {STAGES[0]: stage("eval before SFT", run_eval, cfg, out, paths["test"], STAGES[0], None,
+                                      cfg.base_eval_problems)}
+        sft_dir = stage("SFT", run_sft, cfg, out, paths["sft"])
+        summaries[STAGES[1]] = stage("eval after SFT", run_eval, cfg, out, paths["test"], STAGES[1], sft_dir)
+        rl_dir = stage("RL", run_rl, cfg, out, paths["rl"], sft_dir)
+        summaries[STAGES[2]] = stage("eval after RL", run_eval, cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
     report(cfg, out, summaries, gain, rl_dir, memory, clock.seconds)
     print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir))

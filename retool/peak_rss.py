@@ -15,9 +15,9 @@ and keeps two peaks:
 The exact peak of the largest single process (``ru_maxrss`` of this process and of the
 children it has waited for, such as the demo's finished stage processes) is reported too,
 and ``peak_bytes`` (what the demo prints first and records as ``peak_pss_mb``) is the
-larger of the PSS peak and that floor, which the sampling cannot miss. Inside ``with peak.stage(name)`` a reading
-also counts towards that stage's own PSS peak (``stage_pss_bytes``: which stage of the
-demo sets the peak).
+larger of the PSS peak and that floor, which the sampling cannot miss. Inside ``with
+peak.stage(name)`` a reading also counts towards that stage's own PSS peak
+(``stage_pss_bytes``: which stage of the demo sets the peak).
 
 Not covered: spikes shorter than the interval between samples are seen only in the
 process's own peak; memory the kernel holds for the processes (page tables, tmpfs
@@ -156,9 +156,10 @@ class PeakRSS:
         """One line for the demo's output."""
         unreadable = f"; {self.unreadable} processes' PSS unreadable, counted at their RSS" if self.unreadable else ""
         return (f"peak memory: {self.peak_bytes / 2**30:.2f} GiB (PSS, shared pages split between processes), "
-                f"this process and its sandbox and grader processes together; their RSS summed peaked at "
+                f"this process and every process under it (stage, sandbox, grader) together; their RSS summed peaked at "
                 f"{self.rss_peak_bytes / 2**30:.2f} GiB (counts shared pages once per process), the largest "
-                f"single process at {single_process_peak_bytes() / 2**30:.2f} GiB (sampled every {self.interval_s:g} s{unreadable})"
+                f"single process at {single_process_peak_bytes() / 2**30:.2f} GiB "
+                f"(sampled every {self.interval_s:g} s{unreadable})"
                 + self.stage_sentence())
 
     def stage_sentence(self) -> str:

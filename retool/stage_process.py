@@ -47,8 +47,8 @@ def _stage_main(connection: Any, function: Callable[..., Any], args: tuple[Any, 
     try:
         connection.send(answer)
     except Exception as err:  # the result or the exception does not pickle
-        connection.send(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]} (and it could not be "
-                                               f"sent back: {err})"), answer[2]))
+        what = "its result" if answer[0] == "result" else f"{type(answer[1]).__name__}: {answer[1]}"
+        connection.send(("error", RuntimeError(f"{what} (and it could not be sent back: {err})"), answer[2]))
     finally:
         connection.close()
 
