@@ -12,7 +12,10 @@ SmolLM2 (slow): the bf16 sampler's distance from the fp32 trainer, pinned with m
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
+import os
+import shutil
 import threading
 
 import pytest
@@ -183,6 +186,37 @@ def test_a_frozen_bf16_sampler_frees_the_models_matrices_and_samples_what_a_live
     tokens = list(contexts[0]) + [5, 6, 7]
     assert asyncio.run(frozen.sampler.compute_logprobs(tokens, len(contexts[0]))) == \
         asyncio.run(live.sampler.compute_logprobs(tokens, len(contexts[0])))
+
+
+def _mapped_kib(path) -> int:
+    """Resident KiB of this process's mappings of the file ``path`` (``/proc/self/smaps``)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+                current = fields[5] if len(fields) > 5 else None
+            elif fields[0] == "Rss:" and current == str(path):
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings from Linux's /proc")
+def test_a_frozen_bf16_sampler_unmaps_the_models_weights_file(tiny_model, tmp_path):
+    """The model's weights are slices of its memory-mapped safetensors file: one slice kept
+    alive (a norm vector the lean copy shared) kept the whole file resident, so freeing the
+    matrices freed nothing. The probe is not blind: the file is mapped before the release."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)  # a file of its own: other tests' engines map the shared one
+    weights = next(folder.glob("*.safetensors")).resolve()
+    frozen = _frozen(engine(str(folder), "lean", precision="bf16"))
+    assert _mapped_kib(weights) > 0
+    first = batch(frozen, PROMPTS, 2, PARAMS)
+    gc.collect()
+    assert frozen.sampler.released_bytes > 0
+    assert _mapped_kib(weights) == 0
+    contexts = [list(prompt) + list(r.sequences[0].tokens) + [40, 41] for prompt, r in zip(PROMPTS, first)]
+    assert batch(frozen, contexts, 2, PARAMS)  # still samples from its own copy
 
 
 def test_a_frozen_fp32_sampler_keeps_the_models_weights(tiny_model):

@@ -173,14 +173,15 @@ def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cast = functools.partial(_cast, dtype=dtype)
     try:
-        layers = tuple(_layer_weights(layer, cast) for layer in inner.layers)
+        layers = tuple(_layer_weights(layer, dtype) for layer in inner.layers)
     except _Unsupported:
         return None
     head = model.get_output_embeddings()
     if _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
         return None
     head_weight = _packed(_cast(head.weight.detach(), HEAD_DTYPE or dtype))
-    return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), inner.norm.weight.detach(), head_weight,
+    return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), _vector(inner.norm.weight, dtype),
+                         head_weight,
                          inner.rotary_emb,
                          float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
                          head_dim, version, dtype)
@@ -189,6 +190,16 @@ def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any
 def _cast(tensor: Any, dtype: Any) -> Any:
     """``tensor`` in ``dtype`` (itself when ``dtype`` is ``None`` or already its dtype)."""
     return tensor if tensor is None or dtype is None else tensor.to(dtype)
+
+
+def _vector(weight: Any, dtype: Any) -> Any:
+    """An RMSNorm weight as the lean step reads it: kept in the model's dtype (it scales the
+    fp32 residual stream), shared with the model when ``dtype`` is ``None``, else a copy of
+    its own, so that a cast copy holds no tensor of the model's: the model's weights may be
+    slices of its memory-mapped weights file, each of which keeps the whole file mapped
+    (a frozen sampler frees them, ``LocalSamplingClient``)."""
+    weight = weight.detach()
+    return weight if dtype is None else weight.clone()
 
 
 class _Unsupported(Exception):
@@ -213,9 +224,11 @@ def _decoder(model: Any) -> Any:
     return inner
 
 
-def _layer_weights(layer: Any, cast: Any) -> LayerWeights:
-    """One layer's merged, fused weights, each matrix passed through ``cast`` (a dtype) before
-    packing; the RMSNorm weights stay as they are (they scale the fp32 residual stream)."""
+def _layer_weights(layer: Any, dtype: Any) -> LayerWeights:
+    """One layer's merged, fused weights, each matrix cast to ``dtype`` (``None``: kept) before
+    packing; the RMSNorm weights stay in the model's dtype (they scale the fp32 residual
+    stream, :func:`_vector`)."""
+    cast = functools.partial(_cast, dtype=dtype)
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = (_merged(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj"))
     o, gate, up, down = _merged(attn.o_proj), _merged(mlp.gate_proj), _merged(mlp.up_proj), _merged(mlp.down_proj)
@@ -227,10 +240,10 @@ def _layer_weights(layer: Any, cast: Any) -> LayerWeights:
         qkv_bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
                               for (w, _), b in zip((q, k, v), biases)])
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return LayerWeights(layer.input_layernorm.weight.detach(), _packed(cast(torch.cat([q[0], k[0], v[0]]))),
+    return LayerWeights(_vector(layer.input_layernorm.weight, dtype), _packed(cast(torch.cat([q[0], k[0], v[0]]))),
                         cast(qkv_bias), None if q_norm is None else cast(q_norm.weight.detach()),
                         None if k_norm is None else cast(k_norm.weight.detach()),
-                        _packed(cast(o[0])), cast(o[1]), layer.post_attention_layernorm.weight.detach(),
+                        _packed(cast(o[0])), cast(o[1]), _vector(layer.post_attention_layernorm.weight, dtype),
                         _packed(cast(torch.cat([gate[0], up[0]]))), _packed(cast(down[0])))
 
 

@@ -396,15 +396,21 @@ class LocalSamplingClient:
         the layers' products, LoRA's A and B, the embeddings) once the lean step holds its
         own merged copy in its own dtype: every path of a bf16 sampler then reads that copy
         (the prefill, the steps, the shared prefix, the probe), so the fp32 matrices only
-        cost memory — 540 MB for SmolLM2-135M. The vectors (RMSNorm weights, which the
-        lean copy shares) stay. Only for a sampler whose weights never change
-        (``frozen``: ``retool eval``'s sampler-only engine); a training engine's sampler
-        merges again after every update and keeps them."""
+        cost memory — 540 MB for SmolLM2-135M. The vectors (RMSNorm weights, biases) stay,
+        each as a copy of its own: a model loaded from safetensors holds its weights as
+        slices of the memory-mapped file, and one slice left alive keeps the whole file
+        mapped and resident (513 MB of the eval's memory before the copies). Only for a
+        sampler whose weights never change (``frozen``: ``retool eval``'s sampler-only
+        engine); a training engine's sampler merges again after every update and keeps them."""
         freed = 0
         for parameter in self.model.parameters():
             if parameter.dim() >= 2 and parameter.numel():
                 freed += parameter.numel() * parameter.element_size()
                 parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+            else:
+                parameter.data = parameter.data.clone()
+        for buffer in self.model.buffers():
+            buffer.data = buffer.data.clone()
         self.released_bytes = max(freed, 1)
         memory.release_free_memory()
 
