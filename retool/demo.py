@@ -29,9 +29,9 @@ ones that teach — as "N of M groups informative".
 
 Measured at these defaults on the idle 2-core machine, bf16 chosen by ``auto`` (its CPU has
 avx512_bf16; docs/demo.md records every seed run; seeds 42, 1, 2, 3 were named
-beforehand): seed 42, 33.0 minutes on a slow day (15.7 on a fast one), after SFT 76.0 % →
-after RL 88.5 %, RL's gain +12.5 points at paired s.e. 3.3 (z 3.77, beyond two standard
-errors), 24 of 27 RL groups informative, peak memory 3.29 GiB for the process tree;
+beforehand): seed 42, 29.3 minutes on a slow day (15.7 on a fast one), after SFT 76.0 % →
+after RL 89.1 %, RL's gain +13.0 points at paired s.e. 3.3 (z 3.91, beyond two standard
+errors), 23 of 30 RL groups informative, peak memory 3.01 GiB for the process tree;
 seed 1 +8.3 points (s.e. 3.1, z 2.68); seed 2 +9.4 (3.5, z 2.68); seed 3, whose cold start
 is the weakest (68.8 %), +7.3 (4.1, z 1.77: within the noise). Measured, never
 guaranteed: a seed can land within the noise.
