@@ -8,15 +8,19 @@ the bound on real weights, where bf16's rounding is what a user meets.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
 from retool.config import ConfigError
 from retool.engines.local import LocalEngineConfig, LocalTrainingClient, lean_decode, trainer
+from retool.engines.settings import LocalSettings
 from retool.log import read_metrics
 from retool.train import build_trainer, train, train_step
 from retool.weight_sync import WeightSyncError
@@ -30,6 +34,7 @@ from tests.test_engine_local import (  # noqa: F401 (fixtures)
     tiny_hybrid_model,
     tiny_model,
 )
+from tests.test_sampler_precision import _mapped_kib
 from tests.test_train import tiny_config
 
 pytestmark = pytest.mark.timeout(300)  # models load
@@ -40,6 +45,10 @@ gives logits ~10x a real model's, so bf16's relative rounding shows more)."""
 SMOLLM2_MAX_TOLERANCE, SMOLLM2_MEAN_TOLERANCE = 0.6, 0.03
 """SmolLM2-135M, 2 x 300 tokens of text, LoRA r32, the demo's layout: measured max 0.38,
 mean 0.010 (the whole gradient's cosine with fp32's 0.9988, the least of a tensor's 0.983)."""
+
+BF16_SAMPLER = LocalSettings(precision="bf16")
+"""A sampler that decodes in bf16 from its own merged copy: with bf16 training, the trainer
+then keeps its frozen base matrices in bf16 (``trainer.store_frozen_matrices``)."""
 
 LAYOUTS = [
     dict(),
@@ -94,20 +103,101 @@ def test_bf16_is_close_to_fp32_in_every_layout(make_engine, layout, loss_fn):
     assert bf16.metrics["train/loss"] == pytest.approx(fp32.metrics["train/loss"], rel=0.02)
 
 
-def test_bf16_steps_and_resumes_exactly(make_engine, tmp_path):
+@pytest.mark.parametrize("sampler", [LocalSettings(), BF16_SAMPLER], ids=["fp32-base", "bf16-base"])
+def test_bf16_steps_and_resumes_exactly(make_engine, tmp_path, sampler):
     """save_state / load_state under bf16: the resumed engine takes the same next step."""
-    engine = make_engine(train_precision="bf16")
+    engine = make_engine(train_precision="bf16", sampler=sampler)
     engine.forward_backward(rl_datums(3), "ppo")
     engine.optim_step()
     engine.save_state(tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / "engine.json").read_text())["train_precision"] == "bf16"
-    resumed = make_engine(train_precision="bf16")
+    resumed = make_engine(train_precision="bf16", sampler=sampler)
     resumed.load_state(tmp_path / "ckpt")
     for e in (engine, resumed):
         e.forward_backward(rl_datums(3, seed=1), "ppo")
         e.optim_step()
     for a, b in zip(engine.params, resumed.params, strict=True):
         assert torch.equal(a, b)
+
+
+def base_dtypes(engine: LocalTrainingClient) -> dict[str, set]:
+    """The dtypes of the decoder layers' frozen matrices, and of everything else."""
+    frozen, rest = set(), set()
+    layers = lean_decode.decoder_of(engine.model).layers
+    matrices = {id(m.weight) for m in layers.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad}
+    for p in engine.model.parameters():
+        (frozen if id(p) in matrices else rest).add(p.dtype)
+    return {"frozen matrices": frozen, "rest": rest}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "+".join(f"{k}={v}" for k, v in d.items()) or "bucketed")
+def test_a_bf16_base_trains_exactly_as_autocast_over_fp32_weights(make_engine, layout):
+    """With a bf16 sampler the frozen base matrices are stored in bf16 — what autocast casts
+    them to at every product anyway — so logprobs and gradients are the same to the bit."""
+    over_fp32 = make_engine(train_precision="bf16", **layout)
+    stored = make_engine(train_precision="bf16", sampler=BF16_SAMPLER, **layout)
+    assert not over_fp32.base_in_bf16 and base_dtypes(over_fp32)["frozen matrices"] == {torch.float32}
+    assert stored.base_in_bf16 and base_dtypes(stored) == {"frozen matrices": {torch.bfloat16}, "rest": {torch.float32}}
+    assert "frozen base matrices bfloat16, the rest float32" in stored.precision_note
+    for loss_fn in ("ppo", "cross_entropy"):
+        (a, grads_a), (b, grads_b) = (step(e, prompt_sharing_datums(), loss_fn) for e in (over_fp32, stored))
+        assert a.logprobs_D == b.logprobs_D and a.metrics == b.metrics
+        assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b, strict=True))
+        for e in (over_fp32, stored):
+            e.optim_step()
+    assert all(torch.equal(x, y) for x, y in zip(over_fp32.params, stored.params, strict=True))
+
+
+def test_the_base_stays_fp32_where_a_forward_would_run_outside_autocast(make_engine):
+    """An fp32 sampler (it runs the model's own modules for the shared prefix), fp32
+    training and a full fine-tune keep fp32 matrices."""
+    for overrides in (dict(train_precision="bf16"), dict(sampler=BF16_SAMPLER),
+                      dict(train_precision="bf16", sampler=BF16_SAMPLER, full_finetune=True)):
+        engine = make_engine(**overrides)
+        assert not engine.base_in_bf16 and base_dtypes(engine)["frozen matrices"] <= {torch.float32}
+
+
+def test_a_bf16_base_samples_resumes_and_passes_the_weight_sync_guard(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, max_steps=2, save_every=1, train_precision="bf16", local=BF16_SAMPLER)
+    run = train(cfg)
+    assert "weights frozen base matrices bfloat16, the rest float32" in capsys.readouterr().err
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["weight_sync/changed"] for r in rows] == [0.0, 1.0]
+    assert all(0 <= r["weight_sync/max_abs_diff"] <= 1.0 for r in rows)
+    engine = LocalTrainingClient(LocalEngineConfig(model=cfg.model, lora_rank=4, lora_alpha=8.0,
+                                                   train_precision="bf16", sampler=BF16_SAMPLER))
+    engine.load_state(run / "checkpoints" / "step_000002" / "engine")  # it holds only the fp32 adapter
+    assert engine.base_in_bf16 and engine.optim_steps == 2
+
+
+def test_the_merge_of_a_bf16_base_adds_in_fp32_and_rounds_once(make_engine):
+    engine = make_engine(train_precision="bf16", sampler=BF16_SAMPLER)
+    perturb_lora_b(engine)
+    module = lean_decode.decoder_of(engine.model).layers[0].self_attn.q_proj
+    merged, _ = lean_decode._merged(module)
+    delta = module.get_delta_weight("default").detach()
+    assert merged.dtype == torch.bfloat16 and delta.dtype == torch.float32
+    assert torch.equal(merged, (module.get_base_layer().weight.float() + delta).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings from Linux's /proc")
+def test_a_bf16_base_frees_its_fp32_bytes_and_the_weights_file(tiny_model, tmp_path):
+    """The saving is real memory: the fp32 matrices were slices of the memory-mapped weights
+    file, and every frozen tensor left is a copy of its own, so the file is not resident at
+    all. The probe sees the mapping of an engine that keeps fp32 weights."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)  # a file of its own: other tests' engines map the shared one
+    weights = next(folder.glob("*.safetensors")).resolve()
+    config = dict(model=str(folder), lora_rank=8, lora_alpha=16.0, train_precision="bf16")
+    kept = LocalTrainingClient(LocalEngineConfig(**config))
+    kept.forward_backward(rl_datums(2), "ppo")
+    assert _mapped_kib(weights) > 0
+    del kept
+    gc.collect()
+    stored = LocalTrainingClient(LocalEngineConfig(**config, sampler=BF16_SAMPLER))
+    stored.forward_backward(rl_datums(2), "ppo")
+    gc.collect()
+    assert _mapped_kib(weights) == 0
 
 
 @pytest.mark.parametrize("native", [True, False])

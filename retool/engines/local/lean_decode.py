@@ -206,6 +206,12 @@ class _Unsupported(Exception):
     """A layer the lean step does not cover (the caller falls back)."""
 
 
+def decoder_of(model: Any) -> Any:
+    """The decoder (``*Model``: embeddings, layers, norm, rotary) of a model the lean step
+    covers, else ``None``."""
+    return _decoder(model)
+
+
 def _decoder(model: Any) -> Any:
     """The ``*Model`` (embeddings, layers, norm, rotary) inside a (PEFT-wrapped) causal LM
     of a covered architecture, else ``None``."""
@@ -285,6 +291,36 @@ def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
     return F.linear(x, weight, bias)
 
 
+def covers(model: Any) -> bool:
+    """Whether :func:`decode_weights` covers ``model`` (see the module doc), found without
+    merging or copying anything."""
+    inner = _decoder(model)
+    head = model.get_output_embeddings()
+    if inner is None or _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
+        return False
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        modules = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        modules += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(_linear_covered(m) for m in modules):
+            return False
+        if any(_base_linear(m).bias is not None for m in modules[4:]):
+            return False
+    return True
+
+
+def _linear_covered(module: Any) -> bool:
+    lora = _lora_layer(module)
+    if lora is None:
+        return isinstance(module, torch.nn.Linear)
+    return isinstance(lora.get_base_layer(), torch.nn.Linear) and not any(lora.use_dora.values())
+
+
+def _base_linear(module: Any) -> Any:
+    lora = _lora_layer(module)
+    return module if lora is None else lora.get_base_layer()
+
+
 def _lora_layer(module: Any) -> Any:
     from peft.tuners.lora import LoraLayer  # peft: heavy (~0.6 s); a full fine-tune run loads it only here
 
@@ -302,10 +338,17 @@ def _merged(module: Any) -> tuple[Any, Any]:
     if not isinstance(base, torch.nn.Linear) or any(lora.use_dora.values()):
         raise _Unsupported("LoRA variant")
     weight = base.weight.detach()
-    if not lora.disable_adapters and not lora.merged:
-        for name in lora.active_adapters:
-            if name in lora.lora_A:
-                weight = weight + lora.get_delta_weight(name).detach().to(weight.dtype)
+    deltas = [] if lora.disable_adapters or lora.merged else [
+        lora.get_delta_weight(name).detach() for name in lora.active_adapters if name in lora.lora_A]
+    if deltas:
+        # Added in the wider of the two dtypes, then rounded once to the base's: a bf16 base
+        # under an fp32 adapter (the trainer's frozen base under --train-precision bf16) is
+        # merged in fp32, as an fp32 base was.
+        wide = torch.promote_types(weight.dtype, deltas[0].dtype)
+        merged = weight.to(wide)
+        for delta in deltas:
+            merged = merged + delta.to(wide)
+        weight = merged.to(weight.dtype)
     return weight, None if base.bias is None else base.bias.detach()
 
 

@@ -12,7 +12,7 @@ Both at temperature 1, the logprob of every token from ``start`` on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,11 +21,17 @@ from retool.engines.local.decode_loop import decode
 from retool.engines.local.model import model_mode
 
 
-def model_logprobs(model: Any, tokens: Sequence[int], start: int) -> tuple[float, ...]:
-    """``log p(tokens[i] | tokens[:i])`` for ``i >= start``, from the model's forward pass."""
+def model_logprobs(model: Any, tokens: Sequence[int], start: int,
+                   logits_of: Callable[[dict[str, Any]], Any] | None = None) -> tuple[float, ...]:
+    """``log p(tokens[i] | tokens[:i])`` for ``i >= start``, from the model's forward pass
+    (``logits_of(inputs)``, e.g. the trainer's own under bf16 autocast; by default the
+    model called as it is)."""
     ids = torch.tensor([list(tokens)], device=model.device)
+    if logits_of is None:
+        def logits_of(inputs: dict[str, Any]) -> Any:
+            return model(**inputs, use_cache=False).logits
     with torch.no_grad(), model_mode(model, train=False):
-        logits = model(input_ids=ids, use_cache=False).logits[0, start - 1:-1].float()
+        logits = logits_of({"input_ids": ids})[0, start - 1:-1].float()
     return tuple(logits.log_softmax(-1).gather(1, ids[0, start:, None])[:, 0].tolist())
 
 

@@ -125,12 +125,26 @@ class LocalTrainingClient:
             self._check_packing_is_exact()
         self._head_apart = _has_separate_head(self.model)
         self._bf16_compute = self.train_precision == "bf16"
+        self.base_in_bf16 = self._bf16_compute and self._can_store_base_in_bf16()
+        if self.base_in_bf16:
+            store_frozen_matrices(self.model, torch.bfloat16)
+
+    def _can_store_base_in_bf16(self) -> bool:
+        """Whether the frozen base matrices may be kept in bf16 (``store_frozen_matrices``):
+        a LoRA run whose every forward runs under bf16 autocast — the trainer's, and the
+        sampler's, which then decodes in bf16 from its own merged copy and never runs the
+        model's modules (``lean_decode.covers``). An fp32 sampler, the ``own``/``generate``
+        decode loops or a full fine-tune keep fp32 weights."""
+        return (not self.config.full_finetune and self.sampler.dtype == torch.bfloat16
+                and self.sampler.decode_loop == "lean" and lean_decode.covers(self.model))
 
     @property
     def precision_note(self) -> str:
         """One line for the run's log: the training precision chosen, and why."""
-        return (f"local trainer: train_precision {self.train_precision} ({self.precision_reason}); "
-                f"weights {str(self.model.dtype).removeprefix('torch.')}")
+        weights = str(self.model.dtype).removeprefix("torch.")
+        if self.base_in_bf16:
+            weights = f"frozen base matrices bfloat16, the rest {weights}"
+        return f"local trainer: train_precision {self.train_precision} ({self.precision_reason}); weights {weights}"
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -515,7 +529,8 @@ class LocalTrainingClient:
         """The trainer's teacher-forced logprobs of ``tokens[start:]`` (forward only; the
         weight-sync guard's probe, ``retool.weight_sync``)."""
         with self._lock:
-            return model_logprobs(self.model, tokens, start)
+            # bf16 base matrices run only under autocast: the probe then computes as training does
+            return model_logprobs(self.model, tokens, start, self._logits if self.base_in_bf16 else None)
 
     def save_weights_for_sampler(self, name: str | None = None) -> LocalSamplingClient:
         """The sampler that shares this model: it samples with the current weights.
@@ -582,6 +597,35 @@ def fp32_weights(model: Any) -> Any:
     finally:
         for t, dtype in zip(tensors, dtypes):
             t.data = t.data.to(dtype)
+
+
+def store_frozen_matrices(model: Any, dtype: Any) -> int:
+    """Keep the frozen weight matrices of the decoder layers' linear products (a LoRA
+    run's base weights: 106M of SmolLM2-135M's 135M parameters) in ``dtype``; return the
+    bytes saved. Under ``train_precision='bf16'`` autocast computes those products with
+    bf16 copies of the fp32 weights anyway, so the forward and backward are the same to the
+    bit (``tests/test_train_precision.py``) and 212 MB of SmolLM2's memory is freed; the
+    embeddings (the tied output head), norms, LoRA and optimiser stay fp32. Every other
+    frozen tensor becomes a copy of its own: weights loaded from safetensors are slices of
+    the memory-mapped file, and one slice left alive keeps the whole file resident."""
+    decoder = lean_decode.decoder_of(model)
+    if decoder is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers the bf16 base weights cover")
+    saved = 0
+    cast: set[int] = set()
+    for layer in decoder.layers:
+        for module in layer.modules():
+            weight = getattr(module, "weight", None)
+            if (isinstance(module, torch.nn.Linear) and not weight.requires_grad and weight.dtype != dtype
+                    and weight.is_floating_point()):
+                saved += weight.numel() * (weight.element_size() - torch.empty(0, dtype=dtype).element_size())
+                weight.data = weight.data.to(dtype)
+                cast.add(id(weight))
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if id(tensor) not in cast and not tensor.requires_grad:
+            tensor.data = tensor.data.clone()
+    memory.release_free_memory()
+    return saved
 
 
 def _has_separate_head(model: Any) -> bool:
