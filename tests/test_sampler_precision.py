@@ -219,13 +219,26 @@ def test_a_frozen_bf16_sampler_unmaps_the_models_weights_file(tiny_model, tmp_pa
     assert batch(frozen, contexts, 2, PARAMS)  # still samples from its own copy
 
 
-def test_a_frozen_fp32_sampler_keeps_the_models_weights(tiny_model):
-    """In fp32 the lean copy merges from the model's own matrices again after each
-    update, and nothing is freed."""
-    frozen = _frozen(engine(tiny_model, "lean"))
-    batch(frozen, PROMPTS, 2, PARAMS)
-    assert frozen.sampler.released_bytes == 0
-    assert all(p.numel() for p in frozen.model.parameters())
+def test_a_frozen_fp32_sampler_frees_the_models_matrices_and_samples_what_a_live_one_samples(tiny_model, tmp_path):
+    """In fp32 the lean copy shared the model's unmerged tensors (embeddings, norms): they
+    become copies of its own, the model's matrices are freed and its weights file unmapped,
+    and the shared prefixes run through the copy — the same tokens as a live sampler's, the
+    logprobs within float rounding."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)  # a file of its own: other tests' engines map the shared one
+    weights = next(folder.glob("*.safetensors")).resolve()
+    live, frozen = engine(tiny_model, "lean"), _frozen(engine(str(folder), "lean"))
+    assert frozen.sampler.precision == "fp32" and _mapped_kib(weights) > 0
+    matrices = sum(p.numel() * p.element_size() for p in frozen.model.parameters() if p.dim() >= 2)
+    first, expected = batch(frozen, PROMPTS, 3, PARAMS), batch(live, PROMPTS, 3, PARAMS)
+    gc.collect()
+    assert frozen.sampler.released_bytes == matrices > 0 and _mapped_kib(weights) == 0
+    contexts = [list(prompt) + list(r.sequences[0].tokens) + [40, 41] for prompt, r in zip(PROMPTS, first)]
+    for got, want in ((first, expected), (batch(frozen, contexts, 2, PARAMS), batch(live, contexts, 2, PARAMS))):
+        for a, b in zip(got, want, strict=True):
+            for x, y in zip(a.sequences, b.sequences, strict=True):
+                assert x.tokens == y.tokens
+                assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= 1e-4
 
 
 def _requests(prompts, max_tokens: int) -> list:

@@ -105,8 +105,8 @@ def training_client(cfg: ModelConfig, seed: int, init_from: str | None) -> Local
 def sampler(request: SamplerRequest) -> EngineSampler:
     """A sampler only, for ``retool eval``: the base model, or a checkpoint's weights in
     the adapter shape it was saved with. No optimiser and no gradients are set up; the
-    weights never change, so a bf16 sampler frees the model's fp32 matrices once it holds
-    its merged bf16 copy (``LocalSamplingClient(frozen=True)``)."""
+    weights never change, so the sampler frees the model's matrices once it holds its
+    merged copy (``LocalSamplingClient(frozen=True)``; in fp32 too)."""
     model, tokenizer = load_model(request.model, device=request.device, dtype=request.dtype)
     checkpoint = request.checkpoint
     if checkpoint is not None:

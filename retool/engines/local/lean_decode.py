@@ -45,7 +45,9 @@ before any softmax. The sampler samples from that bf16 model and returns its log
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import sys
 import warnings
 from dataclasses import dataclass
@@ -150,6 +152,31 @@ class DecodeWeights:
     version: tuple
     dtype: Any = None
     """The dtype the weights were cast to (``None``: the model's own)."""
+
+
+def apart_from(weights: DecodeWeights, model: Any) -> DecodeWeights:
+    """``weights`` with every tensor that shares memory with ``model`` (an unmerged fp32
+    matrix, the embeddings, a norm) replaced by a copy of its own, so that freeing the
+    model's tensors frees their memory — and a model loaded from safetensors, whose
+    weights are slices of the memory-mapped file, no longer keeps any of the file mapped."""
+    shared = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())
+              if t.numel()}
+
+    copies: dict[int, Any] = {}  # one copy of a tensor read twice (tied embeddings and head)
+
+    def own(value: Any) -> Any:
+        if (isinstance(value, torch.Tensor) and value.layout == torch.strided  # oneDNN-packed: its own already
+                and value.numel() and value.untyped_storage().data_ptr() in shared):
+            key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            if key not in copies:
+                copies[key] = value.clone()
+            return copies[key]
+        return value
+
+    layers = tuple(LayerWeights(*(own(getattr(layer, f.name)) for f in dataclasses.fields(LayerWeights)))
+                   for layer in weights.layers)
+    return dataclasses.replace(weights, layers=layers, embed=own(weights.embed), final_norm=own(weights.final_norm),
+                               head=own(weights.head))
 
 
 def weight_version(model: Any) -> tuple:
@@ -508,7 +535,8 @@ def _logits(w: DecodeWeights, x: Any) -> Any:
 def prefix_kv(weights: DecodeWeights, prefix_ids: Any) -> KV:
     """The KV of one row of tokens ``prefix_ids`` (1-D) through the lean weights, per layer
     ``(kv_heads, P, head_dim)``: the shared prefix of a bf16 sampler, which must be the same
-    bf16 model as its decode steps (the fp32 path runs the model's own forward instead)."""
+    bf16 model as its decode steps, and of a frozen sampler, which no longer holds the
+    model's matrices (a live fp32 sampler runs the model's own forward instead)."""
     ids = prefix_ids[None]
     positions = torch.arange(ids.shape[1], device=ids.device)[None]
     cache, _ = LeanCache.prefill(weights, None, ids, torch.ones_like(ids), positions, 0)

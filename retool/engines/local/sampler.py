@@ -99,8 +99,9 @@ class LocalSamplingClient:
     until the last one finishes. All draw the same tokens with the same logprobs (up to
     float rounding); ``bench/sampling.py --loops`` compares them. The merged copy costs
     the model's weights once more in memory (538 MB for SmolLM2-135M in fp32); a
-    ``frozen`` sampler (``retool eval``'s, whose weights never change) with a bf16 copy
-    frees the model's fp32 matrices instead (:meth:`_release_model`).
+    ``frozen`` sampler (``retool eval``'s, whose weights never change) frees the model's
+    matrices instead, in either precision, and computes every shared prefix through the
+    copy too (:meth:`_release_model`).
 
     Precision (``precision``): ``fp32`` (default) decodes with the trainer's weights as
     they are. ``bf16`` makes the lean loop's merged copy in bfloat16 (half its memory: 310
@@ -376,9 +377,8 @@ class LocalSamplingClient:
         """The lean step's weights for the model's current weights (merged again only
         after they changed, or in another dtype), or ``None`` for a model it does not cover
         (then a bf16 sampler decodes in the model's own dtype: the loop falls back to
-        ``own``). A ``frozen`` sampler whose lean copy is in another dtype than the model
-        frees the model's matrices after the first merge (:meth:`_release_model`) and
-        merges no more."""
+        ``own``). A ``frozen`` sampler frees the model's matrices after the first merge
+        (:meth:`_release_model`) and merges no more."""
         if self.released_bytes:
             return self._lean_weights
         self._lean_weights = lean_decode.decode_weights(self.model, self._lean_weights, self.dtype)
@@ -387,21 +387,24 @@ class LocalSamplingClient:
                           "sampler decodes in the model's own dtype", RuntimeWarning, stacklevel=2)
             self.dtype = None
             self.kv_bytes_per_token = kv_cache.kv_bytes_per_token(self.model)
-        if self.frozen and self._lean_weights is not None and self.dtype is not None:
+        if self.frozen and self._lean_weights is not None:
             self._release_model()
         return self._lean_weights
 
     def _release_model(self) -> None:
         """Free the model's weight matrices (every parameter of two or more dimensions:
         the layers' products, LoRA's A and B, the embeddings) once the lean step holds its
-        own merged copy in its own dtype: every path of a bf16 sampler then reads that copy
-        (the prefill, the steps, the shared prefix, the probe), so the fp32 matrices only
-        cost memory — 540 MB for SmolLM2-135M. The vectors (RMSNorm weights, biases) stay,
-        each as a copy of its own: a model loaded from safetensors holds its weights as
-        slices of the memory-mapped file, and one slice left alive keeps the whole file
-        mapped and resident (513 MB of the eval's memory before the copies). Only for a
+        merged copy: every path of a frozen sampler reads that copy (the prefill, the
+        steps, the shared prefix, the probe), so the model's matrices only cost memory —
+        540 MB for SmolLM2-135M in fp32. What the copy shared with the model (an fp32
+        copy's embeddings and norms) becomes a copy of its own first, and the vectors
+        (RMSNorm weights, biases) stay, each as a copy of its own: a model loaded from
+        safetensors holds its weights as slices of the memory-mapped file, and one slice
+        left alive keeps the whole file mapped and resident (513 MB of the eval's memory
+        before the copies). Only for a
         sampler whose weights never change (``frozen``: ``retool eval``'s sampler-only
         engine); a training engine's sampler merges again after every update and keeps them."""
+        self._lean_weights = lean_decode.apart_from(self._lean_weights, self.model)
         freed = 0
         for parameter in self.model.parameters():
             if parameter.dim() >= 2 and parameter.numel():
@@ -418,8 +421,9 @@ class LocalSamplingClient:
         """The KV of ``prefix`` (one row), or ``None`` when the model's cache is not pure
         attention (then the prefix cache and store stay off). Lean weights in another dtype
         than the model's (bf16) compute it themselves, so that the prefix is the same bf16
-        model as the steps after it."""
-        if lean is not None and lean.dtype is not None:
+        model as the steps after it, and so do a frozen sampler's, whose model holds no
+        matrices once it has its copy."""
+        if lean is not None and (lean.dtype is not None or self.frozen):
             kv = lean_decode.prefix_kv(lean, torch.tensor(prefix, device=self.model.device))
             self.kv_store.remember(prefix, kv)
             return kv
