@@ -56,6 +56,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from retool.engines.cpu import cpu_flags as _cpu_flags  # a name of this module: tests set it
 from retool.engines.local.hf_compat import KV
 from retool.engines.local.kv_cache import Restored
 
@@ -87,18 +88,6 @@ def native_bf16(device: Any) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass  # not Linux: no flags to read, so no native bf16 is assumed
-    return frozenset()
 
 
 def resolve_precision(precision: str, device: Any) -> Any:
@@ -193,7 +182,7 @@ def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any
     version = weight_version(model)
     if previous is not None and previous.version == version and previous.dtype == dtype:
         return previous
-    inner = _decoder(model)
+    inner = decoder_of(model)
     if inner is None:
         return None
     config = model.config
@@ -204,7 +193,7 @@ def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any
     except _Unsupported:
         return None
     head = model.get_output_embeddings()
-    if _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
+    if not _head_covered(head):
         return None
     head_weight = _packed(_cast(head.weight.detach(), HEAD_DTYPE or dtype))
     return DecodeWeights(layers, cast(inner.embed_tokens.weight.detach()), _vector(inner.norm.weight, dtype),
@@ -234,12 +223,6 @@ class _Unsupported(Exception):
 
 
 def decoder_of(model: Any) -> Any:
-    """The decoder (``*Model``: embeddings, layers, norm, rotary) of a model the lean step
-    covers, else ``None``."""
-    return _decoder(model)
-
-
-def _decoder(model: Any) -> Any:
     """The ``*Model`` (embeddings, layers, norm, rotary) inside a (PEFT-wrapped) causal LM
     of a covered architecture, else ``None``."""
     config = model.config
@@ -321,9 +304,8 @@ def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
 def covers(model: Any) -> bool:
     """Whether :func:`decode_weights` covers ``model`` (see the module doc), found without
     merging or copying anything."""
-    inner = _decoder(model)
-    head = model.get_output_embeddings()
-    if inner is None or _lora_layer(head) is not None or getattr(head, "bias", None) is not None:
+    inner = decoder_of(model)
+    if inner is None or not _head_covered(model.get_output_embeddings()):
         return False
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -334,6 +316,11 @@ def covers(model: Any) -> bool:
         if any(_base_linear(m).bias is not None for m in modules[4:]):
             return False
     return True
+
+
+def _head_covered(head: Any) -> bool:
+    """The output layer the lean step reads: a plain matrix (no LoRA, no bias)."""
+    return _lora_layer(head) is None and getattr(head, "bias", None) is None
 
 
 def _linear_covered(module: Any) -> bool:
@@ -356,14 +343,12 @@ def _lora_layer(module: Any) -> Any:
 
 def _merged(module: Any) -> tuple[Any, Any]:
     """(weight, bias) of a linear layer with its active LoRA adapters merged (a copy)."""
+    if not _linear_covered(module):
+        raise _Unsupported(type(module).__name__)
     lora = _lora_layer(module)
     if lora is None:
-        if not isinstance(module, torch.nn.Linear):
-            raise _Unsupported(type(module).__name__)
         return module.weight.detach(), None if module.bias is None else module.bias.detach()
     base = lora.get_base_layer()
-    if not isinstance(base, torch.nn.Linear) or any(lora.use_dora.values()):
-        raise _Unsupported("LoRA variant")
     weight = base.weight.detach()
     deltas = [] if lora.disable_adapters or lora.merged else [
         lora.get_delta_weight(name).detach() for name in lora.active_adapters if name in lora.lora_A]

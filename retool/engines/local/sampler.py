@@ -401,9 +401,9 @@ class LocalSamplingClient:
         (RMSNorm weights, biases) stay, each as a copy of its own: a model loaded from
         safetensors holds its weights as slices of the memory-mapped file, and one slice
         left alive keeps the whole file mapped and resident (513 MB of the eval's memory
-        before the copies). Only for a
-        sampler whose weights never change (``frozen``: ``retool eval``'s sampler-only
-        engine); a training engine's sampler merges again after every update and keeps them."""
+        before the copies). Only for a sampler whose weights never change (``frozen``:
+        ``retool eval``'s sampler-only engine); a training engine's sampler merges again
+        after every update and keeps them."""
         self._lean_weights = lean_decode.apart_from(self._lean_weights, self.model)
         freed = 0
         for parameter in self.model.parameters():

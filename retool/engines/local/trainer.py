@@ -599,10 +599,9 @@ def fp32_weights(model: Any) -> Any:
             t.data = t.data.to(dtype)
 
 
-def store_frozen_matrices(model: Any, dtype: Any) -> int:
+def store_frozen_matrices(model: Any, dtype: Any) -> None:
     """Keep the frozen weight matrices of the decoder layers' linear products (a LoRA
-    run's base weights: 106M of SmolLM2-135M's 135M parameters) in ``dtype``; return the
-    bytes saved. Under ``train_precision='bf16'`` autocast computes those products with
+    run's base weights: 106M of SmolLM2-135M's 135M parameters) in ``dtype``. Under ``train_precision='bf16'`` autocast computes those products with
     bf16 copies of the fp32 weights anyway, so the forward and backward are the same to the
     bit (``tests/test_train_precision.py``) and 212 MB of SmolLM2's memory is freed; the
     embeddings (the tied output head), norms, LoRA and optimiser stay fp32. Every other
@@ -611,21 +610,16 @@ def store_frozen_matrices(model: Any, dtype: Any) -> int:
     decoder = lean_decode.decoder_of(model)
     if decoder is None:
         raise ValueError(f"{type(model).__name__} has no decoder layers the bf16 base weights cover")
-    saved = 0
     cast: set[int] = set()
-    for layer in decoder.layers:
-        for module in layer.modules():
-            weight = getattr(module, "weight", None)
-            if (isinstance(module, torch.nn.Linear) and not weight.requires_grad and weight.dtype != dtype
-                    and weight.is_floating_point()):
-                saved += weight.numel() * (weight.element_size() - torch.empty(0, dtype=dtype).element_size())
-                weight.data = weight.data.to(dtype)
-                cast.add(id(weight))
+    for module in decoder.layers.modules():
+        if (isinstance(module, torch.nn.Linear) and not module.weight.requires_grad
+                and module.weight.is_floating_point() and module.weight.dtype != dtype):
+            module.weight.data = module.weight.data.to(dtype)
+            cast.add(id(module.weight))
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if id(tensor) not in cast and not tensor.requires_grad:
             tensor.data = tensor.data.clone()
     memory.release_free_memory()
-    return saved
 
 
 def _has_separate_head(model: Any) -> bool:

