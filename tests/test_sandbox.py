@@ -8,7 +8,10 @@ hostile tests rely on it; with ``CI=true`` a missing mechanism fails instead of 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dis
 import glob
+import hashlib
 import os
 import signal
 import resource
@@ -134,6 +137,9 @@ def test_autoprint_uses_ast_not_text():
     assert len(blocks) == 2
     assert len(compile_script("for i in range(3):\n    i", "main.py")) == 1
     assert len(compile_script("a = 1\na + 1", "main.py", auto_print=False)) == 1
+    alone = compile_script("6 * 7", "main.py")  # one expression: one block, shown as a notebook shows it
+    shown = {i.opname for i in dis.get_instructions(alone[0])} | {i.argrepr for i in dis.get_instructions(alone[0])}
+    assert len(alone) == 1 and shown & {"PRINT_EXPR", "INTRINSIC_PRINT"}  # 3.11 / 3.12+
     with pytest.raises(SyntaxError):
         compile_script("def f(:\n", "main.py")
 
@@ -421,6 +427,56 @@ def test_dead_worker_is_replaced_and_its_call_reports_sandbox_error():
         assert sandbox.run_sync("print('back')").stdout == "back\n"
         assert sandbox._zygote.proc.pid != victim
         assert sandbox.metrics()["sandbox/worker_restarts"] == 1
+
+
+def test_a_warm_parent_that_hangs_before_answering_is_killed_and_replaced(monkeypatch):
+    """A call the warm parent never acknowledges is timed from its submission: a stopped
+    (hung) warm parent is killed by the client's watchdog and the call answered."""
+    monkeypatch.setattr("retool.sandbox.executor.WATCHDOG_GRACE_S", 0.3)
+    with Sandbox(SandboxConfig(timeout_s=0.5, preload=())) as sandbox:
+        sandbox.start()
+        victim = sandbox._zygote.proc.pid
+        os.killpg(victim, signal.SIGSTOP)
+        started = time.monotonic()
+        res = sandbox.run_sync("print('never')")
+        assert res.status is ExecStatus.SANDBOX_ERROR and "died" in res.observation
+        assert time.monotonic() - started < 5
+        assert sandbox.run_sync("print('back')").stdout == "back\n"
+        assert sandbox._zygote.proc.pid != victim
+
+
+def test_a_call_queued_behind_busy_workers_is_not_taken_for_a_hung_warm_parent(monkeypatch):
+    """A call that waits for a worker far longer than its timeout plus the watchdog's grace
+    is answered "queued" by the warm parent and only timed once it starts."""
+    monkeypatch.setattr("retool.sandbox.executor.WATCHDOG_GRACE_S", 0.3)
+    with Sandbox(SandboxConfig(timeout_s=3, workers=1, preload=())) as sandbox:
+        sandbox.start()
+
+        async def main():
+            busy = asyncio.ensure_future(sandbox.run("import time; time.sleep(1.5); print('busy')"))
+            await asyncio.sleep(0.1)
+            waiting = asyncio.ensure_future(sandbox.run("print('waited')", timeout_s=0.2))
+            return await busy, await waiting
+
+        busy, waiting = asyncio.run(main())
+        assert busy.stdout == "busy\n" and waiting.stdout == "waited\n", (busy, waiting)
+        assert sandbox.metrics()["sandbox/worker_restarts"] == 0
+
+
+def test_requests_larger_than_the_pipe_arrive_whole_and_in_order(sb):
+    """Requests are written by the caller's thread when the pipe takes them at once, else by
+    the writer thread (in order): from 8 threads at once, requests of a few bytes and of
+    ~1.4 MB (a file, base64-encoded), each answered with its own data."""
+    def one(i: int) -> tuple[str, str]:
+        data = os.urandom(1 << 20) if i % 3 == 0 else str(i).encode()
+        expect = f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+        res = sb.run_sync("import hashlib\nd = open('d.bin', 'rb').read()\nprint(len(d), hashlib.sha256(d).hexdigest())",
+                          files={"d.bin": data}, timeout_s=20)
+        return res.stdout.strip(), expect
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        pairs = list(pool.map(one, range(24)))
+    assert all(got == expect for got, expect in pairs), [p for p in pairs if p[0] != p[1]][:2]
 
 
 def test_metrics_per_window():

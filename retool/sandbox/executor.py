@@ -26,6 +26,7 @@ import logging
 import os
 import posixpath
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -193,6 +194,8 @@ class _Pending:
     memory_mb: int
     submitted: float
     started: float | None = None
+    """Since when the watchdog times it: its submission for a call the warm parent starts
+    at once, the "started" message for one it answered "queued" (None while it waits)."""
 
 
 class _Zygote:
@@ -202,7 +205,10 @@ class _Zygote:
         self.cfg = cfg
         self.pending: dict[str, _Pending] = {}
         self.lock = threading.Lock()
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the writer thread must write
+        self.write_lock = threading.Lock()  # orders direct writes against the writer thread's
+        self.queued = 0  # messages in the outbox or being written by the writer thread
+        self.stdin_closed = False
         self.dead = False
         self.proc = subprocess.Popen(
             [cfg.python, "-s", "-B", *(["-P"] if sys.version_info >= (3, 11) else []),  # -P: no script dir
@@ -211,6 +217,8 @@ class _Zygote:
             start_new_session=True, close_fds=True)
         self.ready = self._await_ready()
         self.isolation = tuple(self.ready["isolation"])
+        self.stdin_fd = self.proc.stdin.fileno()
+        os.set_blocking(self.stdin_fd, False)  # a direct write never blocks its caller (see _send)
         threading.Thread(target=self._read_loop, name="sandbox-reader", daemon=True).start()
         threading.Thread(target=self._write_loop, name="sandbox-writer", daemon=True).start()
 
@@ -243,26 +251,50 @@ class _Zygote:
             if self.dead:
                 raise BrokenPipeError("sandbox warm parent is gone")
             self.pending[call_id] = pending
-        self.outbox.put(request)
+        self._send(request)
 
     def cancel(self, call_id: str) -> None:
         if not self.dead:
-            self.outbox.put({"op": "cancel", "id": call_id})
+            self._send({"op": "cancel", "id": call_id})
+
+    def _send(self, msg: dict) -> None:
+        """Write ``msg`` to the warm parent from the calling thread when nothing is waiting
+        for the writer thread and the pipe takes it all at once (the common case: one hop
+        less per call); otherwise, or for what the pipe did not take, the writer thread
+        writes it, in order. Never blocks on a full pipe. A closed or broken pipe drops it:
+        the reader then finds the warm parent gone and answers every pending call."""
+        data = (json.dumps(msg) + "\n").encode()
+        with self.write_lock:
+            if self.stdin_closed:
+                return
+            if not self.queued:
+                try:
+                    data = data[os.write(self.stdin_fd, data):]
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    return
+                if not data:
+                    return
+            self.queued += 1
+            self.outbox.put(data)
 
     def _write_loop(self) -> None:
         while not self.dead:
             try:
-                msg = self.outbox.get(timeout=0.5)
+                data = self.outbox.get(timeout=0.5)
             except queue.Empty:
                 self._watchdog()
                 continue
-            if msg is None:
+            if data is None:
                 break
             try:
-                self.proc.stdin.write((json.dumps(msg) + "\n").encode())
-                self.proc.stdin.flush()
-            except (OSError, ValueError):
+                _write_all(self.stdin_fd, data)
+            except OSError:
                 break
+            finally:
+                with self.write_lock:
+                    self.queued -= 1
             self._watchdog()
         self._close_stdin()
 
@@ -283,7 +315,9 @@ class _Zygote:
                 break
             with self.lock:
                 pending = self.pending.get(msg["id"])
-                if pending is not None and msg["op"] == "started":
+                if pending is not None and msg["op"] == "queued":  # not running: not timed yet
+                    pending.started = None
+                elif pending is not None and msg["op"] == "started":  # it ran after waiting
                     pending.started = time.monotonic()
                 elif msg["op"] == "result":
                     self.pending.pop(msg["id"], None)
@@ -308,10 +342,12 @@ class _Zygote:
         _remove_empty_dir(self.ready.get("host_dir"))
 
     def _close_stdin(self) -> None:
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
+        with self.write_lock:  # no direct write can reach a closed (and reused) fd number
+            self.stdin_closed = True
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
 
     def kill(self) -> None:
         """Kill the warm parent; the kernel then kills every call it was running."""
@@ -345,6 +381,16 @@ def _describe(zygote: _Zygote, missing: list[str]) -> str:
     warnings = "; ".join(zygote.ready.get("warnings") or ()) or "none"
     return (f"sandbox isolation: REDUCED, missing {', '.join(missing)} (in force: {in_force}; warnings: "
             f"{warnings}); --sandbox-strict refuses to run like this")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the non-blocking ``fd``, waiting while the pipe is full."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            select.select([], [fd], [], 0.5)
 
 
 def _resolve(pending: _Pending, make_result) -> None:
@@ -497,6 +543,7 @@ class Sandbox:
         request = self._request(call_id, code, timeout_s, memory_mb, stdin, files, fetch_files)
         request["auto_print"] = bool(auto_print)
         pending = _Pending(concurrent.futures.Future(), timeout_s, memory_mb, time.monotonic())
+        pending.started = pending.submitted  # the warm parent says "queued" if it cannot start it at once
         pending.future.add_done_callback(lambda f: self._on_done(f, pending, call_id))
         zygote = self._ensure_zygote()
         if session is not None:
