@@ -29,7 +29,12 @@ And why the sandbox keeps an empty v1 group frozen (``--only freezer``, as root,
 freezing and thawing a group with one sleeping process costs with no other group frozen
 (each freeze and thaw flips the kernel's freezer static key) vs with one kept frozen.
 
-Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--rounds 30] [--only hardening]``.
+Or, with ``--against REV``, only this: this checkout's sandbox against git revision REV's (e.g.
+``3b5ca40``, the code before the hardening), both with their defaults, each in its own process,
+rounds interleaved: the same calls per round as the hardening table.
+
+Usage: ``python bench/sandbox.py [--calls 40] [--baseline-calls 12] [--rounds 30] [--only hardening]``
+or ``python bench/sandbox.py --against 3b5ca40 --rounds 60``.
 Needs Linux; the isolation columns need root or unprivileged user namespaces.
 """
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import resource
@@ -398,6 +404,98 @@ def stateful_vs_stateless(trajectories: int, calls: int) -> None:
     print("load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
+AGAINST_WORKER = """
+import asyncio, json, logging, sys, time
+from retool.sandbox import Sandbox, SandboxConfig
+logging.getLogger("retool.sandbox").setLevel(logging.ERROR)
+sb = Sandbox(SandboxConfig(timeout_s=30))
+sb.start()
+sb.run_sync("1")
+
+def trajectory(calls, gap_s):
+    async def main():
+        session, latencies = sb.session(), []
+        try:
+            for i in range(calls):
+                if i and gap_s:
+                    await asyncio.sleep(gap_s)
+                t = time.perf_counter()
+                assert (await session.run("print(1+1)")).ok
+                latencies.append(time.perf_counter() - t)
+        finally:
+            await session.aclose()
+        return latencies
+    return asyncio.run(main())
+
+print("ready", flush=True)
+for line in sys.stdin:
+    t = time.perf_counter()
+    assert sb.run_sync("print(1+1)").ok
+    stateless = time.perf_counter() - t
+    later, apart = trajectory(6, 0.0), trajectory(3, 0.02)
+    print(json.dumps({"stateless": [stateless], "first": [later[0], apart[0]], "later": later[1:],
+                      "apart": apart[1:]}), flush=True)
+sb.close()
+"""
+"""Runs in a subprocess with one revision's ``retool`` first on its path: one sandbox with
+the defaults; per line on stdin, one round of the hardening table's calls, as JSON."""
+AGAINST_SETTLE_S = 0.2
+"""Pause before each round: the other sandbox's children forked ahead (50 ms after its
+last call) are ready by then, so neither revision's calls share the CPU with them."""
+
+
+def against_revision(rev: str, rounds: int) -> None:
+    """This checkout's sandbox against revision ``rev``'s (``git archive`` of it, e.g. the
+    code before the hardening), both with their defaults, each in a process of its own,
+    rounds interleaved (every other round in reverse order) and ``AGAINST_SETTLE_S`` apart;
+    per round one stateless call, a session of 6 calls back to back and one of 3 calls
+    20 ms apart. Prints p50s, the ratio and the paired ratio of later calls (median over
+    rounds of this/that within a round)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="retool-rev-") as old:
+        archive = subprocess.run(["git", "-C", repo, "archive", rev, "retool"], capture_output=True)
+        if archive.returncode:
+            raise SystemExit(f"--against {rev}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", old], input=archive.stdout, check=True)
+        print(f"\nthis checkout against {rev} (its sandbox, the defaults), {rounds} rounds, interleaved; "
+              "load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        workers = {}
+        for label, root in ((rev, old), ("this checkout", repo)):
+            env = {**os.environ, "PYTHONPATH": root}
+            proc = subprocess.Popen([sys.executable, "-c", AGAINST_WORKER], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())
+            if proc.stdout.readline().strip() != "ready":
+                raise SystemExit(f"the sandbox of {label} did not start")
+            workers[label] = proc
+        samples = {label: {"stateless": [], "first": [], "later": [], "apart": []} for label in workers}
+        paired = {"later": [], "apart": []}
+        try:
+            for r in range(rounds):
+                for label, proc in list(workers.items())[::-1 if r % 2 else 1]:
+                    time.sleep(AGAINST_SETTLE_S)
+                    proc.stdin.write("round\n")
+                    proc.stdin.flush()
+                    for kind, values in json.loads(proc.stdout.readline()).items():
+                        samples[label][kind] += values
+                for kind, per_round in paired.items():
+                    new, base = (percentile(sorted(samples[label][kind][-LATER_PER_ROUND[kind]:]), 50)
+                                 for label in ("this checkout", rev))
+                    per_round.append(new / base)
+        finally:
+            for proc in workers.values():
+                proc.stdin.close()
+                proc.wait()
+    p50 = {label: {k: percentile(sorted(v), 50) * 1e3 for k, v in kinds.items()} for label, kinds in samples.items()}
+    print(f"  {'p50':24} {rev[:12]:>12} {'this checkout':>14} {'ratio':>6}")
+    for kind, name in (("stateless", "stateless call"), ("first", "session, first call"),
+                       ("later", "later calls, back to back"), ("apart", "later calls, 20 ms apart")):
+        base, new = p50[rev][kind], p50["this checkout"][kind]
+        print(f"  {name:24} {base:9.3f} ms {new:11.3f} ms {new / base:5.2f}x")
+    print(f"  paired (median over rounds): later {percentile(sorted(paired['later']), 50):.2f}x, "
+          f"apart {percentile(sorted(paired['apart']), 50):.2f}x")
+    print("  load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=40, help="sandbox calls per measurement")
@@ -410,8 +508,14 @@ def main() -> int:
                         help="interleaved rounds in the before/after table of the hardening mechanisms")
     parser.add_argument("--only", choices=("baseline", "mechanisms", "hardening", "cgroup-join", "freezer", "stateful"),
                         help="run one part only (default: all six)")
+    parser.add_argument("--against", metavar="REV",
+                        help="instead: this checkout's sandbox against git revision REV's, both with their "
+                             "defaults (e.g. 3b5ca40, the code before the hardening)")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, uid {os.geteuid()}\n")
+    if args.against:
+        against_revision(args.against, args.rounds)
+        return 0
     if args.only in (None, "baseline"):
         compare(args.calls, args.baseline_calls)
     if args.only in (None, "mechanisms"):
