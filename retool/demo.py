@@ -35,7 +35,9 @@ errors), 23 of 30 RL groups informative, peak memory 3.01 GiB for the process tr
 seed 1 +8.3 points (s.e. 3.1, z 2.68); seed 2 +9.4 (3.5, z 2.68); seed 3, whose cold start
 is the weakest (68.8 %), +7.3 (4.1, z 1.77: within the noise). On two cores without native
 bf16 (AVX2 only), where ``auto`` runs fp32: seed 42, 48.5 minutes, 74.0 % → 82.8 %, +8.9
-points at s.e. 2.3 (z 3.78), 24 of 35 groups informative, peak 3.07 GiB. Measured, never
+points at s.e. 2.3 (z 3.78), 24 of 35 groups informative, peak 3.07 GiB; seed 3, 43.8
+minutes, 71.9 % → 82.3 %, +10.4 points at s.e. 3.9 (z 2.66), 22 of 35 groups
+informative, peak 3.26 GiB. Measured, never
 guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
