@@ -37,7 +37,8 @@ is the weakest (68.8 %), +7.3 (4.1, z 1.77: within the noise). On two cores with
 bf16 (AVX2 only), where ``auto`` runs fp32: seed 42, 48.5 minutes, 74.0 % → 82.8 %, +8.9
 points at s.e. 2.3 (z 3.78), 24 of 35 groups informative, peak 3.07 GiB; seed 3, 43.8
 minutes, 71.9 % → 82.3 %, +10.4 points at s.e. 3.9 (z 2.66), 22 of 35 groups
-informative, peak 3.26 GiB. Measured, never
+informative, peak 3.26 GiB; seed 1, 35.4 minutes, 75.0 % → 84.9 %, +9.9 points at s.e. 3.6
+(z 2.75), 24 of 28 groups informative, peak 3.31 GiB. Measured, never
 guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
