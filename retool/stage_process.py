@@ -13,14 +13,23 @@ function and its arguments are pickled, so the function must be importable by na
 module-level function). What it raises comes back as itself — a ``ConfigError`` stays one
 error line — with the stage's traceback attached as its ``__cause__``; a stage process
 that dies without an answer (killed, out of memory) raises ``StageDied``, one line naming
-the stage and how its process ended.
+the stage and how its process ended. A stage process ends when the command does, however
+the command ends (``kill``, a crash; not only Ctrl-C, which reaches the whole group): it
+asks the kernel for SIGTERM when its parent goes (``PR_SET_PDEATHSIG``; elsewhere a thread
+watches the parent's pid), so that no orphaned stage keeps training with nobody to answer.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import multiprocessing
+import os
 import pickle
 import signal
+import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -39,7 +48,31 @@ class StageTraceback(Exception):
         return "\n" + self.args[0]
 
 
-def _stage_main(connection: Any, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal this process gets when its parent ends (``linux/prctl.h``)."""
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process get SIGTERM when its parent (pid ``parent``) ends: the kernel's
+    ``PR_SET_PDEATHSIG`` on Linux, else a daemon thread that checks the parent's pid every
+    second. A parent that is gone already ends this process now."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        armed = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it ended before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stage_main(connection: Any, function: Callable[..., Any], args: tuple[Any, ...], parent: int) -> None:
+    die_with_parent(parent)
     try:
         answer: tuple[str, Any, str] = ("result", function(*args), "")
     except BaseException as err:  # noqa: BLE001 -- every failure goes back to the caller
@@ -73,7 +106,7 @@ def in_own_process(name: str, function: Callable[..., T], *args: Any) -> T:
     """
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_stage_main, args=(send, function, args), name=f"retool {name}")
+    process = context.Process(target=_stage_main, args=(send, function, args, os.getpid()), name=f"retool {name}")
     process.start()
     send.close()  # the parent's copy: recv() sees EOF once the child's is gone
     try:

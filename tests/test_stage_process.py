@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +61,43 @@ def test_a_killed_stage_process_is_one_line_naming_the_stage_and_the_signal():
 def test_a_stage_process_that_exits_early_says_its_exit_code():
     with pytest.raises(StageDied, match="the SFT stage's process exited with code 3 before it finished"):
         in_own_process("SFT", os._exit, 3)
+
+
+def write_pid_and_sleep(path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    time.sleep(120)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_stage_process_ends_when_the_command_is_killed(tmp_path):
+    """``kill -9`` of the command (no Ctrl-C to the group) leaves no orphaned stage running."""
+    pid_file = tmp_path / "stage.pid"
+    code = ("from retool.stage_process import in_own_process; from tests.test_stage_process import "
+            f"write_pid_and_sleep; in_own_process('probe', write_pid_and_sleep, {str(pid_file)!r})")
+    command = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stage = int(pid_file.read_text())
+        time.sleep(1.5)
+        assert alive(stage)  # the probe sees the stage while its command runs
+        command.kill()
+        command.wait()
+        deadline = time.monotonic() + 10
+        while alive(stage) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(stage)
+    finally:
+        command.kill()
