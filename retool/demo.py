@@ -159,6 +159,10 @@ class DemoConfig:
                                             "sampler's weight and KV memory, faster on a CPU with native bf16; "
                                             "auto = bf16 where the CPU has it (avx512_bf16/AMX); training has "
                                             "its own --train-precision", choices=("fp32", "bf16", "auto"))
+    rl_spill_base: bool = option(True, "during RL rollouts, move the trainer's frozen layer matrices to a "
+                                       "temporary file while the sampler decodes from its merged copy, and read "
+                                       "them back for training (--local-spill-base of retool train: the same "
+                                       "results, ~0.4 GB less at the RL stage's peak with fp32)")
 
     def validate(self) -> None:
         for name in ("sft_dialogues", "sft_steps", "sft_batch_size", "rl_problems", "rl_steps", "rl_batch_size",
@@ -290,7 +294,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
         sandbox_workers=4, run_dir=str(run_dir),
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
-        dtype=cfg.dtype, local=LocalSettings(precision=cfg.sampler_precision))
+        dtype=cfg.dtype, local=LocalSettings(precision=cfg.sampler_precision, spill_base=cfg.rl_spill_base))
     return train(train_cfg, resume=(run_dir / "config.json").exists())
 
 

@@ -53,6 +53,11 @@ class LocalSettings:
                                     "bf16: avx512_bf16/AMX; lean decode loop only; logprobs are the bf16 "
                                     "model's); auto = bf16 where the CPU or GPU computes bf16 natively, else "
                                     "fp32", choices=("fp32", "bf16", "auto"))
+    spill_base: bool = option(False, "while the sampler decodes from its merged copy (LoRA, lean loop), move the "
+                                     "trainer's frozen layer matrices out of memory to a temporary file and read "
+                                     "them back for training: the same results, the model's layer weights less "
+                                     "memory during sampling (425 MB for SmolLM2-135M in fp32); off under "
+                                     "--max-staleness > 0 or where the temporary folder is in memory")
 
     def validate(self) -> None:
         require(self.sample_window_s >= 0, f"local_sample_window_s must be >= 0, got {self.sample_window_s}")

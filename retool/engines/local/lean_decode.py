@@ -318,6 +318,21 @@ def covers(model: Any) -> bool:
     return True
 
 
+def layer_matrices(model: Any) -> list[Any]:
+    """The frozen weight matrices of the decoder layers' linear products (the base of each
+    LoRA-wrapped one) — what :func:`decode_weights` merges into its own copy and the lean
+    steps never read from the model (``base_spill``); empty when :func:`covers` is false."""
+    if not covers(model):
+        return []
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    matrices = []
+    for layer in decoder_of(model).layers:
+        modules = [getattr(layer.self_attn, n) for n in names]
+        modules += [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        matrices += [w for w in (_base_linear(m).weight for m in modules) if not w.requires_grad]
+    return matrices
+
+
 def _head_covered(head: Any) -> bool:
     """The output layer the lean step reads: a plain matrix (no LoRA, no bias)."""
     return _lora_layer(head) is None and getattr(head, "bias", None) is None

@@ -30,6 +30,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams
 from retool.engines.local import decoding, hf_compat, kv_cache, lean_decode, memory, probe
 from retool.engines.settings import LocalSettings
+from retool.engines.local.base_spill import BaseSpill
 from retool.engines.local.decode_loop import decode
 from retool.engines.local.model import default_stop_token_ids, model_mode
 
@@ -150,6 +151,10 @@ class LocalSamplingClient:
         self.kv_bytes_per_token = kv_cache.kv_bytes_per_token(model, self.dtype)
         self.nucleus_candidates = 256
         self._lean_weights: lean_decode.DecodeWeights | None = None
+        self.base_spill: BaseSpill | None = None
+        """The trainer's frozen layer matrices, freed while this sampler holds its merged copy
+        (``LocalSettings.spill_base``; set by the training client, :mod:`base_spill`)."""
+        self._spilled_version: tuple = ()
         self.kv_reused_tokens = 0
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.default_stop_ids = tuple(sorted(default_stop_token_ids(model, tokenizer)))
@@ -381,6 +386,12 @@ class LocalSamplingClient:
         (:meth:`_release_model`) and merges no more."""
         if self.released_bytes:
             return self._lean_weights
+        spill = self.base_spill
+        if spill is not None and spill.out:
+            if self._lean_weights is not None and self._spilled_version == _trained_version(self.model):
+                return self._lean_weights
+            self._lean_weights = None  # stale: its memory goes before the model's matrices come back
+            spill.restore()
         self._lean_weights = lean_decode.decode_weights(self.model, self._lean_weights, self.dtype)
         if self._lean_weights is None and self.dtype is not None:
             warnings.warn(f"precision bf16: the lean decode loop does not cover {type(self.model).__name__}; the "
@@ -389,7 +400,24 @@ class LocalSamplingClient:
             self.kv_bytes_per_token = kv_cache.kv_bytes_per_token(self.model)
         if self.frozen and self._lean_weights is not None:
             self._release_model()
+        elif spill is not None and self._lean_weights is not None:
+            self._spilled_version = _trained_version(self.model)
+            spill.release()
+            memory.release_free_memory()
         return self._lean_weights
+
+    def restore_base(self) -> None:
+        """Put the model's spilled layer matrices back (``base_spill``) before anything but
+        this sampler's lean steps runs the model; the caller holds the shared lock."""
+        if self.base_spill is not None:
+            self.base_spill.restore()
+
+    def stop_spilling(self) -> None:
+        """Put the model's matrices back for good and spill no more (a frozen copy made for
+        sampling during training shares them); the caller holds the shared lock."""
+        if self.base_spill is not None:
+            self.base_spill.close()
+            self.base_spill = None
 
     def _release_model(self) -> None:
         """Free the model's weight matrices (every parameter of two or more dimensions:
@@ -423,7 +451,7 @@ class LocalSamplingClient:
         than the model's (bf16) compute it themselves, so that the prefix is the same bf16
         model as the steps after it, and so do a frozen sampler's, whose model holds no
         matrices once it has its copy."""
-        if lean is not None and (lean.dtype is not None or self.frozen):
+        if lean is not None and (lean.dtype is not None or self.frozen or self.base_spill is not None):
             kv = lean_decode.prefix_kv(lean, torch.tensor(prefix, device=self.model.device))
             self.kv_store.remember(prefix, kv)
             return kv
@@ -443,6 +471,12 @@ class LocalSamplingClient:
             return
         if not kv_cache.store_rows(self.kv_store, cache, attention_mask, prompts, [s.tokens for s in sequences]):
             self.kv_cache_bytes = 0
+
+
+def _trained_version(model: Any) -> tuple:
+    """Changes whenever a trained parameter is replaced or updated in place (the frozen
+    ones a spill frees and reads back do not count: their values never change)."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters() if p.requires_grad)
 
 
 def _fail(requests: list[_Request], exc: BaseException) -> None:

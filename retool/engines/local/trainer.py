@@ -34,6 +34,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -50,7 +51,7 @@ from retool.atomic import replace_folder
 from retool.config import ConfigError
 from retool.engines.base import AdamParams, ForwardBackwardOutput, OptimStepOutput, run_now
 from retool.engines.local.config import LocalEngineConfig
-from retool.engines.local import hf_compat, lean_decode, memory
+from retool.engines.local import base_spill, hf_compat, lean_decode, memory
 from retool.engines.local.kv_cache import common_prefix
 from retool.engines.local.model import (
     apply_lora,
@@ -128,6 +129,28 @@ class LocalTrainingClient:
         self.base_in_bf16 = self._bf16_compute and self._can_store_base_in_bf16()
         if self.base_in_bf16:
             store_frozen_matrices(self.model, torch.bfloat16)
+        if config.sampler.spill_base:
+            self._start_spilling()
+
+    def _start_spilling(self) -> None:
+        """``LocalSettings.spill_base``: hand the sampler a ``BaseSpill`` of the layers'
+        frozen matrices (LoRA, lean loop, a temporary folder on disk), or say in one line why
+        not. Every other tensor of the model becomes a copy of its own first: a model loaded
+        from safetensors holds its weights as slices of the memory-mapped file, and one
+        slice left keeps the whole file mapped and resident."""
+        matrices = [] if self.config.full_finetune else lean_decode.layer_matrices(self.model)
+        directory = base_spill.spill_directory()
+        why = ("a full fine-tune trains them" if self.config.full_finetune
+               else "the lean decode loop does not cover this model" if self.sampler.decode_loop != "lean" or not matrices
+               else "the temporary folder is in memory (set TMPDIR to a folder on disk)" if directory is None else "")
+        if why:
+            print(f"local trainer: spill_base off: {why}", file=sys.stderr, flush=True)
+            return
+        spilled = {id(m) for m in matrices}
+        for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+            if id(tensor) not in spilled:
+                tensor.data = tensor.data.clone()
+        self.sampler.base_spill = base_spill.BaseSpill(matrices, directory)
 
     def _can_store_base_in_bf16(self) -> bool:
         """Whether the frozen base matrices may be kept in bf16 (``store_frozen_matrices``):
@@ -181,6 +204,7 @@ class LocalTrainingClient:
             # training step's peak memory.
             self.sampler.clear_kv_cache()
             memory.release_free_memory()
+            self.sampler.restore_base()
             try:
                 prefix = self._trained_prefix(data, once, config["temperature"]) if once else None
                 for indices in plan:
@@ -485,6 +509,7 @@ class LocalTrainingClient:
             raise ValueError(f"checkpoint {path} does not fit this engine: it has {found}, "
                              f"this engine has {wanted}")
         with self._lock:
+            self.sampler.restore_base()
             load_weights(self.model, path, self.config.full_finetune)
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
             self._set_rng_state(torch.load(path / "rng.pt", weights_only=True))
@@ -529,6 +554,7 @@ class LocalTrainingClient:
         """The trainer's teacher-forced logprobs of ``tokens[start:]`` (forward only; the
         weight-sync guard's probe, ``retool.weight_sync``)."""
         with self._lock:
+            self.sampler.restore_base()
             # bf16 base matrices run only under autocast: the probe then computes as training does
             return model_logprobs(self.model, tokens, start, self._logits if self.base_in_bf16 else None)
 
@@ -547,6 +573,7 @@ class LocalTrainingClient:
         ``--full-finetune`` the whole model is copied. The copy has its own lock, so it
         samples while the live model trains."""
         with self._lock:
+            self.sampler.stop_spilling()  # the copy shares the frozen matrices: they stay in from now on
             shared: dict[int, Any] = {id(p): p for p in self.model.parameters() if not p.requires_grad}
             model = copy.deepcopy(self.model, memo=shared)
         return LocalSamplingClient(model, self.tokenizer, threading.Lock(), seed=self.sampler.seed,
