@@ -126,8 +126,11 @@ class LocalSamplingClient:
     besides ``max_rows``. The KV store is bounded by ``kv_cache_mb`` (512 MB). glibc
     keeps the memory that a batch's KV caches and logits free in per-thread arenas, and
     the process can grow by about a batch's KV at every batch; the sampler caps the
-    arenas at two and trims them after every batch (``memory``). ``docs/benchmarks.md``
-    has the demo eval's measured peaks.
+    arenas at two and trims them after every batch (``memory``). With ``spill_base`` the
+    trainer's frozen layer matrices leave memory while this sampler holds its merged copy
+    (``base_spill``; the trainer reads them back with :meth:`restore_base`), and shared
+    prefixes are computed through that copy. ``docs/benchmarks.md`` has the demo eval's
+    measured peaks.
     """
 
     def __init__(self, model: Any, tokenizer: Any, lock: threading.Lock, *, seed: int = 42,
