@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from retool.engines.local import hf_compat
+from retool.engines.local import hf_compat, memory
 from retool.engines.local.decoding import RowSampler
 from retool.engines.local.hf_compat import KV
 from retool.engines.local.lean_decode import DecodeWeights, LeanCache
@@ -52,6 +52,12 @@ OnFinished = Callable[[Callable[[], KV], int, list[int]], None]
 """``(row's KV, original row, its tokens)``: called for a finished row before it is
 dropped or the loop ends (pure-attention caches only); the first argument returns the row's KV (per layer keys and
 values over every column so far, the HF cache's layout)."""
+
+
+TRIM_IN_DECODE = True
+"""Hand freed memory back to the system after the prefill and after rows are dropped (their
+KV buffers are copied into smaller ones), not only after the batch (the sampler's own
+trim): what glibc kept from them otherwise stayed resident under the batch's steps."""
 
 
 def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler: RowSampler,
@@ -78,6 +84,8 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
         step = _HFSteps(model, hf_compat.cache_of(out), attention_mask)
         logits_B = out.logits[:, -1]
     del cache
+    if TRIM_IN_DECODE:
+        memory.release_free_memory()  # the prefill's activations and scores: not under every step of the batch
     live = list(range(rows))  # original row of each batch row
     results: list[tuple[list[int], list[float]]] = [([], []) for _ in range(rows)]
     finished: set[int] = set()
@@ -101,6 +109,8 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
         if can_drop and len(done_B) >= DROP_SHARE * len(live):
             keep = torch.tensor([b for b, row in enumerate(live) if row not in finished], device=chosen_B.device)
             step.keep_rows(keep)
+            if TRIM_IN_DECODE:
+                memory.release_free_memory()  # the larger KV buffers the kept rows were copied out of
             live = [live[b] for b in keep.tolist()]
             chosen_B, next_positions = chosen_B[keep], next_positions[keep]
         logits_B = step.step(chosen_B, next_positions)
