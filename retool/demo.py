@@ -38,7 +38,10 @@ bf16 (AVX2 only), where ``auto`` runs fp32: seed 42, 48.5 minutes, 74.0 % → 82
 points at s.e. 2.3 (z 3.78), 24 of 35 groups informative, peak 3.07 GiB; seed 3, 43.8
 minutes, 71.9 % → 82.3 %, +10.4 points at s.e. 3.9 (z 2.66), 22 of 35 groups
 informative, peak 3.26 GiB; seed 1, 35.4 minutes, 75.0 % → 84.9 %, +9.9 points at s.e. 3.6
-(z 2.75), 24 of 28 groups informative, peak 3.31 GiB. Measured, never
+(z 2.75), 24 of 28 groups informative, peak 3.31 GiB; seed 2, 34.7 minutes, 77.6 % → 78.1 %,
++0.5 points at s.e. 3.3 (z 0.16: within the noise), 24 of 31 groups informative. At 623757d
+(the frozen matrices spilled during rollouts, memory handed back after every micro-batch)
+seed 42 gave the same 74.0 % → 82.8 % in 39.3 minutes with a peak of 2.60 GiB. Measured, never
 guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
