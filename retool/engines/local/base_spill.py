@@ -71,21 +71,20 @@ class BaseSpill:
         self.parameters = parameters
         self._file = tempfile.TemporaryFile(dir=directory, prefix="retool-base-", buffering=0)
         self._slots: list[tuple[int, tuple[int, ...], Any]] = []  # offset, shape, dtype per parameter
+        offset = 0
+        for p in parameters:
+            self._slots.append((offset, tuple(p.shape), p.dtype))
+            offset += p.numel() * p.element_size()
+        self.bytes = offset
+        """What a release frees."""
         self._written: list[tuple[int, int] | None] = [None] * len(parameters)  # (data_ptr, _version) on file
         self.out = False
-        self.bytes = sum(p.numel() * p.element_size() for p in parameters)
-        """What a release frees."""
 
     def release(self) -> int:
         """Free the matrices (after writing those the file does not hold as they are); the
         bytes freed (0 when they were out already)."""
         if self.out:
             return 0
-        if not self._slots:
-            offset = 0
-            for p in self.parameters:
-                self._slots.append((offset, tuple(p.shape), p.dtype))
-                offset += p.numel() * p.element_size()
         for i, p in enumerate(self.parameters):
             state = (p.data_ptr(), p._version)
             if self._written[i] != state:

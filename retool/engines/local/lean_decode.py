@@ -168,10 +168,11 @@ def apart_from(weights: DecodeWeights, model: Any) -> DecodeWeights:
                                head=own(weights.head))
 
 
-def weight_version(model: Any) -> tuple:
-    """Changes whenever any parameter is replaced or updated in place (optimizer steps,
-    ``load_state_dict``, merging)."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+def weight_version(model: Any, trained_only: bool = False) -> tuple:
+    """Changes whenever any parameter (with ``trained_only``, any trained one: the frozen
+    ones a ``base_spill`` frees and reads back never change value) is replaced or updated
+    in place (optimizer steps, ``load_state_dict``, merging)."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters() if p.requires_grad or not trained_only)
 
 
 def decode_weights(model: Any, previous: DecodeWeights | None = None, dtype: Any = None) -> DecodeWeights | None:
@@ -308,9 +309,7 @@ def covers(model: Any) -> bool:
     if inner is None or not _head_covered(model.get_output_embeddings()):
         return False
     for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        modules = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        modules += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        modules = _layer_linears(layer)
         if not all(_linear_covered(m) for m in modules):
             return False
         if any(_base_linear(m).bias is not None for m in modules[4:]):
@@ -324,13 +323,15 @@ def layer_matrices(model: Any) -> list[Any]:
     steps never read from the model (``base_spill``); empty when :func:`covers` is false."""
     if not covers(model):
         return []
-    names = ("q_proj", "k_proj", "v_proj", "o_proj")
-    matrices = []
-    for layer in decoder_of(model).layers:
-        modules = [getattr(layer.self_attn, n) for n in names]
-        modules += [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-        matrices += [w for w in (_base_linear(m).weight for m in modules) if not w.requires_grad]
-    return matrices
+    weights = (_base_linear(m).weight for layer in decoder_of(model).layers for m in _layer_linears(layer))
+    return [w for w in weights if not w.requires_grad]
+
+
+def _layer_linears(layer: Any) -> list[Any]:
+    """A decoder layer's linear modules: attention's q, k, v, o, then the MLP's gate, up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return ([getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            + [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")])
 
 
 def _head_covered(head: Any) -> bool:

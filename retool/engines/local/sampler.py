@@ -391,7 +391,7 @@ class LocalSamplingClient:
             return self._lean_weights
         spill = self.base_spill
         if spill is not None and spill.out:
-            if self._lean_weights is not None and self._spilled_version == _trained_version(self.model):
+            if self._lean_weights is not None and self._spilled_version == lean_decode.weight_version(self.model, trained_only=True):
                 return self._lean_weights
             self._lean_weights = None  # stale: its memory goes before the model's matrices come back
             spill.restore()
@@ -404,7 +404,7 @@ class LocalSamplingClient:
         if self.frozen and self._lean_weights is not None:
             self._release_model()
         elif spill is not None and self._lean_weights is not None:
-            self._spilled_version = _trained_version(self.model)
+            self._spilled_version = lean_decode.weight_version(self.model, trained_only=True)
             spill.release()
             memory.release_free_memory()
         return self._lean_weights
@@ -474,12 +474,6 @@ class LocalSamplingClient:
             return
         if not kv_cache.store_rows(self.kv_store, cache, attention_mask, prompts, [s.tokens for s in sequences]):
             self.kv_cache_bytes = 0
-
-
-def _trained_version(model: Any) -> tuple:
-    """Changes whenever a trained parameter is replaced or updated in place (the frozen
-    ones a spill frees and reads back do not count: their values never change)."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters() if p.requires_grad)
 
 
 def _fail(requests: list[_Request], exc: BaseException) -> None:

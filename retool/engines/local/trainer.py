@@ -150,9 +150,14 @@ class LocalTrainingClient:
         slice left keeps the whole file mapped and resident."""
         matrices = [] if self.config.full_finetune else lean_decode.layer_matrices(self.model)
         directory = base_spill.spill_directory()
-        why = ("a full fine-tune trains them" if self.config.full_finetune
-               else "the lean decode loop does not cover this model" if self.sampler.decode_loop != "lean" or not matrices
-               else "the temporary folder is in memory (set TMPDIR to a folder on disk)" if directory is None else "")
+        if self.config.full_finetune:
+            why = "a full fine-tune trains them"
+        elif self.sampler.decode_loop != "lean" or not matrices:
+            why = "the lean decode loop does not cover this model"
+        elif directory is None:
+            why = "the temporary folder is in memory (set TMPDIR to a folder on disk)"
+        else:
+            why = ""
         if why:
             print(f"local trainer: spill_base off: {why}", file=sys.stderr, flush=True)
             return
