@@ -25,9 +25,11 @@ With ``--stream-groups`` the same steps run a second time, uninterrupted, with
 ``retool train --stream-groups`` against a fresh service: both runs' totals, their
 steps per hour and ratio, the training time left after each step's rollout, and the
 ratio the latency model would allow if every forward_backward but the last group's hid
-behind the rollout. With ``--max-staleness K`` likewise with ``retool train --max-staleness
-K`` (step t+K sampled while step t trains): steps per hour and ratio, the trainer's wait
-for the sampler, and the ratio a perfect overlap of rollout and training would give.
+behind the rollout. With ``--max-staleness K [K ...]`` likewise with ``retool train
+--max-staleness K`` for each K (step t+K sampled while step t trains): steps per hour and
+ratio, the client's share of each, the trainer's wait for the sampler, and the ratios a
+perfect overlap of rollout and training would give (with and without every sandbox
+timeout hidden).
 
 With ``--engine vllm`` (needs ``.venv-vllm``) the latency model is left out: the same
 ``--max-staleness K`` comparison runs on the vLLM engine itself — the local trainer and a
@@ -43,6 +45,7 @@ Usage::
     nice -n 10 python bench/scale.py --engine vllm --steps 4 --batch-size 1 --group-size 4 --max-staleness 1
     python bench/scale.py --steps 4 --stream-groups    # synchronous vs streamed steps, in one run
     python bench/scale.py --steps 5 --max-staleness 1 --no-kill   # synchronous vs sampling one step ahead
+    python bench/scale.py --steps 20 --max-staleness 1 2 --no-kill   # ... and two steps ahead, in one run
     nice -n 10 python bench/scale.py --time-scale 10   # the 200-step soak, with kill + resume
     python bench/scale.py --steps 3 --batch-size 2 --group-size 4   # a quick check
 
@@ -417,11 +420,15 @@ def print_stream_comparison(sync: dict[str, float], streamed: dict[str, float], 
 
 
 def print_staleness_comparison(sync: dict[str, float], lagged: dict[str, float], sync_rows: list[dict],
-                               lagged_rows: list[dict], max_staleness: int) -> float:
+                               lagged_rows: list[dict], max_staleness: int, model: LatencyModel | None = None) -> float:
     """Print sampling ahead against synchronous steps; return the measured steps-per-hour ratio.
 
-    The ideal: the synchronous step with its rollout and its training fully overlapped
-    (the longer of the two), which no lag can beat."""
+    Two ideals: the synchronous step with its rollout and its training fully overlapped
+    (the longer of the two: what overlap alone gives while every step still waits for
+    its own slowest trajectory); and, under a latency ``model``, the service at capacity —
+    every sampled token at the batched decode rate, every new prompt token at the prefill
+    rate, training at its rate, the sampler kept busy meanwhile by the later steps'
+    rollouts (the longer of sampling and training, per step), which no lag can beat."""
     rollout_s = _mean(sync_rows, "time/rollout")
     ideal_step_s = max(rollout_s, sync["step_s"] - rollout_s)
     ratio = sync["step_s"] / lagged["step_s"]
@@ -430,11 +437,20 @@ def print_staleness_comparison(sync: dict[str, float], lagged: dict[str, float],
     print(f"steps/hour: synchronous {3600 / sync['step_s']:.0f} ({sync['step_s']:.2f} s/step), sampling ahead "
           f"{3600 / lagged['step_s']:.0f} ({lagged['step_s']:.2f} s/step): {ratio:.3f}x")
     print(f"synchronous: rollout {rollout_s:.2f} s/step, training {_mean(sync_rows, 'time/train'):.2f} s/step; "
-          f"sampling ahead: rollout {_mean(lagged_rows, 'time/rollout_ahead'):.2f} s/step (beside training), the "
-          f"trainer waited for it {_mean(lagged_rows, 'time/rollout_wait'):.2f} s/step, training "
-          f"{_mean(lagged_rows, 'time/train'):.2f} s/step; mean lag {_mean(lagged_rows, 'staleness/mean'):.2f}")
-    print(f"ideal under this latency model (rollout and training fully overlapped): {ideal_step_s:.2f} s/step = "
-          f"{sync['step_s'] / ideal_step_s:.3f}x")
+          f"sampling ahead: rollout {_mean(lagged_rows, 'time/rollout_ahead'):.2f} s/step (beside training and the "
+          f"other steps' rollouts), the trainer waited for it {_mean(lagged_rows, 'time/rollout_wait'):.2f} s/step, "
+          f"training {_mean(lagged_rows, 'time/train'):.2f} s/step; mean lag {_mean(lagged_rows, 'staleness/mean'):.2f}")
+    line = (f"ideal (rollout and training fully overlapped): {ideal_step_s:.2f} s/step = "
+            f"{sync['step_s'] / ideal_step_s:.3f}x")
+    if model is not None and sync["steps"]:
+        steps = sync["steps"]
+        sampling_s = (sync.get("tokens_prefill_new", 0) / model.prefill_rate
+                      + sync.get("tokens_sampled", 0) / model.decode_rate) / steps
+        training_s = sync.get("tokens_trained", 0) / model.train_rate / steps + model.optim_step_s + model.sampler_swap_s
+        capacity_s = model.scaled(max(sampling_s, training_s))
+        line += (f"; the service at capacity (sampling {model.scaled(sampling_s):.2f}, training "
+                 f"{model.scaled(training_s):.2f} s/step): {capacity_s:.2f} s/step = {sync['step_s'] / capacity_s:.3f}x")
+    print(line)
     return ratio
 
 
@@ -458,9 +474,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
     parser.add_argument("--stream-groups", action=argparse.BooleanOptionalAction, default=False,
                         help="also run the steps with retool train --stream-groups (uninterrupted, fresh service) "
                              "and print both, their steps/hour and ratio")
-    parser.add_argument("--max-staleness", type=int, default=0,
-                        help="also run the steps with retool train --max-staleness K (uninterrupted, fresh service) "
-                             "and print both, their steps/hour and ratio")
+    parser.add_argument("--max-staleness", type=int, nargs="+", default=[0], metavar="K",
+                        help="also run the steps with retool train --max-staleness K, for each K given (uninterrupted, "
+                             "fresh service each), and print each against the synchronous run: steps/hour and ratio")
     parser.add_argument("--engine", choices=("tinker", "vllm"), default="tinker",
                         help="tinker: the latency-model service (default); vllm: the vLLM engine on this machine "
                              "(--max-staleness comparison only)")
@@ -482,14 +498,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         parser.error("--steps, --batch-size, --group-size, --problems and --save-every must be >= 1")
     if args.kill is None:
         args.kill = args.steps > args.kill_after + 1
-    if args.max_staleness < 0:
+    if min(args.max_staleness) < 0:
         parser.error("--max-staleness must be >= 0")
+    args.lags = sorted({k for k in args.max_staleness if k})  # the sampling-ahead runs to compare
     if args.engine == "vllm":
-        if args.max_staleness < 1 or args.stream_groups or args.compare or args.steps < 2 or args.repeats < 1:
-            parser.error("--engine vllm compares --max-staleness K >= 1 with synchronous steps: give --max-staleness, "
-                         "--steps >= 2 and --repeats >= 1 (no --stream-groups / --compare)")
+        if len(args.lags) != 1 or args.stream_groups or args.compare or args.steps < 2 or args.repeats < 1:
+            parser.error("--engine vllm compares one --max-staleness K >= 1 with synchronous steps: give "
+                         "--max-staleness K, --steps >= 2 and --repeats >= 1 (no --stream-groups / --compare)")
         args.kill = False
-    if args.kill and args.max_staleness:
+    args.max_staleness = args.lags[0] if args.lags else 0  # the first (--engine vllm: the only) K
+    if args.kill and args.lags:
         parser.error("--max-staleness compares uninterrupted runs: add --no-kill (or run fewer steps)")
     if args.kill and args.stream_groups:
         parser.error("--stream-groups compares uninterrupted runs: add --no-kill (or run fewer steps)")
@@ -583,14 +601,15 @@ def main(argv: list[str] | None = None) -> int:
         totals["streamed_ratio"] = print_stream_comparison(totals, streamed_totals, outcome.rows, streamed.rows,
                                                            model, args.batch_size)
         ok = ok and all(code == 0 for code in streamed.returncodes)
-    if args.max_staleness:
-        lagged = rehearse(args, model, work / "lagged", tokenizer_dir, data, kill=False,
-                          max_staleness=args.max_staleness)
+    for k in args.lags:
+        lagged = rehearse(args, model, work / f"lagged-k{k}", tokenizer_dir, data, kill=False, max_staleness=k)
         lagged_totals = report(lagged, model, args.per_step)
-        print_totals(f"sampling ahead (--max-staleness {args.max_staleness})", lagged_totals, model)
-        totals["lagged_step_s"] = lagged_totals["step_s"]
-        totals["lagged_ratio"] = print_staleness_comparison(totals, lagged_totals, outcome.rows, lagged.rows,
-                                                            args.max_staleness)
+        print_totals(f"sampling ahead (--max-staleness {k})", lagged_totals, model)
+        suffix = "" if k == args.lags[0] else f"_k{k}"
+        totals[f"lagged_step_s{suffix}"] = lagged_totals["step_s"]
+        totals[f"lagged_client_share{suffix}"] = lagged_totals["client_share"]
+        totals[f"lagged_ratio{suffix}"] = print_staleness_comparison(totals, lagged_totals, outcome.rows,
+                                                                     lagged.rows, k, model)
         ok = ok and all(code == 0 for code in lagged.returncodes)
     if args.json:
         args.json.write_text(json.dumps(totals, indent=1))

@@ -95,20 +95,25 @@ def check_within(step: int, trajectories: Iterable[Trajectory], max_staleness: i
 
 
 class Pipeline(Generic[T]):
-    """Rollouts of later steps run one after another on a worker thread while the caller
-    trains; :meth:`advance` at the start of every step submits what is due and returns
-    the step's result.
+    """Rollouts of later steps run on worker threads while the caller trains;
+    :meth:`advance` at the start of every step submits what is due and returns the
+    step's result.
 
     ``job(step, version, previous)`` produces step ``step``'s result on the sampler of
-    ``version``; ``previous`` is the result of the job before it (``None`` for the first),
-    so state that a step's rollout changes (the difficulty pool) passes from one step's
-    rollout to the next in step order, whatever the trainer does meanwhile.
+    ``version``. With ``chained`` (state that a step's rollout changes — the difficulty
+    pool — must pass to the next one), each job waits for the one before and gets its
+    result as ``previous`` (``None`` for the first), so that state passes in step order
+    whatever the trainer does meanwhile. Without it (the default: nothing passes), every
+    submitted job starts at once and ``previous`` is always ``None``: up to ``K + 1``
+    rollouts are in flight together, so while one step's rollout waits for its slowest
+    trajectory (a sandbox call running to its timeout) the sampler keeps serving the
+    next steps' trajectories. Which weights each step samples with is the same either way.
     """
 
-    def __init__(self, max_staleness: int, last_step: int) -> None:
+    def __init__(self, max_staleness: int, last_step: int, *, chained: bool = False) -> None:
         if max_staleness < 1:
             raise ValueError(f"a pipeline needs max_staleness >= 1, got {max_staleness}")
-        self.max_staleness, self.last_step = max_staleness, last_step
+        self.max_staleness, self.last_step, self.chained = max_staleness, last_step, chained
         self._results: dict[int, Future[T]] = {}
         self._submitted = 0
         """The last step whose job was submitted (0: none yet)."""
@@ -130,7 +135,7 @@ class Pipeline(Generic[T]):
         return self._results.pop(step).result()
 
     def _submit(self, step: int, version: int, job: Callable[[int, int, T | None], T]) -> None:
-        previous, result = self._last, Future()
+        previous, result = (self._last if self.chained else None), Future()
 
         def work() -> None:
             before = previous.result() if previous is not None else None  # its failure: this one's too
@@ -154,7 +159,7 @@ class Pipeline(Generic[T]):
             future.exception()
 
     def close(self) -> None:
-        """Start no further rollout; the one running ends on its own (a daemon thread)."""
+        """Start no further rollout; those running end on their own (daemon threads)."""
         self._closed.set()
 
 

@@ -483,8 +483,9 @@ def _rolled_out_ahead(trainer: Trainer, step: int) -> tuple[Trainer, list[Group]
 
 
 def _roll_out_ahead(before: Trainer, sampler: SamplingClient, step: int, version: int) -> Ahead:
-    """Stages 1-2 of ``step`` on the pipeline's worker thread, on ``sampler`` (weights
-    ``version``), continuing from ``before`` (the trainer the previous step's rollout ran on)."""
+    """Stages 1-2 of ``step`` on a pipeline worker thread, on ``sampler`` (weights
+    ``version``), from ``before``: the run's trainer, or with the difficulty pool the
+    trainer the previous step's rollout ran on (its pool after that rollout)."""
     t0 = time.monotonic()
     view = copy.copy(before)
     view.rollout = dataclasses.replace(before.rollout)  # a fresh token meter: this step's own usage
@@ -803,7 +804,8 @@ def build_trainer(cfg: TrainConfig, problems: list[Problem] | None = None) -> Tr
     store = runs.GroupStore(Path(cfg.run_dir), runs.run_fingerprint(cfg))
     guard = guard_for(cfg.engine, cfg.weight_sync_check_every, renderer, cfg.weight_sync_tolerance,
                       half_precision=_half_precision(cfg), bf16_sampler=_bf16_sampler(cfg))
-    ahead = pipeline.Pipeline[Ahead](cfg.max_staleness, cfg.max_steps) if cfg.max_staleness else None
+    ahead = (pipeline.Pipeline[Ahead](cfg.max_staleness, cfg.max_steps, chained=cfg.curriculum == "difficulty")
+             if cfg.max_staleness else None)  # chained: the pool passes from one step's rollout to the next
     return Trainer(cfg, engine, rollout, problems, sandbox, store=store, cost=cost, weight_sync=guard, pipeline=ahead,
                    grading=grading)
 

@@ -328,3 +328,32 @@ def test_a_batch_over_its_kv_budget_is_split_and_samples_the_same(tiny_model, lo
         assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4)
     sampler.batch_kv_bytes = 1  # less than one row: still one row per batch
     assert len(flat(batch(split, prompts[:2], 1, params))) == 2 and sampler.calls == 5
+
+
+def test_two_event_loops_sampling_at_once_each_get_their_own_answers(tiny_model):
+    """Rollouts of two steps on their own threads share one sampler (``--max-staleness``):
+    each loop's requests are batched and answered on that loop, none is left waiting for
+    a loop that has ended, and each gets what it gets alone (seeded requests)."""
+    client = engine(tiny_model, "lean")
+    params = [base.SamplingParams(max_tokens=10, temperature=0.9, stop_token_ids=STOPS, seed=s) for s in (4, 7)]
+    alone = [flat(batch(client, PROMPTS, 3, p)) for p in params]
+    both_running = threading.Barrier(2, timeout=30)
+    results: dict[int, list[base.SampledSequence]] = {}
+
+    def rollout(k: int) -> None:
+        async def main():
+            both_running.wait()  # both loops submit before either is served
+            return await asyncio.gather(*(client.sampler.sample(p, 3, params[k]) for p in PROMPTS))
+        results[k] = flat(asyncio.run(main()))
+
+    threads = [threading.Thread(target=rollout, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a loop's requests were never answered"
+    assert [[s.tokens for s in results[k]] for k in (0, 1)] == [[s.tokens for s in alone[k]] for k in (0, 1)]
+    for k in (0, 1):
+        for a, b in zip(results[k], alone[k]):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert not client.sampler._queues  # each loop's queue dropped once it emptied

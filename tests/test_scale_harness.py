@@ -212,11 +212,21 @@ def test_a_tokenizer_setting_must_be_a_folder(tmp_path):
                                             (["--decode-rate", "-5"], "decode_rate must be > 0"),
                                             (["--steps", "0"], "must be >= 1"),
                                             (["--steps", "50", "--kill"], "--kill needs --steps > 101"),
-                                            (["--steps", "200", "--stream-groups"], "add --no-kill")])
+                                            (["--steps", "200", "--stream-groups"], "add --no-kill"),
+                                            (["--max-staleness", "-1"], "must be >= 0"),
+                                            (["--engine", "vllm", "--steps", "4", "--max-staleness", "1", "2"],
+                                             "compares one --max-staleness K")])
 def test_bad_bench_flags_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         scale.parse_args(flags)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_several_lags_are_compared_in_one_run():
+    args, _ = scale.parse_args(["--steps", "20", "--no-kill", "--max-staleness", "2", "1", "0", "2"])
+    assert args.lags == [1, 2] and args.max_staleness == 1
+    args, _ = scale.parse_args(["--steps", "20", "--no-kill"])
+    assert args.lags == [] and args.max_staleness == 0
 
 
 def test_the_sandbox_wait_bench_splits_queueing_from_the_hand_over():

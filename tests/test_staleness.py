@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +84,7 @@ def test_the_pipeline_runs_each_step_once_in_order_on_the_version_it_was_due():
         seen.append((step, version, before))
         return step
 
-    ahead = pipeline.Pipeline[int](max_staleness=2, last_step=5)
+    ahead = pipeline.Pipeline[int](max_staleness=2, last_step=5, chained=True)
     assert [ahead.advance(step, job) for step in (3, 4, 5)] == [3, 4, 5]  # a run resumed at step 3
     assert seen == [(3, 3, None), (4, 3, 3), (5, 3, 4)]
     assert [ahead.version_of(s, first=3) for s in (3, 4, 5, 6)] == [3, 3, 3, 4]
@@ -91,6 +93,43 @@ def test_the_pipeline_runs_each_step_once_in_order_on_the_version_it_was_due():
         failing.advance(1, lambda step, version, before: 1 // (step - 1))
     with pytest.raises(ValueError, match="max_staleness >= 1"):
         pipeline.Pipeline[int](max_staleness=0, last_step=3)
+
+
+def test_unchained_rollouts_of_later_steps_run_while_an_earlier_one_is_held():
+    """Nothing passes between the rollouts (no difficulty pool): step 1's rollout, held
+    up (a sandbox call running to its timeout), does not hold step 2's, which ends first
+    on the version it was due; chained, step 2 would wait for step 1 (the probe: the
+    same jobs deadlock-free only unchained)."""
+    step2_done = threading.Event()
+    versions: dict[int, tuple[int, object]] = {}
+
+    def job(step, version, before):
+        versions[step] = (version, before)
+        if step == 1:
+            assert step2_done.wait(10), "step 2's rollout did not run while step 1's was held"
+        else:
+            step2_done.set()
+        return step
+
+    ahead = pipeline.Pipeline[int](max_staleness=1, last_step=3)
+    assert [ahead.advance(step, job) for step in (1, 2, 3)] == [1, 2, 3]
+    assert versions == {1: (1, None), 2: (1, None), 3: (2, None)}
+    finished: list[int] = []
+
+    def chained_job(step, version, before):
+        if step == 1:
+            time.sleep(0.3)  # unchained, step 2 would start meanwhile and fail below
+        else:
+            assert finished == [1] and before == 1, "a chained rollout started before the one it continues"
+        finished.append(step)
+        return step
+
+    chained = pipeline.Pipeline[int](max_staleness=1, last_step=2, chained=True)
+    assert [chained.advance(step, chained_job) for step in (1, 2)] == [1, 2]
+    unchained = pipeline.Pipeline[int](max_staleness=1, last_step=2)
+    finished.clear()
+    with pytest.raises(AssertionError, match="started before"):  # the probe sees an unchained start
+        [unchained.advance(step, chained_job) for step in (1, 2)]
 
 
 # ---------------------------------------------------------------- whole runs

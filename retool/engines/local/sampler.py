@@ -51,8 +51,20 @@ class _Request:
     sequences: list[SampledSequence] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class _LoopQueue:
+    """The requests of one event loop waiting for a batch, and the task that runs them."""
+
+    pending: list[_Request] = field(default_factory=list)
+    runner: asyncio.Task | None = None
+
+
 class LocalSamplingClient:
     """Samples with the local model, merging concurrent ``sample`` calls into batches.
+
+    Calls from several event loops at once (rollouts of two steps on their own threads,
+    ``--max-staleness``) are batched per loop: each loop's requests wait in its own queue
+    and are answered on it, and the lock runs one batch at a time.
 
     ``calls`` counts ``generate`` calls (it drives the seeded sampling stream);
     ``rows`` counts the sequences generated so far, ``prompt_tokens`` the prompt tokens
@@ -166,8 +178,8 @@ class LocalSamplingClient:
         self.rows = 0
         self.prompt_tokens = 0
         self.sampled_tokens = 0
-        self._pending: list[_Request] = []
-        self._runner: asyncio.Task | None = None
+        self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
+        """Each event loop's waiting requests (an entry lives while its loop has any)."""
 
     def _decode_dtype(self, precision: str) -> Any:
         """The lean steps' dtype for ``precision`` (``None``: the model's own): bf16 only on
@@ -227,27 +239,34 @@ class LocalSamplingClient:
             raise ValueError(f"stop_token_ids must be ids in [0, {self.vocab_size})")
         loop = asyncio.get_running_loop()
         request = _Request(prompt, num_samples, sampling_params, loop.create_future())
-        self._pending.append(request)
-        if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
-            self._runner = loop.create_task(self._drain())
+        queue = self._queues.setdefault(loop, _LoopQueue())  # only this loop's thread touches its entry
+        queue.pending.append(request)
+        if queue.runner is None or queue.runner.done():
+            queue.runner = loop.create_task(self._drain(loop, queue))
         return await request.future
 
-    async def _drain(self) -> None:
-        """Run batches until no request is waiting; new requests join the next batch.
+    async def _drain(self, loop: asyncio.AbstractEventLoop, queue: _LoopQueue) -> None:
+        """Run batches of ``loop``'s requests until none is waiting; new requests join the
+        next batch. The loop's queue is dropped when it empties.
 
         A failing ``generate`` fails every request of its batch (the callers see the
         exception); the runner then carries on with the requests that came in meanwhile.
         """
-        while self._pending:
-            await asyncio.sleep(self.window_s)
-            batch, self._pending = self._pending, []
-            try:
-                await self._run_batch(batch)
-            except asyncio.CancelledError:
-                _fail(batch + self._pending, RuntimeError("the sampler was cancelled"))
-                raise
-            except Exception as exc:
-                _fail(batch, exc)
+        try:
+            while queue.pending:
+                await asyncio.sleep(self.window_s)
+                batch, queue.pending = queue.pending, []
+                try:
+                    await self._run_batch(batch)
+                except asyncio.CancelledError:
+                    _fail(batch + queue.pending, RuntimeError("the sampler was cancelled"))
+                    queue.pending = []
+                    raise
+                except Exception as exc:
+                    _fail(batch, exc)
+        finally:
+            if not queue.pending and self._queues.get(loop) is queue:
+                del self._queues[loop]
 
     async def _run_batch(self, batch: list[_Request]) -> None:
         for group in _group_by_settings(batch):
