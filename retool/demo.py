@@ -155,6 +155,8 @@ class DemoConfig:
                                            "variables (two-call dialogues that reuse them) — for every stage",
                               choices=INTERPRETERS)
     rl_save_every: int = option(0, "also keep an RL checkpoint every N steps (0: only the last)")
+    rl_max_staleness: int = option(0, "RL samples step t + K while step t trains (--max-staleness of retool "
+                                      "train; 0: sample, then train)")
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32 or bfloat16")
     sampler_precision: str = option("auto", "number format the evals' and RL rollouts' sampler decodes in "
@@ -173,6 +175,7 @@ class DemoConfig:
                      "max_assistant_turns"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
+        require(self.rl_max_staleness >= 0, f"rl_max_staleness must be >= 0, got {self.rl_max_staleness}")
         require(self.logprob_chunk_tokens >= 0, f"logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}")
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
@@ -201,7 +204,7 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
-IDENTITY = ("model", "seed", "interpreter", "rl_difficulty")
+IDENTITY = ("model", "seed", "interpreter", "rl_difficulty", "rl_max_staleness")
 """What the stored stages were made with; a change needs a new folder."""
 
 
@@ -295,7 +298,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         gradient_checkpointing=cfg.gradient_checkpointing, prefix_once=cfg.rl_prefix_once, top_p=cfg.rl_top_p,
         train_precision=cfg.train_precision,
         refill_rounds=cfg.rl_refill_rounds, curriculum=cfg.rl_curriculum, interpreter=cfg.interpreter,
-        sandbox_workers=4, run_dir=str(run_dir),
+        sandbox_workers=4, run_dir=str(run_dir), max_staleness=cfg.rl_max_staleness,
         save_every=cfg.rl_save_every or cfg.rl_steps, save_trajectories=True, seed=cfg.seed, device=cfg.device,
         dtype=cfg.dtype, local=LocalSettings(precision=cfg.sampler_precision, spill_base=cfg.rl_spill_base))
     return train(train_cfg, resume=(run_dir / "config.json").exists())

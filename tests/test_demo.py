@@ -104,6 +104,8 @@ def test_a_rerun_with_another_seed_or_interpreter_is_refused(tmp_path, capsys):
     assert "use another --output-dir" in err
     with pytest.raises(ConfigError, match="--rl-difficulty '' → 'product=1'"):
         check_identity(DemoConfig(seed=7, rl_difficulty="product=1"), out)  # the stored RL problems are level 0
+    with pytest.raises(ConfigError, match="--rl-max-staleness 0 → 1"):
+        check_identity(DemoConfig(seed=7, rl_max_staleness=1), out)  # the stored RL stage sampled, then trained
     (out / "demo.json").write_text("{")
     with pytest.raises(ConfigError, match="unreadable"):
         check_identity(DemoConfig(seed=7), out)
@@ -144,6 +146,8 @@ def test_bad_sizes_are_rejected(capsys):
     assert "rl_group_size must be >= 2" in capsys.readouterr().err
     assert cli_main(["demo", "--rl-difficulty", "product=9"]) == 2
     assert "--rl-difficulty: difficulty: levels must be 0..2" in capsys.readouterr().err
+    assert cli_main(["demo", "--rl-max-staleness", "-1"]) == 2
+    assert "rl_max_staleness must be >= 0" in capsys.readouterr().err
 
 
 def _gain(before: float, after: float, stderr: float | None) -> Comparison:
@@ -183,3 +187,13 @@ def test_the_informative_share_counts_every_rolled_out_group(tmp_path):
     share = rl_rollouts(tmp_path)
     assert share == RolloutShare(steps=2, groups=8, informative=3) and share.share == 3 / 8
     assert share.sentence() == "RL rollouts: 3 of 8 groups informative (38%, mixed rewards) over 2 steps"
+
+
+def test_the_rl_stage_samples_ahead_with_rl_max_staleness(tmp_path, monkeypatch):
+    from retool import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "train", lambda cfg, resume: seen.append(cfg) or Path(cfg.run_dir))
+    for k in (0, 1):
+        demo.run_rl(DemoConfig(rl_max_staleness=k), tmp_path / f"k{k}", tmp_path / "rl.jsonl", tmp_path / "sft")
+    assert [cfg.max_staleness for cfg in seen] == [0, 1]
