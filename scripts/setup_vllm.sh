@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates ./.venv-vllm: the vLLM server's own environment (called by `setup.sh --vllm`).
-# vLLM pins transformers <5.20 and the core uses 5.24, so the server runs from here as a
+# vLLM pins transformers <5.20 and the core uses 5.10.4 to 5.25, so the server runs from here as a
 # separate process and retool talks to it over HTTP (retool/engines/vllm).
 # On a machine with CUDA the GPU package `vllm==0.33.0` is installed after torch==2.13.0
 # (any other torch spec downloads GBs of CUDA). Otherwise the community CPU build

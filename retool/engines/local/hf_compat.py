@@ -40,7 +40,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-TESTED_TRANSFORMERS = ("5.10.4", "5.24.0")
+TESTED_TRANSFORMERS = ("5.10.4", "5.25.0")
 """Oldest and newest transformers release the fast path was tested on (inclusive):
 tests/test_engine_local.py passes on both; releases in between are assumed alike."""
 
