@@ -292,6 +292,11 @@ TIMING_METRICS = ("time/rollout", "time/train", "time/step", "time/weight_sync",
                   "sandbox/cpu_s_total")
 """Metrics that measure wall or CPU time; every other metric of a resumed run equals the uninterrupted one's."""
 
+ROUNDING_METRICS = ("weight_sync/max_abs_diff",)
+"""Metrics that measure fp32 rounding (the sampler's and the trainer's scores of the same
+probe): ~1e-6, and with plain ``generate`` they move by that much with whatever requests the
+probe was batched with (a lagged run's next rollout is in flight then). Compared to 1e-5."""
+
 
 def saved_step_groups(run: Path, step: int) -> tuple[list[dict], dict[int, list[float]]]:
     """The saved trajectory lines of ``step`` and each group's rewards, by group."""
@@ -311,7 +316,8 @@ def assert_resumed_like(reference: Path, resumed: Path) -> None:
     for ref, row in zip(ref_rows, rows):
         assert ref.keys() == row.keys()
         for name in ref.keys() - set(TIMING_METRICS):
-            assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-7), (row["step"], name)
+            tolerance = 1e-5 if name in ROUNDING_METRICS else 1e-7
+            assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=tolerance), (row["step"], name)
     assert problem_order(resumed) == problem_order(reference)
     ref_weights, ref_opt = final_state(reference)
     weights, opt = final_state(resumed)
