@@ -150,6 +150,19 @@ def test_training_panels_skip_absent_and_bad_values(tmp_path):
     assert ">reward<" in svg and ">sandbox latency (s)<" not in svg
 
 
+def test_a_lagged_run_plots_its_staleness_and_the_behaviour_ratio(tmp_path):
+    rows = [{"step": s, "reward/mean": 0.1 * s, "staleness/mean": float(s > 1), "staleness/max": float(s > 1),
+             "staleness/share_lag_0": float(s == 1), "staleness/share_lag_1": float(s > 1),
+             "train/behaviour_ratio_mean": 1.0, "train/behaviour_ratio_max": 1.5 + s} for s in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    svg = plots.plot_training(path, tmp_path / "out")[1].read_text()
+    for title in ("staleness (versions, --max-staleness)", "tokens by lag (share)", "behaviour IS (--behaviour-is)"):
+        assert f">{title}<" in svg, title
+    assert plots.panel_series(plots.metrics_by_step(path), ("staleness/share_lag_*",)) == {
+        "staleness/share_lag_0": ([1, 2, 3], [1.0, 0.0, 0.0]), "staleness/share_lag_1": ([1, 2, 3], [0.0, 1.0, 1.0])}
+
+
 def test_resumed_run_keeps_the_last_row_per_step_and_a_cut_last_line(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "reward/mean": 0.0}\n{"step": 2, "reward/mean": 0.5}\n'

@@ -54,10 +54,13 @@ TRAINING_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sandbox latency (s)", ("sandbox/latency*",)),
     ("loss", ("train/loss",)),
     ("policy drift", ("train/*kl*", "train/clip*", "train/*logprob_diff*")),
+    ("behaviour IS (--behaviour-is)", ("train/behaviour_*",)),
+    ("staleness (versions, --max-staleness)", ("staleness/mean", "staleness/max")),
+    ("tokens by lag (share)", ("staleness/share_lag_*",)),
     ("entropy", ("train/entropy", "train/sampler_nll")),
     ("grad norm", ("train/grad_norm",)),
     ("tokens per step", ("tokens/prefill", "tokens/sampled", "tokens/trained")),
-    ("step time (s)", ("time/step", "time/total_step")),
+    ("step time (s)", ("time/step", "time/total_step", "time/rollout_ahead", "time/rollout_wait")),
 )
 """Panel title → metric name patterns (``fnmatch`` globs), in display order."""
 
