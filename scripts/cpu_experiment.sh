@@ -5,6 +5,7 @@
 #
 #   bash scripts/cpu_experiment.sh            # defaults below; every stage resumes if re-run
 #   SFT_STEPS=24 RL_STEPS=30 RL_REFILL=0 bash scripts/cpu_experiment.sh
+#   RL_STALENESS=1 OUT=runs/cpu-k1 bash scripts/cpu_experiment.sh   # RL sampling one step ahead
 #   INTERPRETER=stateful OUT=runs/cpu-stateful bash scripts/cpu_experiment.sh
 #     # the same with one interpreter session per trajectory: two-call SFT dialogues that
 #     # reuse variables, and --interpreter stateful for sft, eval and train
@@ -20,6 +21,7 @@ SFT_LR=${SFT_LR:-1e-3}
 RL_STEPS=${RL_STEPS:-20}
 RL_LR=${RL_LR:-1e-4}
 RL_REFILL=${RL_REFILL:-2}   # dynamic-sampling rounds a step (0: plain GRPO batches)
+RL_STALENESS=${RL_STALENESS:-0}  # --max-staleness: sample step t + K while step t trains (0: in turn)
 TEST_N=${TEST_N:-64}
 VAL_N=${VAL_N:-2}
 INTERPRETER=${INTERPRETER:-stateless}
@@ -51,7 +53,7 @@ if [ -f "$OUT/rl/config.json" ]; then
 else
   timed rl "$RETOOL" train --config configs/cpu-smollm2.toml "${MODE[@]}" --init-from "$OUT/sft" \
     --max-steps "$RL_STEPS" --lr "$RL_LR" \
-    --refill-rounds "$RL_REFILL" --run-dir "$OUT/rl"
+    --refill-rounds "$RL_REFILL" --max-staleness "$RL_STALENESS" --run-dir "$OUT/rl"
 fi
 
 timed eval-rl "$RETOOL" eval --checkpoint "$OUT/rl" --label "after RL" "${EVAL[@]}" --output "$OUT/eval/rl.jsonl"
