@@ -343,6 +343,11 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
         totals[f"{name}_first"] = points[0][1] if points else 0
         totals[f"{name}_last"] = points[-1][1] if points else 0
         totals[f"{name}_slope_per_step"] = slope(half)
+    # Idle from one sample's end to the next one's start: every live trajectory is at its
+    # code call (the sandbox running the snippet, the client parsing and rendering around it).
+    between = outcome.gaps.get(("asample", "asample"), 0.0)
+    totals["between_samples_s_per_step"] = between / max(len(walls), 1)
+    totals["client_share_apart_from_code_calls"] = (wall - busy - between) / wall if wall else 0.0
     for (before, after), seconds in sorted(outcome.gaps.items(), key=lambda kv: -kv[1])[:6]:
         totals[f"gap_s_per_step/{before}->{after}"] = seconds / max(len(walls), 1)
     tok = outcome.tokens
@@ -374,6 +379,10 @@ def print_totals(label: str, totals: dict[str, float], model: LatencyModel) -> N
     print(f"steps with no sandbox timeout ({int(t['steps_without_timeout'])}): client's own work "
           f"{t['client_s_per_step_without_timeout']:.2f} s/step = {100 * t['client_share_without_timeout']:.1f} %; "
           f"median step {100 * t['client_share_median']:.1f} %")
+    print(f"of which between two samples (every live trajectory at its code call: the sandbox running it, "
+          f"the client parsing and rendering around it) {t['between_samples_s_per_step']:.2f} s/step; the rest "
+          f"of the client's own work {t['client_s_per_step'] - t['between_samples_s_per_step']:.2f} s/step = "
+          f"{100 * t['client_share_apart_from_code_calls']:.1f} %")
     gaps = [(k.split("/", 1)[1], v) for k, v in t.items() if k.startswith("gap_s_per_step/")]
     print("client's own work, by where it sits (s/step; idle between the service calls named): "
           + ", ".join(f"{k} {v:.2f}" for k, v in gaps))

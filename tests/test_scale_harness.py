@@ -77,6 +77,9 @@ def test_the_metrics_the_bench_reads_exist_and_its_totals_are_sane(rehearsal):
     assert totals["steps"] == 3
     assert 0 < totals["service_s"] < totals["wall_s"]
     assert 0 < totals["client_share"] < 1
+    assert 0 <= totals["between_samples_s_per_step"] <= totals["client_s_per_step"]
+    assert totals["client_share_apart_from_code_calls"] == pytest.approx(
+        totals["client_share"] - totals["between_samples_s_per_step"] * totals["steps"] / totals["wall_s"])
     assert totals["sandbox_calls"] > 0
     assert 0 < totals["grade_max_s"] <= totals["grade_s_per_step"] and totals["grade_s"] > 0
     assert len(outcome.samples) == 3 and all(s.fds > 0 and s.procs >= 1 for s in outcome.samples)
