@@ -4,13 +4,13 @@ sampler's fast path was tested."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from retool.config import tomllib  # tomli on Python 3.10
 from retool.engines.local import hf_compat
 
 REPO = Path(__file__).resolve().parents[1]
