@@ -269,6 +269,72 @@ def test_chunked_logprobs_give_the_full_logits_values_and_gradients(make_engine,
     assert_same_step(full, chunked, prompt_sharing_datums(), loss_fn)
 
 
+def _head_rows(engine: LocalTrainingClient, data: list, loss_fn: str) -> collections.Counter:
+    """Rows the output layer ran over in one ``forward_backward``, by whether they carried a gradient."""
+    rows: collections.Counter = collections.Counter()
+
+    def count(module, inputs, output):
+        rows["grad" if output.requires_grad else "no grad"] += inputs[0].shape[0]
+
+    handle = engine.model.get_output_embeddings().register_forward_hook(count)
+    try:
+        engine.forward_backward(data, loss_fn)
+    finally:
+        handle.remove()
+    return rows
+
+
+@pytest.mark.parametrize("prefix_once", [False, True])
+@pytest.mark.parametrize("loss_fn", ["ppo", "cross_entropy"])
+def test_the_output_layer_has_a_gradient_only_at_trained_targets(make_engine, monkeypatch, prefix_once, loss_fn):
+    """With chunked logprobs the head runs with a gradient at trained targets alone (forward and
+    its recomputation in the backward), and once per distinct (position, target) elsewhere: the
+    shared prompt's positions once, not once per datum. Values and gradients stay those of every
+    target with a gradient (the switch off: the layout before), which the probe sees counted."""
+    config = dict(packing="shared-prefix", logprob_chunk_tokens=7, prefix_once=prefix_once, micro_batch_tokens=4096)
+    split, full = make_engine(**config), make_engine(**config)
+    perturb_lora_b(split)
+    perturb_lora_b(full)
+    data = prompt_sharing_datums()  # one micro-batch: the 9 system tokens shared, then each datum's own
+    untrained = [[(p, t) for p, (w, t) in enumerate(zip(d.weights_N, d.target_tokens_N)) if w == 0] for d in data]
+    distinct = len({(p, t) for pairs in untrained for p, t in pairs if p < 9})
+    distinct += sum(1 for pairs in untrained for p, _ in pairs if p >= 9)
+    trained = sum(1 for d in data for w in d.weights_N if w != 0)
+    all_targets = sum(d.num_tokens for d in data)
+    assert distinct < all_targets - trained  # the shared prompt's positions repeat in every datum
+    rows = _head_rows(split, data, loss_fn)
+    assert rows == {"grad": 2 * trained, "no grad": distinct}  # 2: the forward and the chunk's recomputation
+    monkeypatch.setattr(trainer, "HEAD_GRADIENT_WHERE_TRAINED", False)
+    before = _head_rows(full, data, loss_fn)
+    assert not before["no grad"] and before["grad"] >= 2 * (trained + distinct)
+    split._discard_gradient()
+    full._discard_gradient()
+    monkeypatch.setattr(trainer, "HEAD_GRADIENT_WHERE_TRAINED", True)
+    a = split.forward_backward(data, loss_fn)
+    monkeypatch.setattr(trainer, "HEAD_GRADIENT_WHERE_TRAINED", False)
+    b = full.forward_backward(data, loss_fn)
+    for lp_a, lp_b in zip(a.logprobs_D, b.logprobs_D, strict=True):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    for key in ("train/loss", "train/entropy"):
+        assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-5)
+    assert_same(grads(split), grads(full))
+
+
+def test_a_micro_batch_without_trained_targets_adds_no_gradient(make_engine):
+    """Only the second datum is trained: the first one's micro-batch has no gradient path and
+    is skipped in the backward, and the gradient is that of the second datum alone."""
+    engine, alone = make_engine(logprob_chunk_tokens=7, micro_batch_tokens=8), make_engine(logprob_chunk_tokens=7)
+    perturb_lora_b(engine)
+    perturb_lora_b(alone)
+    first, second = rl_datums(2)
+    first = dataclasses.replace(first, weights_N=(0.0,) * first.num_tokens)
+    out = engine.forward_backward([first, second], "ppo")
+    assert out.metrics["train/micro_batches"] == 2
+    reference = alone.forward_backward([second], "ppo")
+    assert out.logprobs_D[1] == pytest.approx(reference.logprobs_D[0], abs=1e-6)
+    assert_same(grads(engine), grads(alone))
+
+
 def test_chunked_logprobs_in_bfloat16_match_within_bf16_rounding(make_engine):
     full, chunked = make_engine(dtype="bfloat16"), make_engine(dtype="bfloat16", logprob_chunk_tokens=5)
     perturb_lora_b(full)

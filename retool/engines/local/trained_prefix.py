@@ -84,8 +84,10 @@ def trained_prefix(model: Any, data: Sequence[Datum], length: int, temperature: 
                    compute: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> TrainedPrefix:
     """Run the first ``length`` input tokens (shared by every datum of ``data``) once.
 
-    ``logprobs(hidden_NH, targets_N, temperature)`` turns hidden states into target
-    logprobs and detached entropies (the trainer's output layer, whole or in chunks).
+    ``logprobs(hidden_NH, targets_N, trained_N, temperature)`` turns hidden states into
+    target logprobs and detached entropies (the trainer's output layer, whole or in
+    chunks); ``trained_N`` says which (position, target) pairs some datum trains (loss
+    weight not 0), the only ones that need a gradient.
     ``compute()`` is the context the layers below the head run in (the trainer's bf16
     autocast, or nothing): their keys and values then have its dtype, as the
     micro-batches' own do. The deferred backward needs no context (autograd keeps each
@@ -97,11 +99,14 @@ def trained_prefix(model: Any, data: Sequence[Datum], length: int, temperature: 
     vocab = int(targets_DP.max()) + 1
     positions_DP = torch.arange(length, device=device).expand_as(targets_DP)
     pairs_U, index_DP = torch.unique(positions_DP * vocab + targets_DP, return_inverse=True)
+    trained_DP = torch.tensor([[w != 0 for w in d.weights_N[:length]] for d in data], device=device)
+    trained_U = torch.zeros(len(pairs_U), dtype=torch.bool, device=device)
+    trained_U[index_DP[trained_DP]] = True
     decoder, _ = decoder_and_head(model)
     cache = hf_compat.read_only_cache(None, decoder.config.num_hidden_layers)
     with hf_compat.checkpointing_keeps_cache(model), compute():
         hidden = decoder(input_ids=tokens, **hf_compat.forward_cache_kwargs(cache), use_cache=False).last_hidden_state
-    logprob_U, entropy_U = logprobs(hidden[0][pairs_U // vocab], pairs_U % vocab, temperature)
+    logprob_U, entropy_U = logprobs(hidden[0][pairs_U // vocab], pairs_U % vocab, trained_U, temperature)
     kv_outputs = hf_compat.recorded_kv(cache)
     kv_leaves = tuple((k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
                       for k, v in kv_outputs)

@@ -89,6 +89,13 @@ with it, in the same time and to the same bits (``bench/train_memory.py --varian
 chunk=256+ckpt+once+keep,chunk=256+ckpt+once``)."""
 
 
+HEAD_GRADIENT_WHERE_TRAINED = True
+"""With ``logprob_chunk_tokens``, run the output layer with a gradient only at trained
+targets and once per distinct position and target elsewhere (:func:`split_logprobs`).
+Off: every target with a gradient, a shared prompt's positions once per datum (the same
+values and gradients, more products; ``bench/train_memory.py`` variant ``fullhead``)."""
+
+
 class LocalTrainingClient:
     """The training role of the local engine (see the module docstring).
 
@@ -262,7 +269,8 @@ class LocalTrainingClient:
             raise FloatingPointError(
                 f"non-finite loss {loss.item()} in the micro-batch of datums {list(indices)} "
                 f"(loss_fn={loss_fn!r}); the pending gradient was discarded, the weights are unchanged")
-        loss.backward()
+        if loss.requires_grad:  # not when no target of this micro-batch is trained (split_logprobs)
+            loss.backward()
         stats.add(loss, logprobs_N.detach(), weights_N, inputs, terms, torch.cat(entropy_B))
         return [tuple(lp.detach().float().cpu().tolist()) for lp in logprobs_B]
 
@@ -298,8 +306,10 @@ class LocalTrainingClient:
         targets = torch.tensor([list(d.target_tokens_N) + [0] * (width - n) for d, n in zip(batch, lengths)],
                                device=self.device)
         mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths], device=self.device)
+        trained = torch.tensor([[w != 0 for w in d.weights_N] + [False] * (width - n) for d, n in zip(batch, lengths)],
+                               device=self.device)
         logprobs, entropy = self._policy_logprobs({"input_ids": inputs, "attention_mask": mask}, targets,
-                                                  temperature)
+                                                  temperature, trained=trained)
         return ([logprobs[row, :n] for row, n in enumerate(lengths)],
                 [entropy[row, :n] for row, n in enumerate(lengths)])
 
@@ -309,7 +319,7 @@ class LocalTrainingClient:
         targets = torch.tensor([[t for d in batch for t in d.target_tokens_N]], device=self.device)
         positions = torch.tensor([[p for n in lengths for p in range(n)]], device=self.device)
         logprobs, entropy = self._policy_logprobs({"input_ids": inputs, "position_ids": positions}, targets,
-                                                  temperature)
+                                                  temperature, trained=_trained(batch, self.device)[None])
         return list(logprobs[0].split(lengths)), list(entropy[0].split(lengths))
 
     def _trained_prefix(self, data: Sequence[Datum], length: int, temperature: float) -> TrainedPrefix:
@@ -317,10 +327,12 @@ class LocalTrainingClient:
         chunk = self.config.logprob_chunk_tokens
         _, head = decoder_and_head(self.model)
 
-        def logprobs(hidden_NH: Any, targets_N: Any, temperature: float) -> tuple[Any, Any]:
+        def logprobs(hidden_NH: Any, targets_N: Any, trained_N: Any, temperature: float) -> tuple[Any, Any]:
             with self._head_autocast():
                 if chunk:
-                    return chunked_logprobs(head, hidden_NH, targets_N, temperature, chunk)
+                    if not HEAD_GRADIENT_WHERE_TRAINED:
+                        trained_N = torch.ones_like(trained_N)
+                    return split_logprobs(head, hidden_NH, None, targets_N, trained_N, temperature, chunk)
                 scaled = head(hidden_NH).float() / temperature
                 return _gather_logprobs(scaled, targets_N), _entropy(scaled)
 
@@ -369,17 +381,19 @@ class LocalTrainingClient:
             inputs.update(hf_compat.forward_cache_kwargs(past.cache()))
         inputs["attention_mask"] = mask[None, None]
         with hf_compat.checkpointing_keeps_cache(self.model) if past is not None else contextlib.nullcontext():
-            logprobs, entropy = self._policy_logprobs(inputs, targets, temperature, rows=rows)
+            logprobs, entropy = self._policy_logprobs(inputs, targets, temperature, rows=rows,
+                                                      trained=_trained(batch, self.device, past_length))
         return list(logprobs.split(lengths)), list(entropy.split(lengths))
 
     def _policy_logprobs(self, inputs: dict[str, Any], targets: Any, temperature: float,
-                         rows: Any = None) -> tuple[Any, Any]:
+                         rows: Any = None, trained: Any = None) -> tuple[Any, Any]:
         """Target logprobs and (detached) entropies of one forward, shaped like ``targets``.
 
         ``rows`` (shared-prefix layout) picks, for each target, the position of the single
         row of ``inputs`` that predicts it. With ``logprob_chunk_tokens`` the output layer
-        and log-softmax run chunk by chunk (:func:`chunked_logprobs`); otherwise the full
-        logits are built at once.
+        and log-softmax run chunk by chunk, with a gradient only at the ``trained`` targets
+        (a bool tensor like ``targets``; none: all), the others once per distinct position
+        and target (:func:`split_logprobs`); otherwise the full logits are built at once.
         """
         chunk = self.config.logprob_chunk_tokens
         if not chunk:
@@ -390,9 +404,12 @@ class LocalTrainingClient:
         decoder, head = decoder_and_head(self.model)
         with self._autocast():
             hidden = decoder(**inputs, use_cache=False).last_hidden_state
-        hidden = hidden[0][rows] if rows is not None else hidden.reshape(-1, hidden.shape[-1])
+        hidden_PH = hidden[0] if rows is not None else hidden.reshape(-1, hidden.shape[-1])
+        if trained is None or not HEAD_GRADIENT_WHERE_TRAINED:
+            trained = torch.ones_like(targets, dtype=torch.bool)
         with self._head_autocast():
-            logprobs, entropy = chunked_logprobs(head, hidden, targets.reshape(-1), temperature, chunk)
+            logprobs, entropy = split_logprobs(head, hidden_PH, rows, targets.reshape(-1), trained.reshape(-1),
+                                               temperature, chunk)
         return logprobs.reshape(targets.shape), entropy.reshape(targets.shape)
 
     def _logits(self, inputs: dict[str, Any]) -> Any:
@@ -701,6 +718,11 @@ def _check_prefix_once(config: LocalEngineConfig) -> None:
                          "turn one of them off")
 
 
+def _trained(batch: Sequence[Datum], device: Any, start: int = 0) -> Any:
+    """Whether each target of ``batch`` from position ``start`` on is trained (weight not 0), concatenated."""
+    return torch.tensor([w != 0 for d in batch for w in d.weights_N[start:]], dtype=torch.bool, device=device)
+
+
 def _shared_prefix_length(data: Sequence[Datum]) -> int:
     """Length of the input-token prefix every datum of ``data`` shares (0 for one datum)."""
     return common_prefix([d.input_tokens_N for d in data]) if len(data) > 1 else 0
@@ -750,6 +772,42 @@ def check_chunkable(model: Any) -> None:
         why = f"its config sets {found[0]}" if found else "it has no separate decoder and output layer"
         raise ValueError(f"logprob_chunk_tokens needs logits = output_layer(hidden), but {why}; "
                          "set logprob_chunk_tokens=0")
+
+
+def split_logprobs(head: Any, hidden_PH: Any, rows_N: Any, targets_N: Any, trained_N: Any, temperature: float,
+                   chunk_tokens: int) -> tuple[Any, Any]:
+    """Target logprobs at positions ``rows_N`` of ``hidden_PH``, with a gradient only where
+    the target is trained (``trained_N``: its loss weight is not 0).
+
+    The trained targets go through :func:`chunked_logprobs` (chunks checkpointed, their
+    entropies computed). Every other target — prompt, template and interpreter tokens,
+    whose loss weight is 0, so whose gradient is 0 anyway — is computed once per distinct
+    (position, target) pair, without a graph: one output-layer product each instead of
+    three (forward, recomputation, backward), and the shared prompt's positions of a
+    ``shared-prefix`` row once instead of once per datum: the demo's SFT step (4 dialogues
+    of ~550 tokens, ~120 trained each, after a shared 382-token prompt) 0.76x the FLOPs. Values and gradients
+    are those of computing every target with a gradient (up to the float rounding of a
+    matmul split by rows); entropies are computed at the trained targets only (the only
+    ones ``train/entropy`` reads) and are 0 elsewhere.
+    """
+    rows_N = torch.arange(targets_N.numel(), device=targets_N.device) if rows_N is None else rows_N
+    trained_T = trained_N.nonzero().squeeze(-1)
+    other_O = (~trained_N).nonzero().squeeze(-1)
+    logprobs_N = hidden_PH.new_zeros(targets_N.shape, dtype=torch.float32)
+    entropy_N = torch.zeros(targets_N.shape, dtype=torch.float32, device=targets_N.device)
+    if other_O.numel():
+        vocab = int(targets_N.max()) + 1
+        pairs_U, index_O = torch.unique(rows_N[other_O] * vocab + targets_N[other_O], return_inverse=True)
+        with torch.no_grad():
+            logprobs_U = torch.cat([_gather_logprobs(head(hidden_PH[rows_C // vocab]).float() / temperature,
+                                                     rows_C % vocab) for rows_C in pairs_U.split(chunk_tokens)])
+        logprobs_N = logprobs_N.index_copy(0, other_O, logprobs_U[index_O])
+    if trained_T.numel():
+        logprobs_T, entropy_T = chunked_logprobs(head, hidden_PH[rows_N[trained_T]], targets_N[trained_T],
+                                                 temperature, chunk_tokens)
+        logprobs_N = logprobs_N.index_copy(0, trained_T, logprobs_T)
+        entropy_N = entropy_N.index_copy(0, trained_T, entropy_T)
+    return logprobs_N, entropy_N
 
 
 def chunked_logprobs(head: Any, hidden_NH: Any, targets_N: Any, temperature: float,
