@@ -43,6 +43,15 @@ tokens (``train/sampler_logprob_diff``). ``--requests 64 --top-p 0.7`` is the he
 eval's shape (the sampler's batches of 64 rows).
 
     python bench/sampling.py --requests 16 --max-tokens 128 --precision
+
+``--distinct`` is the first turn of the RL rollout's groups (or the eval's samples): the
+``--requests`` tool prompts each asked for ``--samples`` samples in one request (the demo's RL:
+``--requests 2 --samples 8``; its eval's batches of 64 rows: ``--requests 32 --samples 2``), with
+the lean prefill run once per distinct prompt and its KV copied to the request's rows
+(``lean_decode.PREFILL_DISTINCT_ROWS``, the default) against every row prefilled, alternating
+``--repeats`` times: tokens/s of each, the ratio, whether the same tokens were sampled, the load.
+
+    python bench/sampling.py --requests 2 --samples 8 --max-tokens 128 --distinct
 """
 
 from __future__ import annotations
@@ -119,7 +128,11 @@ def main() -> None:
                         help="--precision's variants, comma-separated (one alone: its process peak RSS is its own)")
     parser.add_argument("--top-p", type=float, default=0.7, help="nucleus of --loops and --precision")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per variant (--decode, --loops)")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per variant (--decode, --loops, "
+                                                              "--distinct)")
+    parser.add_argument("--distinct", action="store_true",
+                        help="the prefill of a request's samples once per distinct prompt vs every row (see above)")
+    parser.add_argument("--samples", type=int, default=8, help="samples per request of --distinct")
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -127,10 +140,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
-                                                   sampler=LocalSettings(max_sample_rows=args.requests)))
+                                                   sampler=LocalSettings(max_sample_rows=args.requests * (
+                                                       args.samples if args.distinct else 1))))
     sampler = engine.save_weights_for_sampler()
     sampler.kv_cache_bytes = 0  # the store of earlier turns is bench/multiturn.py's subject
-    make = tool_prompts if args.tool_prompts or args.loops or args.precision else prompts
+    make = tool_prompts if args.tool_prompts or args.loops or args.precision or args.distinct else prompts
     prompts_P = make(engine.get_tokenizer(), args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)
     timed(all_at_once(sampler, prompts_P[:2], SamplingParams(max_tokens=2)))  # warm-up
@@ -140,6 +154,8 @@ def main() -> None:
         return loops_ab(engine, sampler, prompts_P, args)
     if args.precision:
         return precision_ab(engine, sampler, prompts_P, args)
+    if args.distinct:
+        return distinct_ab(engine, sampler, prompts_P, args)
 
     calls = sampler.calls
     base_tokens, base_s = timed(one_at_a_time(sampler, prompts_P, params))
@@ -227,6 +243,41 @@ def loops_ab(engine, sampler, prompts_P, args) -> None:
     new = min(seconds["lean"])
     print(f"machine bound: {count / bound_s:.0f} tok/s ({bound_s:.2f} s at {rate / 1e9:.0f} GFLOP/s matmul and "
           f"{bandwidth / 1e9:.1f} GB/s memory, measured now); new path at {new / bound_s:.1f}x the bound's time")
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def distinct_ab(engine, sampler, prompts_P, args) -> None:
+    """Each request's rows prefilled once per distinct prompt vs every row, same seeded group requests."""
+    from retool.engines.local import lean_decode
+    from retool.render import Renderer
+
+    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=stops, seed=0)
+    sampler.decode_loop = "lean"
+
+    async def groups() -> list:
+        results = await asyncio.gather(*(sampler.sample(p, args.samples, params) for p in prompts_P))
+        return [s.tokens for r in results for s in r.sequences]
+
+    variants = {"every row prefilled": False, "distinct prompts prefilled once": True}
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    tokens = {}
+    for _ in range(args.repeats):
+        for name, distinct in variants.items():
+            lean_decode.PREFILL_DISTINCT_ROWS = distinct
+            start = time.perf_counter()
+            tokens[name] = asyncio.run(groups())
+            seconds[name].append(time.perf_counter() - start)
+    lean_decode.PREFILL_DISTINCT_ROWS = True
+    (base, base_s), (new, new_s) = ((name, min(s)) for name, s in seconds.items())
+    mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
+    print(f"{len(prompts_P)} requests x {args.samples} samples x <= {args.max_tokens} tokens, prompts of "
+          f"{mean_prompt:.0f} tokens; lean loop; torch threads {_threads()}; best of {args.repeats}")
+    for name in variants:
+        count, best = sum(map(len, tokens[name])), min(seconds[name])
+        print(f"{name}: {count / best:.1f} tok/s ({count} tokens, {best:.1f} s; runs "
+              f"{', '.join(f'{s:.1f}' for s in seconds[name])} s)")
+    print(f"speed-up: {base_s / new_s:.2f}x; same tokens: {tokens[base] == tokens[new]}")
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -357,3 +357,31 @@ def test_two_event_loops_sampling_at_once_each_get_their_own_answers(tiny_model)
         for a, b in zip(results[k], alone[k]):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert not client.sampler._queues  # each loop's queue dropped once it emptied
+
+
+def test_a_requests_samples_are_prefilled_once_and_sample_what_every_row_prefilled_samples(tiny_model, monkeypatch):
+    """The lean prefill runs a prompt asked for n samples once and copies its KV to the n rows;
+    the rows then sample what they sample with every row prefilled (same seeds), logprobs equal
+    to float rounding. The probe counts the rows each prefill ran, and sees all of them with the
+    switch off."""
+    from retool.engines.local import lean_decode
+
+    prefilled: list[int] = []
+    real = lean_decode.LeanCache._prefill_rows.__func__
+
+    def counting(cls, weights, start, input_ids, *rest):
+        prefilled.append(input_ids.shape[0])
+        return real(cls, weights, start, input_ids, *rest)
+
+    monkeypatch.setattr(lean_decode.LeanCache, "_prefill_rows", classmethod(counting))
+    params = base.SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=STOPS, seed=4)
+    once = flat(batch(engine(tiny_model, "lean", kv_cache_mb=0), PROMPTS, 4, params))
+    assert prefilled == [len(PROMPTS)]
+    monkeypatch.setattr(lean_decode, "PREFILL_DISTINCT_ROWS", False)
+    prefilled.clear()
+    every = flat(batch(engine(tiny_model, "lean", kv_cache_mb=0), PROMPTS, 4, params))
+    assert prefilled == [4 * len(PROMPTS)]
+    assert [s.tokens for s in once] == [s.tokens for s in every]
+    assert len({s.tokens for s in once}) > len(PROMPTS)  # the copies sampled apart from their seeds
+    for a, b in zip(once, every):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

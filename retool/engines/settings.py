@@ -31,8 +31,10 @@ class LocalSettings:
     """Settings of the local engine's sampler (``--local-*``; ``[local]`` in a preset),
     handed as one record to ``LocalEngineConfig.sampler`` and ``LocalSamplingClient``."""
 
-    sample_window_s: float = option(0.01, "how long the sampler gathers concurrent requests into one "
-                                          "generate call")
+    sample_window_s: float = option(0.05, "how long the sampler waits for another request before it starts a "
+                                          "batch (each arrival waits again, up to local_sample_gather_s)")
+    sample_gather_s: float = option(1.0, "most time the sampler keeps gathering requests that keep arriving into "
+                                         "one batch")
     max_sample_rows: int = option(64, "most sequences generated together in one generate call")
     prefix_cache: bool = option(True, "compute a prompt prefix the rows of a generate call share once")
     kv_cache_mb: int = option(512, "memory for earlier sequences' KV, so a trajectory's next turn prefills "
@@ -61,6 +63,7 @@ class LocalSettings:
 
     def validate(self) -> None:
         require(self.sample_window_s >= 0, f"local_sample_window_s must be >= 0, got {self.sample_window_s}")
+        require(self.sample_gather_s >= 0, f"local_sample_gather_s must be >= 0, got {self.sample_gather_s}")
         require(self.max_sample_rows >= 1, f"local_max_sample_rows must be >= 1, got {self.max_sample_rows}")
         require(self.kv_cache_mb >= 0, f"local_kv_cache_mb must be >= 0, got {self.kv_cache_mb}")
         require(self.batch_kv_mb >= 0, f"local_batch_kv_mb must be >= 0, got {self.batch_kv_mb}")

@@ -69,6 +69,11 @@ mask): rows are prefilled in chunks under it (a batch of 64 rows x 450 new colum
 without a shared prefix would need ~500 MB at once)."""
 
 
+PREFILL_DISTINCT_ROWS = True
+"""Prefill rows that hold the same prompt once and copy their KV (:meth:`LeanCache.prefill`):
+a request's ``num_samples`` rows (8 per RL group, 2 per eval problem) cost one row's prefill.
+Off: every row is prefilled (``bench/sampling.py --variants``)."""
+
 PRECISIONS = ("fp32", "bf16", "auto")
 """The sampler's ``precision`` settings (``LocalSettings.precision``)."""
 
@@ -412,8 +417,26 @@ class LeanCache:
                 positions: Any, reserve: int) -> tuple[LeanCache, Any]:
         """Prefill every column after the ``start.columns`` whose KV ``start`` holds (its
         shared prefix, then each row's restored columns; ``None``: nothing) with the lean
-        weights: the lean cache and the last column's logits ``(rows, vocab)``."""
+        weights: the lean cache and the last column's logits ``(rows, vocab)``.
+
+        Rows that are the same prompt (the ``num_samples`` rows of one request: a GRPO
+        group's question after the shared system prompt, an eval's samples of a problem) and
+        restore nothing of their own are prefilled once and their KV copied to each of them
+        (``PREFILL_DISTINCT_ROWS``): the same values up to the float rounding of products
+        over fewer rows."""
         start = start or Restored()
+        if PREFILL_DISTINCT_ROWS and not start.rows:
+            first_U, inverse_R = _distinct_rows(torch.cat([input_ids, attention_mask.to(input_ids.dtype), positions], 1))
+            if len(first_U) < input_ids.shape[0]:
+                cache, logits_U = cls._prefill_rows(weights, start, input_ids[first_U], attention_mask[first_U],
+                                                    positions[first_U], reserve)
+                cache.keep_rows(inverse_R)
+                return cache, logits_U[inverse_R]
+        return cls._prefill_rows(weights, start, input_ids, attention_mask, positions, reserve)
+
+    @classmethod
+    def _prefill_rows(cls, weights: DecodeWeights, start: Restored, input_ids: Any, attention_mask: Any,
+                      positions: Any, reserve: int) -> tuple[LeanCache, Any]:
         past, prefix_len = start.columns, start.prefix_len
         rows, width = input_ids.shape[0], input_ids.shape[1] - past
         cache = cls(weights, start, attention_mask[:, prefix_len:past], width + reserve)
@@ -517,6 +540,19 @@ class LeanCache:
         for layer, (k, v) in enumerate(self.own):
             self.own[layer] = (F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)))
         self.bias = F.pad(self.bias, (0, extra))
+
+
+def _distinct_rows(rows_RC: Any) -> tuple[Any, Any]:
+    """The first index of each distinct row of ``rows_RC``, in order, and for every row the
+    position of its distinct row among them."""
+    _, inverse_R = torch.unique(rows_RC, dim=0, return_inverse=True)
+    index_R = torch.arange(len(inverse_R), device=rows_RC.device)
+    first_D = torch.full((int(inverse_R.max()) + 1,), len(inverse_R), device=rows_RC.device)
+    first_D = first_D.scatter_reduce(0, inverse_R, index_R, "amin")
+    first_U, order = first_D.sort()
+    rank_D = torch.empty_like(order)
+    rank_D[order] = torch.arange(len(order), device=rows_RC.device)
+    return first_U, rank_D[inverse_R]
 
 
 def _stream(w: DecodeWeights, x: Any) -> Any:

@@ -155,6 +155,7 @@ class LocalSamplingClient:
             raise ValueError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, got {settings.decode_loop!r}")
         self.model, self.tokenizer, self._lock = model, tokenizer, lock
         self.seed, self.window_s, self.max_rows = seed, settings.sample_window_s, settings.max_sample_rows
+        self.gather_s = settings.sample_gather_s
         self.fast = hf_compat.fast_path_enabled(settings.fast_sampling)
         self.prefix_cache = settings.prefix_cache and self.fast
         self.prefix_cached_tokens = 0
@@ -254,7 +255,7 @@ class LocalSamplingClient:
         """
         try:
             while queue.pending:
-                await asyncio.sleep(self.window_s)
+                await self._gather(loop, queue)
                 batch, queue.pending = queue.pending, []
                 try:
                     await self._run_batch(batch)
@@ -268,6 +269,21 @@ class LocalSamplingClient:
             if not queue.pending and self._queues.get(loop) is queue:
                 del self._queues[loop]
 
+    async def _gather(self, loop: asyncio.AbstractEventLoop, queue: _LoopQueue) -> None:
+        """Wait while requests keep coming: until none has arrived for ``window_s``, at
+        most ``gather_s`` in all. After a batch, the trajectories it answered come back
+        one by one from their code calls (a sandbox of a few workers answers them over a
+        second or so); a batch started at the first arrival would decode a few rows for
+        up to a whole turn while the others wait behind it."""
+        deadline = loop.time() + self.gather_s
+        seen = -1
+        while len(queue.pending) != seen:
+            seen = len(queue.pending)
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(self.window_s, left))
+
     async def _run_batch(self, batch: list[_Request]) -> None:
         for group in _group_by_settings(batch):
             rows = [(r, i) for r in group for i in range(r.num_samples)]
@@ -276,9 +292,9 @@ class LocalSamplingClient:
                 await asyncio.to_thread(memory.release_free_memory)  # the batch's KV and logits are gone now
                 for (request, _), sequence in zip(chunk, sequences):
                     request.sequences.append(sequence)
-            for r in group:
-                if not r.future.done():
-                    r.future.set_result(SampleResult(tuple(r.sequences)))
+                for request in {id(r): r for r, _ in chunk}.values():  # answered now, not after the other chunks
+                    if len(request.sequences) == request.num_samples and not request.future.done():
+                        request.future.set_result(SampleResult(tuple(request.sequences)))
 
     def _chunks(self, rows: list[tuple[_Request, int]]) -> list[list[tuple[_Request, int]]]:
         """``rows`` in order, as batches of at most ``max_rows`` whose KV cache (estimated
