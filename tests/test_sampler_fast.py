@@ -13,6 +13,7 @@ the lean step's logits equal the model's own forward pass.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 
@@ -305,29 +306,50 @@ def test_tree_pss_counts_pages_a_forked_child_shares_once():
     del held
 
 
-@pytest.mark.parametrize("loop", ["lean", "own"])
-def test_a_batch_over_its_kv_budget_is_split_and_samples_the_same(tiny_model, loop):
+@pytest.mark.parametrize("loop,continuous", [("lean", False), ("own", False), ("lean", True)])
+def test_a_batch_over_its_kv_budget_is_split_and_samples_the_same(tiny_model, monkeypatch, loop, continuous):
     """Rows whose KV would exceed ``batch_kv_mb`` run as several smaller batches (the
-    lean path counts the shared prefix once, the HF paths once per row), with the tokens
-    an unlimited batch samples and logprobs within 1e-4 of the model's own forward."""
+    lean path counts the shared prefix once, the HF paths once per row) — or, batched
+    continuously, as one loop that never holds more rows than fit and takes the next ones
+    in as rows finish — with the tokens an unlimited batch samples and logprobs within 1e-4
+    of the model's own forward."""
+    from retool.engines.local import lean_decode
+
+    stepped: list[int] = []
+    real_step = lean_decode.LeanCache.step
+
+    def counting(cache, tokens_B, positions_B):
+        stepped.append(tokens_B.shape[0])
+        return real_step(cache, tokens_B, positions_B)
+
+    monkeypatch.setattr(lean_decode.LeanCache, "step", counting)
     params = base.SamplingParams(max_tokens=8, temperature=1.0, stop_token_ids=STOPS, seed=5)
     prompts = [SYSTEM + [10 + i, 11] for i in range(6)]
-    whole = engine(tiny_model, loop, batch_kv_mb=0)
+    whole = engine(tiny_model, loop, batch_kv_mb=0, continuous_batching=continuous)
     expected = flat(batch(whole, prompts, 2, params))
-    split = engine(tiny_model, loop)
+    split = engine(tiny_model, loop, continuous_batching=continuous)
     sampler = split.sampler
     per_token = sampler.kv_bytes_per_token
     own = 2 + 8 if loop == "lean" else len(SYSTEM) + 2 + 8  # columns per row the estimate counts
     shared = len(SYSTEM) if loop == "lean" else 0
     sampler.batch_kv_bytes = (5 * own + shared) * per_token  # room for five rows
+    stepped.clear()
     got = flat(batch(split, prompts, 2, params))
-    assert whole.sampler.calls == 1 and sampler.calls == 3  # 12 rows: 4 + 4 + 4, not 5 + 5 + 2
+    if continuous:  # one loop, at most five rows at a step, every row taken in
+        assert whole.sampler.calls == 1 and sampler.calls == 1
+        assert max(stepped) == 5 and sampler.rows == 12
+    else:
+        assert whole.sampler.calls == 1 and sampler.calls == 3  # 12 rows: 4 + 4 + 4, not 5 + 5 + 2
     assert [s.tokens for s in got] == [s.tokens for s in expected]
     for prompt, seq in zip([p for p in prompts for _ in range(2)], got):
         want = teacher_forced_logprobs(split, prompt, seq.tokens, 1.0)
         assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4)
-    sampler.batch_kv_bytes = 1  # less than one row: still one row per batch
-    assert len(flat(batch(split, prompts[:2], 1, params))) == 2 and sampler.calls == 5
+    sampler.batch_kv_bytes = 1  # less than one row: still one row per batch (per step, batched continuously)
+    calls = sampler.calls
+    stepped.clear()
+    assert len(flat(batch(split, prompts[:2], 1, params))) == 2
+    assert sampler.calls == calls + (1 if continuous else 2)
+    assert not continuous or max(stepped) == 1
 
 
 def test_two_event_loops_sampling_at_once_each_get_their_own_answers(tiny_model):
@@ -384,4 +406,64 @@ def test_a_requests_samples_are_prefilled_once_and_sample_what_every_row_prefill
     assert [s.tokens for s in once] == [s.tokens for s in every]
     assert len({s.tokens for s in once}) > len(PROMPTS)  # the copies sampled apart from their seeds
     for a, b in zip(once, every):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_next_turns_join_a_running_batch_and_sample_what_batches_in_turn_sample(tiny_model):
+    """Batched continuously, a trajectory's next turn joins the loop its first turn ran in
+    while other rows still decode (rows of other lengths: the loop's columns are padded in
+    front of the shorter ones), starting from its stored KV — and every turn samples what
+    the chunked batches sample, with logprobs within 1e-4 of the model's own forward."""
+    params = [base.SamplingParams(max_tokens=6 + 5 * (i % 3), temperature=1.0, stop_token_ids=STOPS, seed=i)
+              for i in range(6)]
+    prompts = [SYSTEM + [10 + i] * (1 + 3 * (i % 3) + 20 * (i >= 4)) for i in range(6)]  # the last two long
+
+    def run(client: LocalTrainingClient) -> list[tuple[base.SampledSequence, base.SampledSequence]]:
+        async def trajectory(i: int):
+            first = (await client.sampler.sample(prompts[i], 1, params[i])).sequences[0]
+            second = (await client.sampler.sample(prompts[i] + list(first.tokens) + [30, 31, 32], 1,
+                                                  dataclasses.replace(params[i], seed=100 + i))).sequences[0]
+            return first, second
+
+        async def together():
+            return await asyncio.gather(*(trajectory(i) for i in range(6)))
+        return asyncio.run(together())
+
+    from retool.engines.local import lean_decode
+
+    fronts: list[tuple[int, int]] = []
+    real_admit = lean_decode.LeanCache.admit
+
+    def admit(cache, other):
+        fronts.append(real_admit(cache, other))
+        return fronts[-1]
+
+    continuous = engine(tiny_model, "lean", max_sample_rows=4)
+    chunked = engine(tiny_model, "lean", max_sample_rows=4, continuous_batching=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lean_decode.LeanCache, "admit", admit)
+        got = run(continuous)
+    expected = run(chunked)
+    assert any(mine for mine, _ in fronts) and any(theirs for _, theirs in fronts)  # both sides got front columns
+    assert [(a.tokens, b.tokens) for a, b in got] == [(a.tokens, b.tokens) for a, b in expected]
+    assert continuous.sampler.calls < chunked.sampler.calls  # turns joined a running loop
+    assert continuous.sampler.kv_reused_tokens > 0  # second turns started from their stored first turns
+    for i, (first, second) in enumerate(got):
+        for prompt, seq in ((prompts[i], first), (prompts[i] + list(first.tokens) + [30, 31, 32], second)):
+            want = teacher_forced_logprobs(continuous, prompt, seq.tokens, 1.0)
+            assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4)
+
+
+def test_a_continuous_batch_shares_only_the_prefix_every_waiting_row_has(tiny_model):
+    """Two groups of four with their own question and room for four rows at a time: the loop
+    starts with the first group but keeps only the system prompt as its shared prefix (not
+    that group's question), so the second group joins the same loop as rows finish."""
+    params = base.SamplingParams(max_tokens=8, temperature=1.0, stop_token_ids=STOPS, seed=2)
+    prompts = [SYSTEM + [10, 11, 12], SYSTEM + [20, 21]]
+    continuous = engine(tiny_model, "lean", max_sample_rows=4)
+    chunked = engine(tiny_model, "lean", max_sample_rows=4, continuous_batching=False)
+    got, expected = flat(batch(continuous, prompts, 4, params)), flat(batch(chunked, prompts, 4, params))
+    assert continuous.sampler.calls == 1 and chunked.sampler.calls == 2
+    assert [s.tokens for s in got] == [s.tokens for s in expected]
+    for a, b in zip(got, expected):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -292,10 +292,13 @@ TIMING_METRICS = ("time/rollout", "time/train", "time/step", "time/weight_sync",
                   "sandbox/cpu_s_total")
 """Metrics that measure wall or CPU time; every other metric of a resumed run equals the uninterrupted one's."""
 
-ROUNDING_METRICS = ("weight_sync/max_abs_diff",)
-"""Metrics that measure fp32 rounding (the sampler's and the trainer's scores of the same
-probe): ~1e-6, and with plain ``generate`` they move by that much with whatever requests the
-probe was batched with (a lagged run's next rollout is in flight then). Compared to 1e-5."""
+ROUNDING_METRICS = ("weight_sync/max_abs_diff", "train/sampler_logprob_diff", "train/approx_kl")
+"""Metrics that measure fp32 rounding (the sampler's and the trainer's logprobs of the same
+tokens): ~1e-7 to 1e-6, and they move by that much with the rows a token was decoded beside
+— the probe with whatever requests it was batched with (a lagged run's next rollout is in
+flight then), a trajectory's turn with the rows of the running loop it joined (continuous
+batching admits rows as they arrive from the sandbox). The tokens are the same (every row
+draws from its own seeded generator). Compared to 1e-5."""
 
 
 def saved_step_groups(run: Path, step: int) -> tuple[list[dict], dict[int, list[float]]]:

@@ -36,6 +36,10 @@ class LocalSettings:
     sample_gather_s: float = option(1.0, "most time the sampler keeps gathering requests that keep arriving into "
                                          "one batch")
     max_sample_rows: int = option(64, "most sequences generated together in one generate call")
+    continuous_batching: bool = option(True, "lean decode loop: rows join a running batch as others finish (the "
+                                             "batch's later rows, and next turns of the same settings), within "
+                                             "local_max_sample_rows and local_batch_kv_mb; off = each batch's rows "
+                                             "in chunks, one after another")
     prefix_cache: bool = option(True, "compute a prompt prefix the rows of a generate call share once")
     kv_cache_mb: int = option(512, "memory for earlier sequences' KV, so a trajectory's next turn prefills "
                                    "only its new tokens (a shared system prompt is kept once); 0 = off")

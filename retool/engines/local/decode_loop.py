@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,15 +44,17 @@ import torch
 from retool.engines.local import hf_compat, memory
 from retool.engines.local.decoding import RowSampler
 from retool.engines.local.hf_compat import KV
+from retool.engines.local.kv_cache import Restored
 from retool.engines.local.lean_decode import DecodeWeights, LeanCache
 
 DROP_SHARE = 0.25
 """Finished rows are dropped from the batch once they are at least this share of it."""
 
-OnFinished = Callable[[Callable[[], KV], int, list[int]], None]
-"""``(row's KV, original row, its tokens)``: called for a finished row before it is
-dropped or the loop ends (pure-attention caches only); the first argument returns the row's KV (per layer keys and
-values over every column so far, the HF cache's layout)."""
+OnFinished = Callable[[Callable[[], KV], int, list[int], list[float], Any], None]
+"""``(row's KV, original row, its tokens, their logprobs, its prompt mask)``: called for a
+finished row before it is dropped or the loop ends (pure-attention caches only); the
+first argument returns the row's KV (per layer keys and values over every column so far,
+the HF cache's layout), whose prompt columns the mask marks (the rest: one per step)."""
 
 
 TRIM_IN_DECODE = True
@@ -60,21 +63,49 @@ KV buffers are copied into smaller ones), not only after the batch (the sampler'
 trim): what glibc kept from them otherwise stayed resident under the batch's steps."""
 
 
+@dataclass
+class Admitted:
+    """Rows a running lean decode loop takes in (:func:`decode`'s ``admit``): prefilled
+    apart against the loop's shared prefix, with their first logits."""
+
+    cache: LeanCache
+    logits_B: Any
+    prompt_masks: list[Any]
+    """Each row's mask over its prompt's columns (the shared prefix's included): what
+    ``on_finished`` gets for it."""
+    max_tokens: list[int]
+    next_positions: Any
+
+
+Admit = Callable[[LeanCache, int], "Admitted | None"]
+"""``admit(cache, running)``: rows for a lean loop whose ``cache`` holds ``running`` rows
+still decoding (finished ones are about to leave it), or ``None``; it draws the new rows'
+generators into the loop's ``RowSampler`` itself (their rows are numbered after the
+ones before)."""
+
+
 def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler: RowSampler,
            max_tokens_R: Sequence[int], stop_ids: set[int], on_finished: OnFinished | None = None,
-           lean: DecodeWeights | None = None) -> list[tuple[list[int], list[float]]]:
+           lean: DecodeWeights | None = None, admit: Admit | None = None) -> list[tuple[list[int], list[float]]]:
     """Tokens and logprobs of every row, each cut at its first stop token (kept) or budget.
 
     Without ``lean`` weights, ``cache`` is an HF cache holding the KV of the first
     ``cache.get_seq_length()`` columns of ``input_ids`` (or ``None``); with them
     (``lean_decode``) it is a ``kv_cache.Restored`` (or ``None``) and the prefill and
     every step are lean. ``attention_mask`` marks padding with 0.
+
+    ``admit`` (lean only) is asked for more rows whenever finished rows leave the batch
+    (a quarter of it, or all): rows it returns join the running ones at the next step
+    (continuous batching), numbered after every row before them, and the loop ends
+    when no row is left and it has none. ``on_finished`` gets each row's prompt mask as it
+    is laid out by then.
     """
     rows = len(max_tokens_R)
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     if lean is not None:
         step, logits_B = LeanCache.prefill(lean, cache, input_ids, attention_mask, positions, max(max_tokens_R))
         can_drop = True
+        prefix_len = (cache or Restored()).prefix_len
     else:
         past = 0 if cache is None else cache.get_seq_length()
         out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask, position_ids=positions[:, past:],
@@ -83,11 +114,14 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
         can_drop = hf_compat.pure_attention(hf_compat.cache_of(out))
         step = _HFSteps(model, hf_compat.cache_of(out), attention_mask)
         logits_B = out.logits[:, -1]
+        admit = None
     del cache
     if TRIM_IN_DECODE:
         memory.release_free_memory()  # the prefill's activations and scores: not under every step of the batch
     live = list(range(rows))  # original row of each batch row
     results: list[tuple[list[int], list[float]]] = [([], []) for _ in range(rows)]
+    masks = list(attention_mask)  # each original row's prompt mask
+    budgets = list(max_tokens_R)
     finished: set[int] = set()
     next_positions = positions[:, -1] + 1
     while True:
@@ -99,22 +133,46 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
             tokens, logprobs = results[row]
             tokens.append(token)
             logprobs.append(logprob)
-            if token in stop_ids or len(tokens) >= max_tokens_R[row]:
+            if token in stop_ids or len(tokens) >= budgets[row]:
                 finished.add(row)
                 if on_finished is not None and can_drop:
-                    on_finished(functools.partial(step.row_kv, b), row, tokens)
-        if len(finished) == rows:
-            return results
+                    on_finished(functools.partial(step.row_kv, b), row, tokens, logprobs, masks[row])
         done_B = [b for b, row in enumerate(live) if row in finished]
-        if can_drop and len(done_B) >= DROP_SHARE * len(live):
-            keep = torch.tensor([b for b, row in enumerate(live) if row not in finished], device=chosen_B.device)
+        running = len(live) - len(done_B)
+        new = admit(step, running) if admit is not None and (not running or len(done_B) >= DROP_SHARE * len(live)) \
+            else None
+        if not running and new is None:
+            return results
+        if can_drop and done_B and (new is not None or len(done_B) >= DROP_SHARE * len(live)):
+            keep = torch.tensor([b for b, row in enumerate(live) if row not in finished], device=chosen_B.device,
+                                dtype=torch.long)
             step.keep_rows(keep)
             if TRIM_IN_DECODE:
                 memory.release_free_memory()  # the larger KV buffers the kept rows were copied out of
             live = [live[b] for b in keep.tolist()]
             chosen_B, next_positions = chosen_B[keep], next_positions[keep]
-        logits_B = step.step(chosen_B, next_positions)
-        next_positions = next_positions + 1
+        if live:
+            logits_B = step.step(chosen_B, next_positions)
+            next_positions = next_positions + 1
+        else:
+            logits_B = logits_B[:0]
+        if new is not None:
+            first = len(results)
+            front_old, front_new = step.admit(new.cache)
+            masks = [_after_prefix(m, prefix_len, front_old) if r in live else m for r, m in enumerate(masks)]
+            masks += [_after_prefix(m, prefix_len, front_new) for m in new.prompt_masks]
+            budgets += new.max_tokens
+            results += [([], []) for _ in new.max_tokens]
+            live += list(range(first, len(results)))
+            logits_B = torch.cat([logits_B, new.logits_B])
+            next_positions = torch.cat([next_positions, new.next_positions])
+
+
+def _after_prefix(mask: Any, prefix_len: int, columns: int) -> Any:
+    """``mask`` with ``columns`` masked columns put after its first ``prefix_len``."""
+    if not columns:
+        return mask
+    return torch.cat([mask[:prefix_len], mask.new_zeros(columns), mask[prefix_len:]])
 
 
 class _HFSteps:

@@ -277,24 +277,43 @@ def stored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, p
 
 
 def restored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int, pad_id: int,
-                    device: Any) -> tuple[Restored, Any, Any, int] | None:
+                    device: Any, most: int | None = None) -> tuple[Restored, Any, Any, int] | None:
     """:class:`Restored` KV, ids, mask and reused token count that reuse stored KV for
     every row, for the lean prefill, or ``None`` (see :func:`_hits`). Rows are laid out
     ``[shared prefix, padding, rest of the stored tokens, padding, new tokens]``: the
     prefix the prompts share within their stored tokens (at least
-    :data:`MIN_SHARED_PREFIX`, else none) is kept once (the first row's stored KV of it),
-    each row's other stored KV is referenced, not copied (where it lies in one entry)."""
+    :data:`MIN_SHARED_PREFIX`, else none; at most ``most``) is kept once (the first row's
+    stored KV of it), each row's other stored KV is referenced, not copied (where it lies
+    in one entry)."""
     hits = _hits(store, prompts, shared)
     if hits is None:
         return None
     reused_R = [n for n, _ in hits]
-    keep = min(common_prefix(prompts), min(reused_R))
+    keep = min(common_prefix(prompts), min(reused_R), most if most is not None else len(prompts[0]))
     keep = keep if keep >= MIN_SHARED_PREFIX else 0
     width = max(reused_R) - keep
     ids, mask = _stored_ids(prompts, reused_R, keep, pad_id, device)
     prefix = store.columns(hits[0][1], 0, keep) if keep else ()
     rows = tuple((width - (n - keep), store.columns(key, keep, n)) for n, key in hits)
     return Restored(prefix, rows, width), ids, mask, sum(reused_R)
+
+
+def admitted_layout(store: KVStore, prompts: list[tuple[int, ...]], keep: int, prefix: KV, pad_id: int,
+                    device: Any) -> tuple[Restored, Any, Any, int]:
+    """:class:`Restored` KV, ids, mask and reused token count for rows that join a running
+    lean decode loop whose shared prefix is their first ``keep`` tokens (its KV:
+    ``prefix``): rows that all continue stored sequences at least that long start from
+    their stored KV after it (laid out as :func:`restored_layout`), else every row is
+    prefilled after the prefix (:func:`left_pad`)."""
+    hits = [store.lookup(p) for p in prompts] if store.budget_bytes and store.entries else []
+    if hits and all(h is not None and h[0] >= max(keep, MIN_SHARED_PREFIX) for h in hits):
+        reused_R = [n for n, _ in hits]
+        width = max(reused_R) - keep
+        ids, mask = _stored_ids(prompts, reused_R, keep, pad_id, device)
+        rows = tuple((width - (n - keep), store.columns(key, keep, n)) for n, key in hits)
+        return Restored(prefix, rows, width), ids, mask, sum(reused_R) - keep * len(prompts)
+    ids, mask = left_pad(prompts, pad_id, device, keep=keep)
+    return Restored(prefix), ids, mask, 0
 
 
 def store_rows(store: KVStore, cache: Any, attention_mask: Any, prompts: list[tuple[int, ...]],

@@ -489,6 +489,33 @@ class LeanCache:
             x = x + _linear(F.silu(gate) * up, layer.down)
         return _logits(w, x.view(rows, width, hidden)[:, -1])
 
+    @property
+    def rows(self) -> int:
+        return self.bias.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Own columns each row has room for (written and reserved)."""
+        return self.bias.shape[1]
+
+    def admit(self, other: LeanCache) -> tuple[int, int]:
+        """Take the rows of ``other`` (the same weights and shared prefix, prefilled apart)
+        in after this cache's rows. Each row's own columns stay contiguous and end at the
+        common write column: the narrower cache's rows get masked columns in front of
+        theirs. Returns how many such columns this cache's rows and ``other``'s rows got
+        (their prompt masks grow by as many after the prefix)."""
+        front_self, front_other = max(0, other.width - self.width), max(0, self.width - other.width)
+        capacity = max(self.capacity + front_self, other.capacity + front_other)
+        for layer in range(len(self.own)):  # layer by layer: one layer's old and new buffers at a time
+            mine = [_placed(t, front_self, capacity) for t in self.own[layer]]
+            theirs = [_placed(t, front_other, capacity) for t in other.own[layer]]
+            self.own[layer] = tuple(torch.cat([a, b], dim=1) for a, b in zip(mine, theirs))
+            other.own[layer] = ()
+        self.bias = torch.cat([_placed_bias(self.bias, front_self, capacity),
+                               _placed_bias(other.bias, front_other, capacity)])
+        self.width = max(self.width, other.width)
+        return front_self, front_other
+
     def keep_rows(self, index: Any) -> None:
         """Keep only the batch rows ``index`` (layer by layer, so that the old and the new
         buffers of one layer, not of all, are alive at once)."""
@@ -540,6 +567,20 @@ class LeanCache:
         for layer, (k, v) in enumerate(self.own):
             self.own[layer] = (F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)))
         self.bias = F.pad(self.bias, (0, extra))
+
+
+def _placed(buffer: Any, front: int, capacity: int) -> Any:
+    """``buffer`` (kv_heads, rows, columns, head_dim) with ``front`` zero columns before its
+    own and room up to ``capacity`` columns after."""
+    return F.pad(buffer, (0, 0, front, capacity - front - buffer.shape[2]))
+
+
+def _placed_bias(bias: Any, front: int, capacity: int) -> Any:
+    """``bias`` (rows, columns) with ``front`` masked columns before its own and open room
+    up to ``capacity`` after."""
+    placed = F.pad(bias, (front, capacity - front - bias.shape[1]))
+    placed[:, :front] = float("-inf")
+    return placed
 
 
 def _distinct_rows(rows_RC: Any) -> tuple[Any, Any]:

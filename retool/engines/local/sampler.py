@@ -1,9 +1,14 @@
 """``LocalSamplingClient``: concurrent ``sample`` calls merged into batched decode calls.
 
-Requests that arrive within a short window are grouped by sampling settings
+Requests that arrive together (a batch starts once none has come for ``sample_window_s``,
+at most ``sample_gather_s`` after the first) are grouped by sampling settings
 (``max_tokens`` and ``seed`` may differ) and run as one batch per group of at most
 ``max_rows`` rows, in a worker thread so that other trajectories' sandbox calls proceed
-meanwhile. Each batch picks a layout for its rows (plain left padding, a shared prefix
+meanwhile. On the lean loop the batch is continuous (``continuous_batching``, on by
+default): rows join the running decode loop as others finish — the batch's later rows
+and the next turns of trajectories whose code calls came back — within ``max_rows`` and
+the KV budget, and each request is answered as soon as its rows are done; otherwise a
+batch's rows run in chunks, one after another, each until its longest row ends. Each batch picks a layout for its rows (plain left padding, a shared prefix
 computed once, or stored KV of earlier turns; ``kv_cache``), then decodes them with the
 sampler's own loop (``decode_loop``, the default: finished rows leave the batch) or one
 HF ``generate`` call (``decode_loop="generate"``), draws tokens with ``decoding``'s
@@ -18,9 +23,10 @@ model is the trainer's; the trainer calls :meth:`LocalSamplingClient.clear_kv_ca
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +37,7 @@ from retool.engines.base import SampledSequence, SampleResult, SamplingParams
 from retool.engines.local import decoding, hf_compat, kv_cache, lean_decode, memory, probe
 from retool.engines.settings import LocalSettings
 from retool.engines.local.base_spill import BaseSpill
-from retool.engines.local.decode_loop import decode
+from retool.engines.local.decode_loop import Admitted, decode
 from retool.engines.local.model import default_stop_token_ids, model_mode
 
 
@@ -48,15 +54,41 @@ class _Request:
     num_samples: int
     params: SamplingParams
     future: asyncio.Future
-    sequences: list[SampledSequence] = field(default_factory=list)
+    sequences: dict[int, SampledSequence] = field(default_factory=dict)
+    """Its rows' sequences by sample index, as they finish."""
+
+    def answer(self) -> None:
+        """Resolve the request once every one of its rows is in (on its event loop's thread)."""
+        if len(self.sequences) == self.num_samples and not self.future.done():
+            self.future.set_result(SampleResult(tuple(self.sequences[i] for i in range(self.num_samples))))
+
+
+Row = tuple[_Request, int]
+"""A request and one of its sample indices: one row of a decode batch."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    """The rows of a continuous batch not yet taken in, in order; requests of the same
+    settings that arrive while it runs join it (``LocalSamplingClient.sample``)."""
+
+    key: tuple
+    waiting: collections.deque = field(default_factory=collections.deque)
+    requests: list[_Request] = field(default_factory=list)
+
+    def add(self, request: _Request) -> None:
+        self.requests.append(request)
+        self.waiting.extend((request, i) for i in range(request.num_samples))
 
 
 @dataclass(eq=False)
 class _LoopQueue:
-    """The requests of one event loop waiting for a batch, and the task that runs them."""
+    """The requests of one event loop waiting for a batch, the task that runs them, and
+    the continuous batch it runs now (if any)."""
 
     pending: list[_Request] = field(default_factory=list)
     runner: asyncio.Task | None = None
+    stream: _Stream | None = None
 
 
 class LocalSamplingClient:
@@ -155,7 +187,7 @@ class LocalSamplingClient:
             raise ValueError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, got {settings.decode_loop!r}")
         self.model, self.tokenizer, self._lock = model, tokenizer, lock
         self.seed, self.window_s, self.max_rows = seed, settings.sample_window_s, settings.max_sample_rows
-        self.gather_s = settings.sample_gather_s
+        self.gather_s, self.continuous = settings.sample_gather_s, settings.continuous_batching
         self.fast = hf_compat.fast_path_enabled(settings.fast_sampling)
         self.prefix_cache = settings.prefix_cache and self.fast
         self.prefix_cached_tokens = 0
@@ -241,6 +273,9 @@ class LocalSamplingClient:
         loop = asyncio.get_running_loop()
         request = _Request(prompt, num_samples, sampling_params, loop.create_future())
         queue = self._queues.setdefault(loop, _LoopQueue())  # only this loop's thread touches its entry
+        if queue.stream is not None and queue.stream.key == _settings_key(sampling_params):
+            queue.stream.add(request)  # joins the running batch at its next free rows
+            return await request.future
         queue.pending.append(request)
         if queue.runner is None or queue.runner.done():
             queue.runner = loop.create_task(self._drain(loop, queue))
@@ -258,13 +293,15 @@ class LocalSamplingClient:
                 await self._gather(loop, queue)
                 batch, queue.pending = queue.pending, []
                 try:
-                    await self._run_batch(batch)
+                    await self._run_batch(loop, queue, batch)
                 except asyncio.CancelledError:
-                    _fail(batch + queue.pending, RuntimeError("the sampler was cancelled"))
+                    _fail(batch + queue.pending + _joined(queue), RuntimeError("the sampler was cancelled"))
                     queue.pending = []
                     raise
                 except Exception as exc:
-                    _fail(batch, exc)
+                    _fail(batch + _joined(queue), exc)
+                finally:
+                    queue.stream = None
         finally:
             if not queue.pending and self._queues.get(loop) is queue:
                 del self._queues[loop]
@@ -284,17 +321,41 @@ class LocalSamplingClient:
                 return
             await asyncio.sleep(min(self.window_s, left))
 
-    async def _run_batch(self, batch: list[_Request]) -> None:
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, queue: _LoopQueue, batch: list[_Request]) -> None:
         for group in _group_by_settings(batch):
+            if self.continuous and self.decode_loop == "lean":
+                await self._run_stream(loop, queue, group)
+                continue
             rows = [(r, i) for r in group for i in range(r.num_samples)]
             for chunk in self._chunks(rows):
                 sequences = await asyncio.to_thread(self._generate, chunk)
                 await asyncio.to_thread(memory.release_free_memory)  # the batch's KV and logits are gone now
-                for (request, _), sequence in zip(chunk, sequences):
-                    request.sequences.append(sequence)
-                for request in {id(r): r for r, _ in chunk}.values():  # answered now, not after the other chunks
-                    if len(request.sequences) == request.num_samples and not request.future.done():
-                        request.future.set_result(SampleResult(tuple(request.sequences)))
+                for (request, i), sequence in zip(chunk, sequences):
+                    request.sequences[i] = sequence
+                for request, _ in chunk:  # answered now, not after the other chunks
+                    request.answer()
+
+    async def _run_stream(self, loop: asyncio.AbstractEventLoop, queue: _LoopQueue, group: list[_Request]) -> None:
+        """The rows of ``group`` as one continuous batch (``continuous``): rows join the decode
+        loop as others finish, within ``max_rows`` and the KV budget, and each request is
+        answered as soon as its rows are done, so its trajectory's next turn can join the
+        same loop (``sample`` adds requests of the same settings to ``queue.stream``). A
+        row whose prompt does not start with the loop's shared prefix waits for the next
+        loop, started when this one ends."""
+        stream = queue.stream = _Stream(_settings_key(group[0].params))
+        for request in group:
+            stream.add(request)
+
+        def finished(row: Row, sequence: SampledSequence) -> None:  # on the decode thread
+            request, i = row
+            request.sequences[i] = sequence
+            if not loop.is_closed():  # closed: the caller was cancelled and waits for nothing
+                loop.call_soon_threadsafe(request.answer)
+
+        while stream.waiting:
+            await asyncio.to_thread(self._generate_stream, stream.waiting, finished, loop)
+            await asyncio.to_thread(memory.release_free_memory)  # the batch's KV and logits are gone now
+        queue.stream = None
 
     def _chunks(self, rows: list[tuple[_Request, int]]) -> list[list[tuple[_Request, int]]]:
         """``rows`` in order, as batches of at most ``max_rows`` whose KV cache (estimated
@@ -360,14 +421,102 @@ class LocalSamplingClient:
         self.sampled_tokens += sum(len(s.tokens) for s in sequences)
         return sequences
 
+    def _generate_stream(self, waiting: collections.deque, finished: Callable[[Row, SampledSequence], None],
+                         loop: asyncio.AbstractEventLoop) -> None:
+        """One continuous decode loop over the rows of ``waiting`` (they share sampling
+        settings), for event loop ``loop``: the first ones that fit (``max_rows``,
+        ``batch_kv_bytes``), then more from its head as rows finish, while they start with
+        the loop's shared prefix and no other event loop's requests wait for the sampler
+        (rollouts of two steps at once take turns, as with batches); ``finished(row,
+        sequence)`` as each row ends. Rows it leaves stay in ``waiting``."""
+        shared = kv_cache.shared_prefix_length([r.prompt for r, _ in waiting]) if self.prefix_cache else 0
+        rows: list[Row] = self._take(waiting, 0, 0, shared, ())
+        params = rows[0][0].params
+        stop_ids = set(params.stop_token_ids or self.default_stop_ids)
+        prompts = [r.prompt for r, _ in rows]
+        call, device = self.calls, self.model.device
+        sampler = decoding.RowSampler(params, decoding.row_generators(self._row_seeds(call, rows), device),
+                                      self.nucleus_candidates)
+        done: set[int] = set()
+
+        def answer(row: int, tokens: list[int], logprobs: list[float]) -> None:
+            done.add(row)
+            finished(rows[row], decoding.finish_row(tokens, logprobs, rows[row][0].params.max_tokens, stop_ids))
+
+        def on_finished(row_kv: Any, row: int, tokens: list[int], logprobs: list[float], prompt_mask: Any) -> None:
+            if self.kv_cache_bytes:
+                kv_cache.store_row(self.kv_store, row_kv(), prompt_mask, prompts[row], tuple(tokens))
+            answer(row, tokens, logprobs)
+
+        with self._lock, torch.no_grad(), model_mode(self.model, train=False):
+            lean = self._lean()
+            cache, input_ids, attention_mask, prefix_saved, reused = self._layout(prompts, lean, most=shared)
+            prefix = cache if isinstance(cache, kv_cache.Restored) else kv_cache.Restored()
+            prefix_tokens = prompts[0][:prefix.prefix_len]
+
+            def admit(step: lean_decode.LeanCache, running: int) -> Admitted | None:
+                if any(queue.pending for other, queue in list(self._queues.items()) if other is not loop):
+                    return None
+                taken = self._take(waiting, running, step.capacity, len(prefix_tokens), prefix_tokens)
+                if not taken:
+                    return None
+                new_prompts = [r.prompt for r, _ in taken]
+                start, ids, mask, saved = kv_cache.admitted_layout(
+                    self.kv_store, new_prompts, len(prefix_tokens), tuple(step.prefix), self.tokenizer.pad_token_id,
+                    device)
+                positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+                budgets = [r.params.max_tokens for r, _ in taken]
+                new, logits_B = lean_decode.LeanCache.prefill(lean, start, ids, mask, positions, max(budgets))
+                sampler.generators_R += decoding.row_generators(self._row_seeds(call, rows + taken)[len(rows):], device)
+                rows.extend(taken)
+                prompts.extend(new_prompts)
+                self.kv_reused_tokens += saved
+                self.prefix_cached_tokens += len(prefix_tokens) * len(taken)
+                return Admitted(new, logits_B, list(mask), budgets, positions[:, -1] + 1)
+
+            max_tokens_R = [r.params.max_tokens for r, _ in rows]
+            results = decode(self.model, cache, input_ids, attention_mask, sampler, max_tokens_R, stop_ids,
+                             on_finished=on_finished, lean=lean, admit=admit if lean is not None else None)
+            self.calls += 1
+            self.prefix_cached_tokens += prefix_saved
+            self.kv_reused_tokens += reused
+        for row, (tokens, logprobs) in enumerate(results):
+            if row not in done:  # a cache that is not pure attention ends its rows only here
+                answer(row, tokens, logprobs)
+        self.rows += len(rows)
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        self.sampled_tokens += sum(min(len(t), r.params.max_tokens) for (t, _), (r, _) in zip(results, rows))
+
+    def _take(self, waiting: collections.deque, running: int, capacity: int, shared: int,
+              prefix: tuple[int, ...]) -> list[Row]:
+        """Rows from the head of ``waiting`` that can decode beside ``running`` rows whose
+        own columns have room for ``capacity``: at most ``max_rows`` in all, their KV within
+        ``batch_kv_bytes`` (the first row always, when nothing runs), each starting with
+        ``prefix`` (the loop's shared prefix, ``shared`` tokens; none yet at the start)."""
+        taken: list[Row] = []
+        while waiting and running + len(taken) < self.max_rows:
+            request, _ = waiting[0]
+            if request.prompt[:len(prefix)] != prefix:
+                break
+            own = max([capacity] + [len(r.prompt) - shared + r.params.max_tokens
+                                    for r, _ in taken + [waiting[0]]])
+            kv = ((running + len(taken) + 1) * own + shared) * self.kv_bytes_per_token
+            if 0 < self.batch_kv_bytes < kv and (running or taken):
+                break
+            taken.append(waiting.popleft())
+        return taken
+
+    def _row_seeds(self, call: int, rows: list[Row]) -> list[int]:
+        return decoding.row_seeds(self.seed, call, [(r.params.seed, i) for r, i in rows])
+
     def _decode(self, cache: Any, input_ids: Any, attention_mask: Any, prompts: list[tuple[int, ...]],
                 sampler: decoding.RowSampler, max_tokens_R: list[int], stop_ids: set[int],
                 lean: lean_decode.DecodeWeights | None) -> list[SampledSequence]:
         """The rows sampled by the sampler's own decode loop (lean steps with ``lean``
         weights); each finished row's KV goes to the store."""
-        def keep_kv(row_kv: Any, row: int, tokens: list[int]) -> None:
+        def keep_kv(row_kv: Any, row: int, tokens: list[int], logprobs: list[float], prompt_mask: Any) -> None:
             if self.kv_cache_bytes:
-                kv_cache.store_row(self.kv_store, row_kv(), attention_mask[row], prompts[row], tuple(tokens))
+                kv_cache.store_row(self.kv_store, row_kv(), prompt_mask, prompts[row], tuple(tokens))
 
         rows_R = decode(self.model, cache, input_ids, attention_mask, sampler, max_tokens_R, stop_ids,
                         on_finished=keep_kv, lean=lean)
@@ -392,17 +541,21 @@ class LocalSamplingClient:
         self._store_rows(out, attention_mask, prompts, sequences)
         return sequences
 
-    def _layout(self, prompts: list[tuple[int, ...]],
-                lean: lean_decode.DecodeWeights | None) -> tuple[Any, Any, Any, int, int]:
+    def _layout(self, prompts: list[tuple[int, ...]], lean: lean_decode.DecodeWeights | None,
+                most: int | None = None) -> tuple[Any, Any, Any, int, int]:
         """Cache, input ids, attention mask, and the prompt tokens saved by the prefix cache
         and by the KV store, for one call: stored KV of earlier turns, else a shared prefix
         computed once, else plain left padding. With ``lean`` the cache is a
         ``kv_cache.Restored`` for the lean prefill (the prefix once, not repeated per
-        row), else an HF cache (``None``: none)."""
+        row; at most ``most`` tokens of it), else an HF cache (``None``: none)."""
         pad, device = self.tokenizer.pad_token_id, self.model.device
         shared = kv_cache.shared_prefix_length(prompts) if self.prefix_cache else 0
-        layout = kv_cache.restored_layout if lean is not None else kv_cache.stored_layout
-        stored = layout(self.kv_store, prompts, shared, pad, device)
+        if most is not None:
+            shared = min(shared, most)
+        if lean is not None:
+            stored = kv_cache.restored_layout(self.kv_store, prompts, shared, pad, device, most=most)
+        else:
+            stored = kv_cache.stored_layout(self.kv_store, prompts, shared, pad, device)
         if stored is not None:
             cache, input_ids, attention_mask, reused = stored
             return cache, input_ids, attention_mask, 0, reused
@@ -517,12 +670,20 @@ def _fail(requests: list[_Request], exc: BaseException) -> None:
             r.future.set_exception(exc)
 
 
+def _settings_key(p: SamplingParams) -> tuple:
+    """What rows must share to decode in one batch: every setting but ``max_tokens`` and
+    ``seed`` (every row draws with its own generator)."""
+    return (p.temperature, p.top_p, p.top_k, p.stop_token_ids)
+
+
 def _group_by_settings(requests: list[_Request]) -> list[list[_Request]]:
-    """Requests that may share a ``generate`` call: equal settings except ``max_tokens``
-    and ``seed`` (every row draws with its own generator)."""
+    """Requests that may share a ``generate`` call: equal :func:`_settings_key`."""
     groups: dict[tuple, list[_Request]] = {}
     for r in requests:
-        p = r.params
-        key = (p.temperature, p.top_p, p.top_k, p.stop_token_ids)
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(_settings_key(r.params), []).append(r)
     return list(groups.values())
+
+
+def _joined(queue: _LoopQueue) -> list[_Request]:
+    """Requests that joined the loop's running continuous batch after it started."""
+    return list(queue.stream.requests) if queue.stream is not None else []
