@@ -409,11 +409,21 @@ def test_a_requests_samples_are_prefilled_once_and_sample_what_every_row_prefill
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-def test_next_turns_join_a_running_batch_and_sample_what_batches_in_turn_sample(tiny_model):
+@pytest.mark.parametrize("evicted", [False, True], ids=["stored", "some-evicted"])
+def test_next_turns_join_a_running_batch_and_sample_what_batches_in_turn_sample(tiny_model, monkeypatch, evicted):
     """Batched continuously, a trajectory's next turn joins the loop its first turn ran in
     while other rows still decode (rows of other lengths: the loop's columns are padded in
-    front of the shorter ones), starting from its stored KV — and every turn samples what
-    the chunked batches sample, with logprobs within 1e-4 of the model's own forward."""
+    front of the shorter ones), starting from its stored KV — or, for turns whose stored KV
+    is gone (``evicted``: every other trajectory's), prefilled whole beside them — and
+    every turn samples what the chunked batches sample, with logprobs within 1e-4 of the
+    model's own forward."""
+    from retool.engines.local import kv_cache
+
+    if evicted:
+        real_continues = kv_cache.continues_stored
+        monkeypatch.setattr(kv_cache, "continues_stored",
+                            lambda store, prompt, keep: prompt[len(SYSTEM)] % 2 == 0
+                            and real_continues(store, prompt, keep))
     params = [base.SamplingParams(max_tokens=6 + 5 * (i % 3), temperature=1.0, stop_token_ids=STOPS, seed=i)
               for i in range(6)]
     prompts = [SYSTEM + [10 + i] * (1 + 3 * (i % 3) + 20 * (i >= 4)) for i in range(6)]  # the last two long

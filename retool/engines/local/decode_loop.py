@@ -77,11 +77,11 @@ class Admitted:
     next_positions: Any
 
 
-Admit = Callable[[LeanCache, int], "Admitted | None"]
+Admit = Callable[[LeanCache, int], "list[Admitted]"]
 """``admit(cache, running)``: rows for a lean loop whose ``cache`` holds ``running`` rows
-still decoding (finished ones are about to leave it), or ``None``; it draws the new rows'
-generators into the loop's ``RowSampler`` itself (their rows are numbered after the
-ones before)."""
+still decoding (finished ones are about to leave it), in prefilled parts (none: nothing
+to take); it draws the new rows' generators into the loop's ``RowSampler`` itself (their
+rows are numbered after the ones before, part after part)."""
 
 
 def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler: RowSampler,
@@ -97,7 +97,7 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
     ``admit`` (lean only) is asked for more rows whenever finished rows leave the batch
     (a quarter of it, or all): rows it returns join the running ones at the next step
     (continuous batching), numbered after every row before them, and the loop ends
-    when no row is left and it has none. ``on_finished`` gets each row's prompt mask as it
+    when no row is left and it has none to give. ``on_finished`` gets each row's prompt mask as it
     is laid out by then.
     """
     rows = len(max_tokens_R)
@@ -140,10 +140,10 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
         done_B = [b for b, row in enumerate(live) if row in finished]
         running = len(live) - len(done_B)
         new = admit(step, running) if admit is not None and (not running or len(done_B) >= DROP_SHARE * len(live)) \
-            else None
-        if not running and new is None:
+            else []
+        if not running and not new:
             return results
-        if can_drop and done_B and (new is not None or len(done_B) >= DROP_SHARE * len(live)):
+        if can_drop and done_B and (new or len(done_B) >= DROP_SHARE * len(live)):
             keep = torch.tensor([b for b, row in enumerate(live) if row not in finished], device=chosen_B.device,
                                 dtype=torch.long)
             step.keep_rows(keep)
@@ -156,16 +156,17 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
             next_positions = next_positions + 1
         else:
             logits_B = logits_B[:0]
-        if new is not None:
+        for part in new:
             first = len(results)
-            front_old, front_new = step.admit(new.cache)
-            masks = [_after_prefix(m, prefix_len, front_old) if r in live else m for r, m in enumerate(masks)]
-            masks += [_after_prefix(m, prefix_len, front_new) for m in new.prompt_masks]
-            budgets += new.max_tokens
-            results += [([], []) for _ in new.max_tokens]
+            front_old, front_new = step.admit(part.cache)
+            running_rows = set(live)
+            masks = [_after_prefix(m, prefix_len, front_old) if r in running_rows else m for r, m in enumerate(masks)]
+            masks += [_after_prefix(m, prefix_len, front_new) for m in part.prompt_masks]
+            budgets += part.max_tokens
+            results += [([], []) for _ in part.max_tokens]
             live += list(range(first, len(results)))
-            logits_B = torch.cat([logits_B, new.logits_B])
-            next_positions = torch.cat([next_positions, new.next_positions])
+            logits_B = torch.cat([logits_B, part.logits_B])
+            next_positions = torch.cat([next_positions, part.next_positions])
 
 
 def _after_prefix(mask: Any, prefix_len: int, columns: int) -> Any:

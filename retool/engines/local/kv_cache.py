@@ -298,6 +298,13 @@ def restored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int,
     return Restored(prefix, rows, width), ids, mask, sum(reused_R)
 
 
+def continues_stored(store: KVStore, prompt: tuple[int, ...], keep: int) -> bool:
+    """Whether ``prompt`` continues a stored sequence beyond its first ``keep`` tokens (and
+    at least :data:`MIN_SHARED_PREFIX`): :func:`admitted_layout` can start it from there."""
+    hit = store.lookup(prompt) if store.budget_bytes and store.entries else None
+    return hit is not None and hit[0] >= max(keep, MIN_SHARED_PREFIX)
+
+
 def admitted_layout(store: KVStore, prompts: list[tuple[int, ...]], keep: int, prefix: KV, pad_id: int,
                     device: Any) -> tuple[Restored, Any, Any, int]:
     """:class:`Restored` KV, ids, mask and reused token count for rows that join a running
@@ -305,8 +312,8 @@ def admitted_layout(store: KVStore, prompts: list[tuple[int, ...]], keep: int, p
     ``prefix``): rows that all continue stored sequences at least that long start from
     their stored KV after it (laid out as :func:`restored_layout`), else every row is
     prefilled after the prefix (:func:`left_pad`)."""
-    hits = [store.lookup(p) for p in prompts] if store.budget_bytes and store.entries else []
-    if hits and all(h is not None and h[0] >= max(keep, MIN_SHARED_PREFIX) for h in hits):
+    if all(continues_stored(store, p, keep) for p in prompts):
+        hits = [store.lookup(p) for p in prompts]
         reused_R = [n for n, _ in hits]
         width = max(reused_R) - keep
         ids, mask = _stored_ids(prompts, reused_R, keep, pad_id, device)

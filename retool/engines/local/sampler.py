@@ -69,16 +69,29 @@ Row = tuple[_Request, int]
 
 @dataclass(eq=False)
 class _Stream:
-    """The rows of a continuous batch not yet taken in, in order; requests of the same
-    settings that arrive while it runs join it (``LocalSamplingClient.sample``)."""
+    """The rows of a continuous batch not yet taken in: the batch's own, in order, and
+    those of requests of the same settings that arrived while it runs
+    (``LocalSamplingClient.sample``), taken first — mostly trajectories' next turns, whose
+    earlier turn's KV is still in the store, and which bring a trajectory to its end.
+    Each queue is only appended to on the right (the event loop's thread) and taken from
+    on the left (the decode thread)."""
 
     key: tuple
     waiting: collections.deque = field(default_factory=collections.deque)
+    joined: collections.deque = field(default_factory=collections.deque)
     requests: list[_Request] = field(default_factory=list)
 
-    def add(self, request: _Request) -> None:
+    def add(self, request: _Request, *, joining: bool = False) -> None:
         self.requests.append(request)
-        self.waiting.extend((request, i) for i in range(request.num_samples))
+        (self.joined if joining else self.waiting).extend((request, i) for i in range(request.num_samples))
+
+    def head(self) -> tuple[collections.deque, Row] | None:
+        """The queue the next row comes from, and that row (it stays there until taken)."""
+        queue = self.joined or self.waiting
+        return (queue, queue[0]) if queue else None
+
+    def __bool__(self) -> bool:
+        return bool(self.joined or self.waiting)
 
 
 @dataclass(eq=False)
@@ -274,7 +287,7 @@ class LocalSamplingClient:
         request = _Request(prompt, num_samples, sampling_params, loop.create_future())
         queue = self._queues.setdefault(loop, _LoopQueue())  # only this loop's thread touches its entry
         if queue.stream is not None and queue.stream.key == _settings_key(sampling_params):
-            queue.stream.add(request)  # joins the running batch at its next free rows
+            queue.stream.add(request, joining=True)  # joins the running batch at its next free rows
             return await request.future
         queue.pending.append(request)
         if queue.runner is None or queue.runner.done():
@@ -352,8 +365,8 @@ class LocalSamplingClient:
             if not loop.is_closed():  # closed: the caller was cancelled and waits for nothing
                 loop.call_soon_threadsafe(request.answer)
 
-        while stream.waiting:
-            await asyncio.to_thread(self._generate_stream, stream.waiting, finished, loop)
+        while stream:
+            await asyncio.to_thread(self._generate_stream, stream, finished, loop)
             await asyncio.to_thread(memory.release_free_memory)  # the batch's KV and logits are gone now
         queue.stream = None
 
@@ -421,16 +434,17 @@ class LocalSamplingClient:
         self.sampled_tokens += sum(len(s.tokens) for s in sequences)
         return sequences
 
-    def _generate_stream(self, waiting: collections.deque, finished: Callable[[Row, SampledSequence], None],
+    def _generate_stream(self, stream: _Stream, finished: Callable[[Row, SampledSequence], None],
                          loop: asyncio.AbstractEventLoop) -> None:
-        """One continuous decode loop over the rows of ``waiting`` (they share sampling
+        """One continuous decode loop over the rows of ``stream`` (they share sampling
         settings), for event loop ``loop``: the first ones that fit (``max_rows``,
         ``batch_kv_bytes``), then more from its head as rows finish, while they start with
         the loop's shared prefix and no other event loop's requests wait for the sampler
         (rollouts of two steps at once take turns, as with batches); ``finished(row,
-        sequence)`` as each row ends. Rows it leaves stay in ``waiting``."""
+        sequence)`` as each row ends. Rows it leaves stay in ``stream``."""
+        waiting = list(stream.joined) + list(stream.waiting)
         shared = kv_cache.shared_prefix_length([r.prompt for r, _ in waiting]) if self.prefix_cache else 0
-        rows: list[Row] = self._take(waiting, 0, 0, shared, ())
+        rows: list[Row] = self._take(stream, 0, 0, shared, ())
         params = rows[0][0].params
         stop_ids = set(params.stop_token_ids or self.default_stop_ids)
         prompts = [r.prompt for r, _ in rows]
@@ -454,25 +468,14 @@ class LocalSamplingClient:
             prefix = cache if isinstance(cache, kv_cache.Restored) else kv_cache.Restored()
             prefix_tokens = prompts[0][:prefix.prefix_len]
 
-            def admit(step: lean_decode.LeanCache, running: int) -> Admitted | None:
+            def admit(step: lean_decode.LeanCache, running: int) -> list[Admitted]:
                 if any(queue.pending for other, queue in list(self._queues.items()) if other is not loop):
-                    return None
-                taken = self._take(waiting, running, step.capacity, len(prefix_tokens), prefix_tokens)
-                if not taken:
-                    return None
-                new_prompts = [r.prompt for r, _ in taken]
-                start, ids, mask, saved = kv_cache.admitted_layout(
-                    self.kv_store, new_prompts, len(prefix_tokens), tuple(step.prefix), self.tokenizer.pad_token_id,
-                    device)
-                positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-                budgets = [r.params.max_tokens for r, _ in taken]
-                new, logits_B = lean_decode.LeanCache.prefill(lean, start, ids, mask, positions, max(budgets))
-                sampler.generators_R += decoding.row_generators(self._row_seeds(call, rows + taken)[len(rows):], device)
-                rows.extend(taken)
-                prompts.extend(new_prompts)
-                self.kv_reused_tokens += saved
-                self.prefix_cached_tokens += len(prefix_tokens) * len(taken)
-                return Admitted(new, logits_B, list(mask), budgets, positions[:, -1] + 1)
+                    return []
+                taken = self._take(stream, running, step.capacity, len(prefix_tokens), prefix_tokens)
+                stored = [kv_cache.continues_stored(self.kv_store, r.prompt, len(prefix_tokens)) for r, _ in taken]
+                return [self._admitted(lean, step, [row for row, s in zip(taken, stored) if s == kind], rows, prompts,
+                                       sampler, call, len(prefix_tokens))
+                        for kind in (True, False) if kind in stored]
 
             max_tokens_R = [r.params.max_tokens for r, _ in rows]
             results = decode(self.model, cache, input_ids, attention_mask, sampler, max_tokens_R, stop_ids,
@@ -487,23 +490,40 @@ class LocalSamplingClient:
         self.prompt_tokens += sum(len(p) for p in prompts)
         self.sampled_tokens += sum(min(len(t), r.params.max_tokens) for (t, _), (r, _) in zip(results, rows))
 
-    def _take(self, waiting: collections.deque, running: int, capacity: int, shared: int,
-              prefix: tuple[int, ...]) -> list[Row]:
-        """Rows from the head of ``waiting`` that can decode beside ``running`` rows whose
+    def _admitted(self, lean: lean_decode.DecodeWeights, step: lean_decode.LeanCache, taken: list[Row],
+                  rows: list[Row], prompts: list[tuple[int, ...]], sampler: decoding.RowSampler, call: int,
+                  keep: int) -> Admitted:
+        """``taken`` (all continuing stored turns, or none) prefilled against the running
+        loop's shared prefix (its first ``keep`` tokens), numbered after ``rows``."""
+        new_prompts = [r.prompt for r, _ in taken]
+        start, ids, mask, saved = kv_cache.admitted_layout(self.kv_store, new_prompts, keep, tuple(step.prefix),
+                                                           self.tokenizer.pad_token_id, self.model.device)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        budgets = [r.params.max_tokens for r, _ in taken]
+        new, logits_B = lean_decode.LeanCache.prefill(lean, start, ids, mask, positions, max(budgets))
+        sampler.generators_R += decoding.row_generators(self._row_seeds(call, rows + taken)[len(rows):],
+                                                        self.model.device)
+        rows.extend(taken)
+        prompts.extend(new_prompts)
+        self.kv_reused_tokens += saved
+        self.prefix_cached_tokens += keep * len(taken)
+        return Admitted(new, logits_B, list(mask), budgets, positions[:, -1] + 1)
+
+    def _take(self, stream: _Stream, running: int, capacity: int, shared: int, prefix: tuple[int, ...]) -> list[Row]:
+        """Rows from the head of ``stream`` that can decode beside ``running`` rows whose
         own columns have room for ``capacity``: at most ``max_rows`` in all, their KV within
         ``batch_kv_bytes`` (the first row always, when nothing runs), each starting with
         ``prefix`` (the loop's shared prefix, ``shared`` tokens; none yet at the start)."""
         taken: list[Row] = []
-        while waiting and running + len(taken) < self.max_rows:
-            request, _ = waiting[0]
-            if request.prompt[:len(prefix)] != prefix:
+        while (head := stream.head()) is not None and running + len(taken) < self.max_rows:
+            queue, row = head
+            if row[0].prompt[:len(prefix)] != prefix:
                 break
-            own = max([capacity] + [len(r.prompt) - shared + r.params.max_tokens
-                                    for r, _ in taken + [waiting[0]]])
+            own = max([capacity] + [len(r.prompt) - shared + r.params.max_tokens for r, _ in taken + [row]])
             kv = ((running + len(taken) + 1) * own + shared) * self.kv_bytes_per_token
             if 0 < self.batch_kv_bytes < kv and (running or taken):
                 break
-            taken.append(waiting.popleft())
+            taken.append(queue.popleft())  # the row peeked at: only this thread takes from the left
         return taken
 
     def _row_seeds(self, call: int, rows: list[Row]) -> list[int]:
