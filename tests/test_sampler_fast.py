@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import sys
 import threading
 
 import pytest
@@ -409,21 +410,11 @@ def test_a_requests_samples_are_prefilled_once_and_sample_what_every_row_prefill
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("evicted", [False, True], ids=["stored", "some-evicted"])
-def test_next_turns_join_a_running_batch_and_sample_what_batches_in_turn_sample(tiny_model, monkeypatch, evicted):
+def test_next_turns_join_a_running_batch_and_sample_what_batches_in_turn_sample(tiny_model):
     """Batched continuously, a trajectory's next turn joins the loop its first turn ran in
     while other rows still decode (rows of other lengths: the loop's columns are padded in
-    front of the shorter ones), starting from its stored KV — or, for turns whose stored KV
-    is gone (``evicted``: every other trajectory's), prefilled whole beside them — and
-    every turn samples what the chunked batches sample, with logprobs within 1e-4 of the
-    model's own forward."""
-    from retool.engines.local import kv_cache
-
-    if evicted:
-        real_continues = kv_cache.continues_stored
-        monkeypatch.setattr(kv_cache, "continues_stored",
-                            lambda store, prompt, keep: prompt[len(SYSTEM)] % 2 == 0
-                            and real_continues(store, prompt, keep))
+    front of the shorter ones), starting from its stored KV, and every turn samples what
+    the chunked batches sample, with logprobs within 1e-4 of the model's own forward."""
     params = [base.SamplingParams(max_tokens=6 + 5 * (i % 3), temperature=1.0, stop_token_ids=STOPS, seed=i)
               for i in range(6)]
     prompts = [SYSTEM + [10 + i] * (1 + 3 * (i % 3) + 20 * (i >= 4)) for i in range(6)]  # the last two long
@@ -462,6 +453,83 @@ def test_next_turns_join_a_running_batch_and_sample_what_batches_in_turn_sample(
         for prompt, seq in ((prompts[i], first), (prompts[i] + list(first.tokens) + [30, 31, 32], second)):
             want = teacher_forced_logprobs(continuous, prompt, seq.tokens, 1.0)
             assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4)
+
+
+def test_an_admission_keeps_rows_whose_stored_turns_were_evicted_apart(tiny_model, monkeypatch):
+    """Four trajectories' second turns join a running loop together, two of them after the
+    KV store's own LRU evicted their first turns (its budget lowered). The two that
+    continue their stored turns are admitted together from that KV; the evicted two, which
+    continue only the loop's shared prefix, are prefilled whole after it in an admission
+    of their own (laid out together, every row would prefill as many new columns as the
+    longest); every turn samples what the chunked batches sample, with logprobs within
+    1e-4 of the model's own forward."""
+    from retool.engines.local import kv_cache
+
+    sampler_module = sys.modules[LocalSamplingClient.__module__]  # the package's name `sampler` is a function
+    params = [base.SamplingParams(max_tokens=6 + 3 * i, temperature=1.0, stop_token_ids=STOPS, seed=i)
+              for i in range(4)]
+    prompts = [SYSTEM + [10 + i] * (2 + 5 * i) for i in range(4)]
+    fillers = [SYSTEM + [40], SYSTEM + [41]]  # a loop whose shared prefix is SYSTEM, done after one token
+    filler_params = base.SamplingParams(max_tokens=1, temperature=1.0, stop_token_ids=STOPS, seed=9)
+    admissions: list[tuple[list[int], bool]] = []  # (trajectories, from their stored turns) per admitted batch
+    real_layout = kv_cache.admitted_layout
+
+    def layout(store, rows, hits, *rest):
+        admissions.append(([p[len(SYSTEM)] - 10 for p in rows], hits is not None))
+        return real_layout(store, rows, hits, *rest)
+
+    monkeypatch.setattr(kv_cache, "admitted_layout", layout)
+    armed, started, joined = threading.Event(), threading.Event(), threading.Event()
+    real_decode = sampler_module.decode
+
+    def gated_decode(*args, admit=None, **kwargs):  # the fillers' first admission waits for the second turns
+        def gated(step, running):
+            if armed.is_set() and not started.is_set():
+                started.set()
+                assert joined.wait(30)
+            return admit(step, running)
+        return real_decode(*args, admit=gated if admit is not None else None, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "decode", gated_decode)
+
+    def run(client: LocalTrainingClient, continuous: bool) -> list[base.SampledSequence]:
+        async def first_turns():
+            return [r.sequences[0] for r in await asyncio.gather(
+                *(client.sampler.sample(p, 1, q) for p, q in zip(prompts, params)))]
+        firsts = asyncio.run(first_turns())
+        seconds = [p + list(f.tokens) + [30, 31, 32] for p, f in zip(prompts, firsts)]
+        store = client.sampler.kv_store
+        hits = [store.lookup(tuple(p)) for p in (seconds[1], seconds[3], seconds[0], seconds[2])]  # 1, 3 least recent
+        assert all(n > len(SYSTEM) for n, _ in hits)  # every first turn stored
+        evicted = [key for _, key in hits[:2]]
+        room = 2 * kv_cache.kv_bytes_per_token(client.model)  # the fillers' one-token turns, stored after them
+        client.sampler.kv_cache_bytes = store.size - sum(kv_cache.nbytes(store.entries[k].tail) for k in evicted) + room
+        assert set(evicted).isdisjoint(store.entries) and {key for _, key in hits[2:]} <= set(store.entries)
+        assert tuple(SYSTEM) in store.entries  # the shared prefix they still continue
+
+        async def second_turns():
+            armed.set()
+            loop_rows = asyncio.gather(*(client.sampler.sample(f, 1, filler_params) for f in fillers))
+            if continuous:
+                await asyncio.to_thread(started.wait, 30)
+            else:
+                await loop_rows
+            turns = [asyncio.ensure_future(client.sampler.sample(p, 1, dataclasses.replace(q, seed=100 + i)))
+                     for i, (p, q) in enumerate(zip(seconds, params))]
+            await asyncio.sleep(0.05)  # every second turn queued before the loop takes any
+            joined.set()
+            await loop_rows
+            return [r.sequences[0] for r in await asyncio.gather(*turns)]
+        return firsts, seconds, asyncio.run(second_turns())
+
+    continuous = engine(tiny_model, "lean", max_sample_rows=8)
+    got = run(continuous, True)
+    assert sorted(admissions) == [([0, 2], True), ([1, 3], False)]  # one take, split by what each row continues
+    expected = run(engine(tiny_model, "lean", max_sample_rows=8, continuous_batching=False), False)
+    assert [s.tokens for s in got[0] + got[2]] == [s.tokens for s in expected[0] + expected[2]]
+    for prompt, seq in zip(got[1], got[2]):
+        want = teacher_forced_logprobs(continuous, prompt, seq.tokens, 1.0)
+        assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4)
 
 
 def test_a_continuous_batch_shares_only_the_prefix_every_waiting_row_has(tiny_model):

@@ -67,6 +67,11 @@ class KVStore:
         self.entries: OrderedDict[tuple[int, ...], StoredKV] = OrderedDict()
         self.size = 0
 
+    def resize(self, budget_bytes: int) -> None:
+        """Set the budget, evicting least recently used entries down to it now."""
+        self.budget_bytes = budget_bytes
+        self._evict()
+
     def clear(self) -> None:
         self.entries.clear()
         self.size = 0
@@ -298,22 +303,28 @@ def restored_layout(store: KVStore, prompts: list[tuple[int, ...]], shared: int,
     return Restored(prefix, rows, width), ids, mask, sum(reused_R)
 
 
-def continues_stored(store: KVStore, prompt: tuple[int, ...], keep: int) -> bool:
-    """Whether ``prompt`` continues a stored sequence beyond its first ``keep`` tokens (and
-    at least :data:`MIN_SHARED_PREFIX`): :func:`admitted_layout` can start it from there."""
+def stored_hit(store: KVStore, prompt: tuple[int, ...], keep: int) -> tuple[int, tuple[int, ...]] | None:
+    """The stored sequence ``prompt`` continues beyond its first ``keep`` tokens (the
+    running loop's shared prefix; and at least :data:`MIN_SHARED_PREFIX` tokens), as
+    :meth:`KVStore.lookup` gives it, else ``None``. A row whose own earlier turn was
+    evicted still continues the stored prefix, but only that: it gets ``None`` and is
+    prefilled whole after the prefix, not laid out beside rows that reuse their turns
+    (an admission's new columns are its longest row's)."""
     hit = store.lookup(prompt) if store.budget_bytes and store.entries else None
-    return hit is not None and hit[0] >= max(keep, MIN_SHARED_PREFIX)
+    return hit if hit is not None and hit[0] > max(keep, MIN_SHARED_PREFIX - 1) else None
 
 
-def admitted_layout(store: KVStore, prompts: list[tuple[int, ...]], keep: int, prefix: KV, pad_id: int,
-                    device: Any) -> tuple[Restored, Any, Any, int]:
+def admitted_layout(store: KVStore, prompts: list[tuple[int, ...]], hits: list[tuple[int, tuple[int, ...]]] | None,
+                    keep: int, prefix: KV, pad_id: int, device: Any) -> tuple[Restored, Any, Any, int]:
     """:class:`Restored` KV, ids, mask and reused token count for rows that join a running
     lean decode loop whose shared prefix is their first ``keep`` tokens (its KV:
-    ``prefix``): rows that all continue stored sequences at least that long start from
-    their stored KV after it (laid out as :func:`restored_layout`), else every row is
-    prefilled after the prefix (:func:`left_pad`)."""
-    if all(continues_stored(store, p, keep) for p in prompts):
-        hits = [store.lookup(p) for p in prompts]
+    ``prefix``). With ``hits`` (every row's :func:`stored_hit`, looked up once by the
+    caller, none missing) the rows start from their stored KV after the prefix (laid out
+    as :func:`restored_layout`); without, every row is prefilled after the prefix
+    (:func:`left_pad`)."""
+    if hits is not None:
+        if len(hits) != len(prompts) or any(h is None for h in hits):
+            raise ValueError("admitted_layout: every row needs its stored hit (or pass hits=None)")
         reused_R = [n for n, _ in hits]
         width = max(reused_R) - keep
         ids, mask = _stored_ids(prompts, reused_R, keep, pad_id, device)

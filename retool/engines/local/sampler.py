@@ -255,7 +255,7 @@ class LocalSamplingClient:
 
     @kv_cache_bytes.setter
     def kv_cache_bytes(self, value: int) -> None:
-        self.kv_store.budget_bytes = value
+        self.kv_store.resize(value)
 
     def clear_kv_cache(self) -> None:
         """Forget every stored KV cache and the lean step's merged weights (they belong to
@@ -472,10 +472,13 @@ class LocalSamplingClient:
                 if any(queue.pending for other, queue in list(self._queues.items()) if other is not loop):
                     return []
                 taken = self._take(stream, running, step.capacity, len(prefix_tokens), prefix_tokens)
-                stored = [kv_cache.continues_stored(self.kv_store, r.prompt, len(prefix_tokens)) for r, _ in taken]
-                return [self._admitted(lean, step, [row for row, s in zip(taken, stored) if s == kind], rows, prompts,
-                                       sampler, call, len(prefix_tokens))
-                        for kind in (True, False) if kind in stored]
+                hits = [kv_cache.stored_hit(self.kv_store, r.prompt, len(prefix_tokens)) for r, _ in taken]
+                stored = [(row, hit) for row, hit in zip(taken, hits) if hit is not None]
+                whole = [row for row, hit in zip(taken, hits) if hit is None]
+                admissions = [([row for row, _ in stored], [hit for _, hit in stored])] if stored else []
+                admissions += [(whole, None)] if whole else []
+                return [self._admitted(lean, step, these, these_hits, rows, prompts, sampler, call, len(prefix_tokens))
+                        for these, these_hits in admissions]
 
             max_tokens_R = [r.params.max_tokens for r, _ in rows]
             results = decode(self.model, cache, input_ids, attention_mask, sampler, max_tokens_R, stop_ids,
@@ -491,12 +494,13 @@ class LocalSamplingClient:
         self.sampled_tokens += sum(min(len(t), r.params.max_tokens) for (t, _), (r, _) in zip(results, rows))
 
     def _admitted(self, lean: lean_decode.DecodeWeights, step: lean_decode.LeanCache, taken: list[Row],
-                  rows: list[Row], prompts: list[tuple[int, ...]], sampler: decoding.RowSampler, call: int,
-                  keep: int) -> Admitted:
-        """``taken`` (all continuing stored turns, or none) prefilled against the running
-        loop's shared prefix (its first ``keep`` tokens), numbered after ``rows``."""
+                  hits: list[tuple[int, tuple[int, ...]]] | None, rows: list[Row], prompts: list[tuple[int, ...]],
+                  sampler: decoding.RowSampler, call: int, keep: int) -> Admitted:
+        """``taken`` prefilled against the running loop's shared prefix (its first ``keep``
+        tokens), numbered after ``rows``: from each row's stored KV (``hits``, one
+        :func:`kv_cache.stored_hit` a row), or whole after the prefix (``hits`` ``None``)."""
         new_prompts = [r.prompt for r, _ in taken]
-        start, ids, mask, saved = kv_cache.admitted_layout(self.kv_store, new_prompts, keep, tuple(step.prefix),
+        start, ids, mask, saved = kv_cache.admitted_layout(self.kv_store, new_prompts, hits, keep, tuple(step.prefix),
                                                            self.tokenizer.pad_token_id, self.model.device)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         budgets = [r.params.max_tokens for r, _ in taken]
