@@ -433,19 +433,26 @@ def test_next_turns_join_a_running_batch_and_sample_what_batches_in_turn_sample(
     from retool.engines.local import lean_decode
 
     fronts: list[tuple[int, int]] = []
-    real_admit = lean_decode.LeanCache.admit
+    real_admit, real_keep = lean_decode.LeanCache.admit, lean_decode.LeanCache.keep_rows
+    dropped: list[int] = []
 
     def admit(cache, other):
         fronts.append(real_admit(cache, other))
         return fronts[-1]
 
+    def keep_rows(cache, index, trim_front=False):
+        dropped.append(real_keep(cache, index, trim_front))
+        return dropped[-1]
+
     continuous = engine(tiny_model, "lean", max_sample_rows=4)
     chunked = engine(tiny_model, "lean", max_sample_rows=4, continuous_batching=False)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(lean_decode.LeanCache, "admit", admit)
+        patch.setattr(lean_decode.LeanCache, "keep_rows", keep_rows)
         got = run(continuous)
     expected = run(chunked)
     assert any(mine for mine, _ in fronts) and any(theirs for _, theirs in fronts)  # both sides got front columns
+    assert any(dropped)  # front columns no kept row used went once the rows they lined up with had left
     assert [(a.tokens, b.tokens) for a, b in got] == [(a.tokens, b.tokens) for a, b in expected]
     assert continuous.sampler.calls < chunked.sampler.calls  # turns joined a running loop
     assert continuous.sampler.kv_reused_tokens > 0  # second turns started from their stored first turns

@@ -146,10 +146,13 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
         if can_drop and done_B and (new or len(done_B) >= DROP_SHARE * len(live)):
             keep = torch.tensor([b for b, row in enumerate(live) if row not in finished], device=chosen_B.device,
                                 dtype=torch.long)
-            step.keep_rows(keep)
+            dropped = step.keep_rows(keep, trim_front=True)
             if TRIM_IN_DECODE:
                 memory.release_free_memory()  # the larger KV buffers the kept rows were copied out of
             live = [live[b] for b in keep.tolist()]
+            if dropped:
+                kept = set(live)
+                masks = [_without_front(m, prefix_len, dropped) if r in kept else m for r, m in enumerate(masks)]
             chosen_B, next_positions = chosen_B[keep], next_positions[keep]
         if live:
             logits_B = step.step(chosen_B, next_positions)
@@ -176,6 +179,11 @@ def _after_prefix(mask: Any, prefix_len: int, columns: int) -> Any:
     return torch.cat([mask[:prefix_len], mask.new_zeros(columns), mask[prefix_len:]])
 
 
+def _without_front(mask: Any, prefix_len: int, columns: int) -> Any:
+    """``mask`` without the ``columns`` (masked) columns after its first ``prefix_len``."""
+    return torch.cat([mask[:prefix_len], mask[prefix_len + columns:]])
+
+
 class _HFSteps:
     """Decode steps through the model's own forward pass and its HF cache."""
 
@@ -189,9 +197,11 @@ class _HFSteps:
         self.cache = hf_compat.cache_of(out)
         return out.logits[:, -1]
 
-    def keep_rows(self, index: Any) -> None:
+    def keep_rows(self, index: Any, trim_front: bool = False) -> int:
+        """Keep only the batch rows ``index``; HF caches keep their columns (0 dropped)."""
         hf_compat.keep_rows(self.cache, index)
         self.mask = self.mask[index]
+        return 0
 
     def row_kv(self, row: int) -> KV:
         return hf_compat.row_kv(self.cache, row)

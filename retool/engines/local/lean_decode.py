@@ -516,12 +516,24 @@ class LeanCache:
         self.width = max(self.width, other.width)
         return front_self, front_other
 
-    def keep_rows(self, index: Any) -> None:
+    def keep_rows(self, index: Any, trim_front: bool = False) -> int:
         """Keep only the batch rows ``index`` (layer by layer, so that the old and the new
-        buffers of one layer, not of all, are alive at once)."""
+        buffers of one layer, not of all, are alive at once). With ``trim_front``, also drop
+        the leading own columns that none of the kept rows uses: the masked columns rows got
+        in front of theirs to line up with rows that have since left. Without it a
+        continuous loop's columns would only grow — every row would hold, and attend over,
+        every column since the loop began. Returns how many columns were dropped (each kept
+        row's prompt mask loses as many after the shared prefix)."""
+        bias = self.bias[index]
+        first = 0
+        if trim_front:
+            used = torch.isfinite(bias[:, :self.width]).any(0).nonzero()
+            first = int(used[0]) if len(used) else 0
         for layer, (k, v) in enumerate(self.own):
-            self.own[layer] = (k[:, index], v[:, index])
-        self.bias = self.bias[index]
+            self.own[layer] = (k[:, index, first:], v[:, index, first:])
+        self.bias = bias[:, first:]
+        self.width -= first
+        return first
 
     def row_kv(self, row: int) -> KV:
         """Per layer ``(keys, values)`` of batch row ``row`` over every column so far (prefix
