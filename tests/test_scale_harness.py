@@ -218,11 +218,24 @@ def test_a_tokenizer_setting_must_be_a_folder(tmp_path):
                                             (["--steps", "200", "--stream-groups"], "add --no-kill"),
                                             (["--max-staleness", "-1"], "must be >= 0"),
                                             (["--engine", "vllm", "--steps", "4", "--max-staleness", "1", "2"],
-                                             "compares one --max-staleness K")])
+                                             "compares one --max-staleness K"),
+                                            (["--engine", "vllm", "--steps", "3", "--max-staleness", "2"],
+                                             "--steps >= K + 2")])
 def test_bad_bench_flags_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         scale.parse_args(flags)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_vllm_comparison_counts_neither_the_first_step_nor_the_last_k():
+    """Step 1 of a run sampling K ahead also starts step 2's rollout, and its last K steps only
+    train: the steps/hour of both modes come from steps 2 .. N - K, the same ones."""
+    lagged = [{"step": 1, "time/step": 25.0}, {"step": 2, "time/step": 17.0}, {"step": 3, "time/step": 16.0},
+              {"step": 4, "time/step": 4.0}]
+    assert [r["step"] for r in scale.steady_rows(lagged, 1)] == [2, 3]
+    assert [r["step"] for r in scale.steady_rows(lagged, 2)] == [2]
+    assert [r["step"] for r in scale.steady_rows(lagged, 0)] == [2, 3, 4]
+    assert scale.steady_rows([], 1) == []
 
 
 def test_several_lags_are_compared_in_one_run():
