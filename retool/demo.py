@@ -164,6 +164,10 @@ class DemoConfig:
                                             "sampler's weight and KV memory, faster on a CPU with native bf16; "
                                             "auto = bf16 where the CPU has it (avx512_bf16/AMX); training has "
                                             "its own --train-precision", choices=("fp32", "bf16", "auto"))
+    eval_batch_kv_mb: int = option(256, "most memory the evals' running decode loop may hold in KV "
+                                        "(--local-batch-kv-mb of retool eval; 0 = no bound): the peak of the demo's "
+                                        "evals follows it; 256 instead of retool eval's 512 took the eval after SFT "
+                                        "from 2.95 to 2.41 GiB, about a tenth slower (docs/demo.md)")
     rl_spill_base: bool = option(True, "during RL rollouts, move the trainer's frozen layer matrices to a "
                                        "temporary file while the sampler decodes from its merged copy, and read "
                                        "them back for training (--local-spill-base of retool train: the same "
@@ -179,6 +183,7 @@ class DemoConfig:
         require(self.logprob_chunk_tokens >= 0, f"logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}")
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
+        require(self.eval_batch_kv_mb >= 0, f"eval_batch_kv_mb must be >= 0, got {self.eval_batch_kv_mb}")
         require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
         LocalSettings(precision=self.sampler_precision).validate()
         try:
@@ -259,7 +264,7 @@ def run_eval(cfg: DemoConfig, out: Path, test_path: Path, label: str, checkpoint
         max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, seed=cfg.seed,
         interpreter=cfg.interpreter, sandbox_workers=4, concurrency=problems, device=cfg.device, dtype=cfg.dtype,
-        local=LocalSettings(precision=cfg.sampler_precision),
+        local=LocalSettings(precision=cfg.sampler_precision, batch_kv_mb=cfg.eval_batch_kv_mb),
         limit=problems if problems < cfg.eval_problems else None, output=str(eval_path(out, label)))
     return evaluate(eval_cfg).summary
 

@@ -162,8 +162,8 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
                                              "logprobs of a fixed probe equal the trainer's and moved with it "
                                              "(retool/weight_sync.py; 0 = off)")
     weight_sync_tolerance: float | None = option(None, "max |sampler - trainer logprob| the check allows; none = "
-                                                       "the engine's (1e-3 in float32, 0.1 in bfloat16, 1.0 "
-                                                       "with a bf16 sampler on float32 weights, 0.25 on a service)")
+                                                       "the engine's (1e-3 in float32, 1.0 in bfloat16 or with "
+                                                       "a bf16 sampler on float32 weights, 0.25 on a service)")
 
     def validate(self) -> None:
         self.validate_settings()

@@ -170,6 +170,9 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
             live += list(range(first, len(results)))
             logits_B = torch.cat([logits_B, part.logits_B])
             next_positions = torch.cat([next_positions, part.next_positions])
+        if new and TRIM_IN_DECODE:
+            del part
+            memory.release_free_memory()  # the admitted rows' prefill and the KV buffers their columns were copied out of
 
 
 def _after_prefix(mask: Any, prefix_len: int, columns: int) -> Any:
