@@ -27,12 +27,13 @@ the gain exceeds two standard errors), so the reader can judge what RL bought. I
 gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
 ones that teach — as "N of M groups informative".
 
-Measured at these defaults on the idle 2-core machine, bf16 chosen by ``auto`` (its CPU has
-avx512_bf16; docs/demo.md records every seed run; seeds 42, 1, 2, 3 were named
-beforehand): seed 42, 29.3 minutes on a slow day (15.7 on a fast one), after SFT 76.0 % →
-after RL 89.1 %, RL's gain +13.0 points at paired s.e. 3.3 (z 3.91, beyond two standard
-errors), 23 of 30 RL groups informative, peak memory 3.01 GiB for the process tree;
-seed 1 +8.3 points (s.e. 3.1, z 2.68); seed 2 +9.4 (3.5, z 2.68); seed 3, whose cold start
+Measured at these defaults on 2 idle cores of an Intel Xeon with AVX-512 and AMX, bf16
+chosen by ``auto`` (docs/demo.md records every seed run; seeds 42, 1, 2, 3 were named
+beforehand): seed 42 at 94b6e01, 20.3 minutes, after SFT 71.9 % → after RL 87.5 %, RL's
+gain +15.6 points at paired s.e. 3.6 (z 4.37, beyond two standard errors), 24 of 28 RL
+groups informative, peak memory 2.61 GiB for the process tree (with the evals' loop KV at
+512 MB: 18.8 minutes, 3.13 GiB). On an AMD EPYC with avx512_bf16 at earlier commits:
+seed 42 +13.0 points (z 3.91) in 15.7–29.3 minutes by the day; seed 1 +8.3 points (s.e. 3.1, z 2.68); seed 2 +9.4 (3.5, z 2.68); seed 3, whose cold start
 is the weakest (68.8 %), +7.3 (4.1, z 1.77: within the noise). On two cores without native
 bf16 (AVX2 only), where ``auto`` runs fp32: seed 42, 48.5 minutes, 74.0 % → 82.8 %, +8.9
 points at s.e. 2.3 (z 3.78), 24 of 35 groups informative, peak 3.07 GiB; seed 3, 43.8
