@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.steady import steady_rows  # noqa: E402
 from retool.config import make_config  # noqa: E402
 from retool.demo import DemoConfig, make_data, run_rl, run_sft  # noqa: E402
+from retool.log import read_metrics  # noqa: E402
 
 
 def machine() -> str:
@@ -53,8 +54,7 @@ def machine() -> str:
 def run_figures(run_dir: Path, max_staleness: int) -> dict[str, float]:
     """Mean seconds per step, rollout, training and rollout wait over steps ``2 .. N - K``
     of one run (:func:`steady_rows`), and the sum of every step's time."""
-    every = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    every = [r for r in every if "time/step" in r]
+    every = [r for r in read_metrics(run_dir / "metrics.jsonl") if "time/step" in r]
     rows = steady_rows(every, max_staleness)
 
     def mean(key: str, fallback: str | None = None) -> float:
@@ -114,9 +114,10 @@ def main() -> int:
             bound = (s_roll + s_train) / max(s_roll, s_train, 1e-9)
             line += f": {s_step / step:.2f}x the synchronous steps/hour (bound with full overlap {bound:.2f}x)"
         print(line, flush=True)
-    print(f"machine at the end: {machine()}")
+    at_end = machine()
+    print(f"machine at the end: {at_end}")
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "runs": runs}, indent=1))
+        args.json.write_text(json.dumps({"machine": at_end, "runs": runs}, indent=1))
     return 0
 
 

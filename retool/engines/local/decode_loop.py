@@ -58,9 +58,10 @@ the HF cache's layout), whose prompt columns the mask marks (the rest: one per s
 
 
 TRIM_IN_DECODE = True
-"""Hand freed memory back to the system after the prefill and after rows are dropped (their
-KV buffers are copied into smaller ones), not only after the batch (the sampler's own
-trim): what glibc kept from them otherwise stayed resident under the batch's steps."""
+"""Hand freed memory back to the system after the prefill and, once per step, after rows are
+dropped or admitted (their KV buffers are copied into new ones), not only after the batch
+(the sampler's own trim, which a continuous loop never reaches): what glibc kept from them
+otherwise stayed resident under the batch's steps."""
 
 
 @dataclass
@@ -143,12 +144,11 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
             else []
         if not running and not new:
             return results
-        if can_drop and done_B and (new or len(done_B) >= DROP_SHARE * len(live)):
+        copied = bool(can_drop and done_B and (new or len(done_B) >= DROP_SHARE * len(live)))
+        if copied:
             keep = torch.tensor([b for b, row in enumerate(live) if row not in finished], device=chosen_B.device,
                                 dtype=torch.long)
             dropped = step.keep_rows(keep, trim_front=True)
-            if TRIM_IN_DECODE:
-                memory.release_free_memory()  # the larger KV buffers the kept rows were copied out of
             live = [live[b] for b in keep.tolist()]
             if dropped:
                 kept = set(live)
@@ -170,9 +170,10 @@ def decode(model: Any, cache: Any, input_ids: Any, attention_mask: Any, sampler:
             live += list(range(first, len(results)))
             logits_B = torch.cat([logits_B, part.logits_B])
             next_positions = torch.cat([next_positions, part.next_positions])
-        if new and TRIM_IN_DECODE:
-            del part
-            memory.release_free_memory()  # the admitted rows' prefill and the KV buffers their columns were copied out of
+        if TRIM_IN_DECODE and (copied or new):
+            # once per iteration: the larger KV buffers the kept rows were copied out of, the
+            # admitted rows' prefill and the buffers their columns were copied out of
+            memory.release_free_memory()
 
 
 def _after_prefix(mask: Any, prefix_len: int, columns: int) -> Any:
