@@ -354,6 +354,100 @@ def rl_rollouts(rl_dir: Path) -> RolloutShare | None:
     return RolloutShare(len(rows), sum(groups), sum(round(g * rate) for g, rate in zip(groups, rates)))
 
 
+@dataclass(frozen=True)
+class Rate:
+    """``hits`` of ``total`` (trajectories with a ``\\boxed{}`` answer, or valid call attempts)."""
+
+    hits: int
+    total: int
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.total if self.total else float("nan")
+
+
+@dataclass(frozen=True)
+class EndOfRL:
+    """The RL stage's format and valid-call rates on its first steps against its last ones
+    (two each; one each in a run of two or three steps), pooled over every trajectory rolled
+    out in them, refills included: is the end of RL worse than its start? Rates of a few
+    dozen samples move by several points from sampling alone, so each difference comes with
+    its standard error (two independent proportions) and a verdict; the held-out evals'
+    paired comparison (format and ``valid_tool_call_rate`` after RL against after SFT) is
+    the larger sample."""
+
+    steps: tuple[int, int]
+    first_format: Rate
+    last_format: Rate
+    first_valid: Rate
+    last_valid: Rate
+
+    @staticmethod
+    def difference(first: Rate, last: Rate) -> tuple[float, float]:
+        """``last − first`` and its standard error."""
+        if not first.total or not last.total:
+            return float("nan"), float("nan")
+        p, q = first.value, last.value
+        return q - p, (p * (1 - p) / first.total + q * (1 - q) / last.total) ** 0.5
+
+    @classmethod
+    def verdict(cls, first: Rate, last: Rate) -> str:
+        diff, stderr = cls.difference(first, last)
+        if diff != diff:
+            return "not measured"
+        if diff >= 0:
+            return "no lower"
+        return "lower, within 2 s.e. (noise)" if -diff <= 2 * stderr else "lower by more than 2 s.e."
+
+    def sentence(self) -> str:
+        first, last = self.steps
+        parts = []
+        for name, a, b in (("format", self.first_format, self.last_format),
+                           ("valid calls", self.first_valid, self.last_valid)):
+            diff, stderr = self.difference(a, b)
+            change = "" if diff != diff else f", {100 * diff:+.1f} pts, s.e. {100 * stderr:.1f}"
+            parts.append(f"{name} {a.value:.0%} of {a.total} → {b.value:.0%} of {b.total}{change}: "
+                         f"{self.verdict(a, b)}")
+        return f"End of RL (first {first} steps → last {last}, rollouts pooled): " + "; ".join(parts)
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"steps_compared": list(self.steps)}
+        for name, a, b in (("format", self.first_format, self.last_format),
+                           ("valid_tool_call_rate", self.first_valid, self.last_valid)):
+            diff, stderr = self.difference(a, b)
+            out[name] = {"first": [a.hits, a.total], "last": [b.hits, b.total], "difference": diff,
+                         "stderr": stderr, "verdict": self.verdict(a, b)}
+        return out
+
+
+def rl_end(rl_dir: Path) -> EndOfRL | None:
+    """:class:`EndOfRL` of an RL run folder (``None`` before two steps are logged). The
+    counts come back from each step's rates: ``rollout/groups`` × the run's group size
+    trajectories, ``rollout/tool_call_attempts`` call attempts per trajectory."""
+    rl_dir = Path(rl_dir)
+    rows = {r["step"]: r for r in read_metrics(rl_dir / "metrics.jsonl")}  # a resumed step: its last row
+    config = rl_dir / "config.json"
+    if len(rows) < 2 or not config.is_file():
+        return None
+    group_size = int(json.loads(config.read_text())["group_size"])
+    ordered = [rows[step] for step in sorted(rows)]
+    k = min(2, len(ordered) // 2)
+
+    def pooled(chosen: list[dict]) -> tuple[Rate, Rate]:
+        fmt_hits = fmt_total = valid_hits = valid_total = 0
+        for row in chosen:
+            n = round(row["rollout/groups"]) * group_size
+            calls = round(row["rollout/tool_call_attempts"] * n)
+            fmt_hits += round(row["reward/format"] * n)
+            fmt_total += n
+            valid_hits += round(row["rollout/valid_tool_call_rate"] * calls)
+            valid_total += calls
+        return Rate(fmt_hits, fmt_total), Rate(valid_hits, valid_total)
+
+    (first_format, first_valid), (last_format, last_valid) = pooled(ordered[:k]), pooled(ordered[-k:])
+    return EndOfRL((k, k), first_format, last_format, first_valid, last_valid)
+
+
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,
            memory: PeakRSS | None = None, stage_seconds: dict[str, float] | None = None) -> list[Path]:
     """Plots, the HTML viewer and the summary files (with the process tree's peak memory:
@@ -379,9 +473,13 @@ def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: 
     rollouts = rl_rollouts(rl_dir)
     if rollouts is not None:
         summary["rl_rollouts"] = rollouts.to_json()
+    end = rl_end(rl_dir)
+    if end is not None:
+        summary["rl_end"] = end.to_json()
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "summary.md", summary_markdown(summaries, gain, quick=cfg.quick,
-                                                           interpreter=cfg.interpreter, rollouts=rollouts))
+                                                           interpreter=cfg.interpreter, rollouts=rollouts,
+                                                           end=end))
     return written
 
 
@@ -402,7 +500,8 @@ QUICK_NOTE = "--quick is a smoke run of every stage: far too small to show learn
 
 
 def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, quick: bool = False,
-                     interpreter: str = "stateless", rollouts: RolloutShare | None = None) -> str:
+                     interpreter: str = "stateless", rollouts: RolloutShare | None = None,
+                     end: EndOfRL | None = None) -> str:
     """The demo's tables as Markdown (the same numbers the console shows)."""
     rows = [STATEFUL_NOTE, ""] if interpreter == "stateful" else []
     rows += ["| stage | problems × k | accuracy (Average@k) | ± s.e. | Pass@k | format | used the tool | code calls |",
@@ -416,13 +515,16 @@ def summary_markdown(summaries: dict[str, EvalSummary], gain: Comparison, *, qui
              "differences, so each problem's difficulty cancels):", "", format_table(gain)]
     if rollouts is not None:
         rows += ["", rollouts.sentence() + "."]
+    if end is not None:
+        rows += ["", end.sentence() + "."]
     if quick:
         rows += ["", QUICK_NOTE]
     return "\n".join(rows) + "\n"
 
 
 def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, seconds: float,
-                quick: bool, interpreter: str = "stateless", rollouts: RolloutShare | None = None) -> None:
+                quick: bool, interpreter: str = "stateless", rollouts: RolloutShare | None = None,
+                end: EndOfRL | None = None) -> None:
     mode = "" if interpreter == "stateless" else f", {interpreter} interpreter"
     table = Table(title=f"retool demo — held-out arithmetic, tool on{mode} ({seconds / 60:.1f} min)")
     for column in ("stage", "problems × k", "accuracy", "± s.e.", "Pass@k", "format", "used the tool", "code calls"):
@@ -435,6 +537,8 @@ def print_table(summaries: dict[str, EvalSummary], gain: Comparison, out: Path, 
     console.print(gain_sentence(gain), markup=False)
     if rollouts is not None:
         console.print(rollouts.sentence(), markup=False)
+    if end is not None:
+        console.print(end.sentence(), markup=False)
     if quick:
         console.print(QUICK_NOTE, markup=False)
     console.print(f"output folder: {out}  (summary.md, plots/, view.html, sft/, rl/, eval/)", markup=False)
@@ -488,7 +592,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, EvalSummary]:
         summaries[STAGES[2]] = stage("eval after RL", run_eval, cfg, out, paths["test"], STAGES[2], rl_dir)
     gain = rl_gain(out)
     report(cfg, out, summaries, gain, rl_dir, memory, clock.seconds)
-    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir))
+    print_table(summaries, gain, out, time.monotonic() - start, cfg.quick, cfg.interpreter, rl_rollouts(rl_dir),
+                rl_end(rl_dir))
     print(clock.sentence())
     print(memory.sentence())
     return summaries

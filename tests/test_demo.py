@@ -65,6 +65,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     sentence = f"{rollouts['informative_groups']} of {rollouts['groups']} groups informative"
     assert sentence in printed and sentence in markdown
     assert json.loads((out / "rl" / "config.json").read_text())["curriculum"] == "difficulty"
+    assert "End of RL" not in printed  # one RL step in --quick: no first and last steps to compare
     rl_rows = (out / "rl" / "metrics.jsonl").read_text().splitlines()
 
     # Re-running resumes every stage: nothing is trained or sampled again.
@@ -187,6 +188,34 @@ def test_the_informative_share_counts_every_rolled_out_group(tmp_path):
     share = rl_rollouts(tmp_path)
     assert share == RolloutShare(steps=2, groups=8, informative=3) and share.share == 3 / 8
     assert share.sentence() == "RL rollouts: 3 of 8 groups informative (38%, mixed rewards) over 2 steps"
+
+
+def test_the_end_of_rl_compares_pooled_counts_of_the_first_and_last_steps(tmp_path):
+    from retool.demo import EndOfRL, Rate, rl_end
+
+    def row(step, groups, fmt, attempts, valid):
+        return {"step": step, "rollout/groups": groups, "reward/format": fmt,
+                "rollout/tool_call_attempts": attempts, "rollout/valid_tool_call_rate": valid}
+
+    (tmp_path / "config.json").write_text(json.dumps({"group_size": 8}))
+    rows = [row(1, 2, 12 / 16, 1.0, 1.0), row(2, 3, 1.0, 1.0, 1.0), row(3, 2, 0.5, 1.0, 0.5),
+            row(4, 2, 14 / 16, 1.0, 15 / 16), row(4, 2, 13 / 16, 1.0, 14 / 16),  # step 4 resumed: its last row
+            row(5, 2, 1.0, 1.5, 23 / 24)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    end = rl_end(tmp_path)
+    # steps 1-2: 16 + 24 trajectories; steps 4-5: 16 + 16 (step 3 is in neither)
+    assert end == EndOfRL((2, 2), Rate(36, 40), Rate(29, 32), Rate(40, 40), Rate(37, 40))
+    diff, stderr = EndOfRL.difference(end.first_valid, end.last_valid)
+    assert diff == pytest.approx(-0.075) and stderr == pytest.approx((0.925 * 0.075 / 40) ** 0.5)
+    assert EndOfRL.verdict(end.first_format, end.last_format) == "no lower"
+    assert EndOfRL.verdict(end.first_valid, end.last_valid) == "lower, within 2 s.e. (noise)"
+    assert EndOfRL.verdict(Rate(40, 40), Rate(30, 40)) == "lower by more than 2 s.e."
+    assert end.sentence() == ("End of RL (first 2 steps → last 2, rollouts pooled): format 90% of 40 → 91% of 32, "
+                              "+0.6 pts, s.e. 7.0: no lower; valid calls 100% of 40 → 92% of 40, -7.5 pts, s.e. 4.2: "
+                              "lower, within 2 s.e. (noise)")
+    assert end.to_json()["valid_tool_call_rate"]["first"] == [40, 40]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert rl_end(tmp_path) is None  # one step: nothing to compare
 
 
 def test_the_rl_stage_samples_ahead_with_rl_max_staleness(tmp_path, monkeypatch):
