@@ -32,7 +32,10 @@ chosen by ``auto`` (docs/demo.md records every seed run; seeds 42, 1, 2, 3 were 
 beforehand): seed 42 at 94b6e01, 20.3 minutes, after SFT 71.9 % → after RL 87.5 %, RL's
 gain +15.6 points at paired s.e. 3.6 (z 4.37, beyond two standard errors), 24 of 28 RL
 groups informative, peak memory 2.61 GiB for the process tree (with the evals' loop KV at
-512 MB: 18.8 minutes, 3.13 GiB). On an AMD EPYC with avx512_bf16 at earlier commits:
+512 MB: 18.8 minutes, 3.13 GiB); seed 3, 24.5 minutes, 66.7 % → 82.3 %, +15.6 (s.e. 3.9, z
+3.97); seed 1, 26.2 minutes, 75.0 % → 79.7 %, +4.7 (s.e. 3.5, z 1.35: within the noise); seed 2,
+24.2 minutes, 84.4 % → 89.6 %, +5.2 (s.e. 2.9, z 1.79: within the noise), peaks 2.60-2.67 GiB.
+On an AMD EPYC with avx512_bf16 at earlier commits:
 seed 42 +13.0 points (z 3.91) in 15.7–29.3 minutes by the day; seed 1 +8.3 points (s.e. 3.1, z 2.68); seed 2 +9.4 (3.5, z 2.68); seed 3, whose cold start
 is the weakest (68.8 %), +7.3 (4.1, z 1.77: within the noise). On two cores without native
 bf16 (AVX2 only), where ``auto`` runs fp32: seed 42, 48.5 minutes, 74.0 % → 82.8 %, +8.9
