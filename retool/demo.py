@@ -85,6 +85,7 @@ from retool.runs import latest_checkpoint
 from retool.serialize import to_jsonable
 from retool.sft import ConversationError, SFTConfig, sft
 from retool.stage_process import StageDied, in_own_process
+from retool.stats import proportion_difference
 from retool.train import TrainConfig, train
 from retool.weight_sync import WeightSyncError
 
@@ -372,14 +373,14 @@ class Rate:
 @dataclass(frozen=True)
 class EndOfRL:
     """The RL stage's format and valid-call rates on its first steps against its last ones
-    (two each; one each in a run of two or three steps), pooled over every trajectory rolled
-    out in them, refills included: is the end of RL worse than its start? Rates of a few
-    dozen samples move by several points from sampling alone, so each difference comes with
-    its standard error (two independent proportions) and a verdict; the held-out evals'
-    paired comparison (format and ``valid_tool_call_rate`` after RL against after SFT) is
-    the larger sample."""
+    (``steps`` each: two, or one in a run of two or three steps), pooled over every
+    trajectory rolled out in them, refills included: is the end of RL worse than its start?
+    Rates of a few dozen samples move by several points from sampling alone, so each
+    difference comes with its standard error (two independent proportions) and a verdict;
+    the held-out evals' paired comparison (format and ``valid_tool_call_rate`` after RL
+    against after SFT) is the larger sample."""
 
-    steps: tuple[int, int]
+    steps: int
     first_format: Rate
     last_format: Rate
     first_valid: Rate
@@ -388,10 +389,7 @@ class EndOfRL:
     @staticmethod
     def difference(first: Rate, last: Rate) -> tuple[float, float]:
         """``last − first`` and its standard error."""
-        if not first.total or not last.total:
-            return float("nan"), float("nan")
-        p, q = first.value, last.value
-        return q - p, (p * (1 - p) / first.total + q * (1 - q) / last.total) ** 0.5
+        return proportion_difference((first.hits, first.total), (last.hits, last.total))
 
     @classmethod
     def verdict(cls, first: Rate, last: Rate) -> str:
@@ -402,21 +400,24 @@ class EndOfRL:
             return "no lower"
         return "lower, within 2 s.e. (noise)" if -diff <= 2 * stderr else "lower by more than 2 s.e."
 
+    def _pairs(self) -> tuple[tuple[str, str, Rate, Rate], ...]:
+        """(printed name, JSON name, first, last) of each rate compared."""
+        return (("format", "format", self.first_format, self.last_format),
+                ("valid calls", "valid_tool_call_rate", self.first_valid, self.last_valid))
+
     def sentence(self) -> str:
-        first, last = self.steps
         parts = []
-        for name, a, b in (("format", self.first_format, self.last_format),
-                           ("valid calls", self.first_valid, self.last_valid)):
+        for name, _, a, b in self._pairs():
             diff, stderr = self.difference(a, b)
             change = "" if diff != diff else f", {100 * diff:+.1f} pts, s.e. {100 * stderr:.1f}"
             parts.append(f"{name} {a.value:.0%} of {a.total} → {b.value:.0%} of {b.total}{change}: "
                          f"{self.verdict(a, b)}")
-        return f"End of RL (first {first} steps → last {last}, rollouts pooled): " + "; ".join(parts)
+        return (f"End of RL (first {self.steps} steps → last {self.steps}, rollouts pooled): "
+                + "; ".join(parts))
 
     def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"steps_compared": list(self.steps)}
-        for name, a, b in (("format", self.first_format, self.last_format),
-                           ("valid_tool_call_rate", self.first_valid, self.last_valid)):
+        out: dict[str, object] = {"steps_compared": self.steps}
+        for _, name, a, b in self._pairs():
             diff, stderr = self.difference(a, b)
             out[name] = {"first": [a.hits, a.total], "last": [b.hits, b.total], "difference": diff,
                          "stderr": stderr, "verdict": self.verdict(a, b)}
@@ -448,7 +449,7 @@ def rl_end(rl_dir: Path) -> EndOfRL | None:
         return Rate(fmt_hits, fmt_total), Rate(valid_hits, valid_total)
 
     (first_format, first_valid), (last_format, last_valid) = pooled(ordered[:k]), pooled(ordered[-k:])
-    return EndOfRL((k, k), first_format, last_format, first_valid, last_valid)
+    return EndOfRL(k, first_format, last_format, first_valid, last_valid)
 
 
 def report(cfg: DemoConfig, out: Path, summaries: dict[str, EvalSummary], gain: Comparison, rl_dir: Path,

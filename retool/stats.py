@@ -102,6 +102,17 @@ def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[
     return _mean_and_stderr([b - a for a, b in zip(before, after)])
 
 
+def proportion_difference(first: tuple[int, int], last: tuple[int, int]) -> tuple[float, float]:
+    """``last`` rate minus ``first`` rate, each given as ``(hits, total)``, and the
+    difference's standard error for two independent samples,
+    ``sqrt(p(1-p)/n + q(1-q)/m)`` (NaN, NaN when either sample is empty)."""
+    (a, n), (b, m) = first, last
+    if not n or not m:
+        return math.nan, math.nan
+    p, q = a / n, b / m
+    return q - p, math.sqrt(p * (1 - p) / n + q * (1 - q) / m)
+
+
 def paired_ratio_difference(before: Sequence[tuple[float, float]],
                             after: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Difference of two pooled ratios on the same problems, and its standard error.

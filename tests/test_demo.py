@@ -204,7 +204,7 @@ def test_the_end_of_rl_compares_pooled_counts_of_the_first_and_last_steps(tmp_pa
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     end = rl_end(tmp_path)
     # steps 1-2: 16 + 24 trajectories; steps 4-5: 16 + 16 (step 3 is in neither)
-    assert end == EndOfRL((2, 2), Rate(36, 40), Rate(29, 32), Rate(40, 40), Rate(37, 40))
+    assert end == EndOfRL(2, Rate(36, 40), Rate(29, 32), Rate(40, 40), Rate(37, 40))
     diff, stderr = EndOfRL.difference(end.first_valid, end.last_valid)
     assert diff == pytest.approx(-0.075) and stderr == pytest.approx((0.925 * 0.075 / 40) ** 0.5)
     assert EndOfRL.verdict(end.first_format, end.last_format) == "no lower"

@@ -179,3 +179,11 @@ def test_summaries_written_before_the_behaviour_figures_still_load():
     row = summarize([[_traj(True, calls=1)]]).to_json()
     del row["behaviour"]
     assert EvalSummary.from_json(row).behaviour is None
+
+
+def test_proportion_difference_is_the_two_sample_difference_and_its_standard_error():
+    diff, stderr = stats.proportion_difference((40, 40), (37, 40))
+    assert diff == pytest.approx(-0.075) and stderr == pytest.approx(math.sqrt(0.925 * 0.075 / 40))
+    diff, stderr = stats.proportion_difference((9, 10), (9, 10))
+    assert diff == 0 and stderr == pytest.approx(math.sqrt(2 * 0.09 / 10))
+    assert all(math.isnan(x) for x in stats.proportion_difference((0, 0), (3, 4)))
