@@ -52,6 +52,16 @@ the lean prefill run once per distinct prompt and its KV copied to the request's
 ``--repeats`` times: tokens/s of each, the ratio, whether the same tokens were sampled, the load.
 
     python bench/sampling.py --requests 2 --samples 8 --max-tokens 128 --distinct
+
+``--attention`` is the lean loop's attention both ways (``lean_decode.ATTENTION``) on the
+rollout requests at the sampler's precision (``auto``: bf16 where the CPU has it): ``math``
+(plain products of the queries with the prefix's and the rows' own keys, one softmax, the
+path before) against ``flash`` (torch's CPU flash kernel over the own columns and over the
+prefix, merged by log-sum-exp; the default), alternating ``--repeats`` times: tokens/s of
+each, the ratio, whether the same tokens were sampled, the largest logprob difference, the
+load. ``--samples 8`` asks each request for 8 samples (the RL groups' shape).
+
+    python bench/sampling.py --requests 2 --samples 8 --max-tokens 256 --attention
 """
 
 from __future__ import annotations
@@ -132,7 +142,11 @@ def main() -> None:
                                                               "--distinct)")
     parser.add_argument("--distinct", action="store_true",
                         help="the prefill of a request's samples once per distinct prompt vs every row (see above)")
-    parser.add_argument("--samples", type=int, default=8, help="samples per request of --distinct")
+    parser.add_argument("--samples", type=int, default=8, help="samples per request of --distinct and --attention")
+    parser.add_argument("--attention", action="store_true",
+                        help="the lean loop's attention: plain products vs the flash-kernel cascade (see above)")
+    parser.add_argument("--sampler-precision", default="auto", choices=("fp32", "bf16", "auto"),
+                        help="--attention's lean loop precision (auto: bf16 where the CPU computes it natively)")
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -141,10 +155,11 @@ def main() -> None:
 
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
                                                    sampler=LocalSettings(max_sample_rows=args.requests * (
-                                                       args.samples if args.distinct else 1))))
+                                                       args.samples if args.distinct or args.attention else 1))))
     sampler = engine.save_weights_for_sampler()
     sampler.kv_cache_bytes = 0  # the store of earlier turns is bench/multiturn.py's subject
-    make = tool_prompts if args.tool_prompts or args.loops or args.precision or args.distinct else prompts
+    make = (tool_prompts if args.tool_prompts or args.loops or args.precision or args.distinct or args.attention
+            else prompts)
     prompts_P = make(engine.get_tokenizer(), args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)
     timed(all_at_once(sampler, prompts_P[:2], SamplingParams(max_tokens=2)))  # warm-up
@@ -156,6 +171,8 @@ def main() -> None:
         return precision_ab(engine, sampler, prompts_P, args)
     if args.distinct:
         return distinct_ab(engine, sampler, prompts_P, args)
+    if args.attention:
+        return attention_ab(engine, sampler, prompts_P, args)
 
     calls = sampler.calls
     base_tokens, base_s = timed(one_at_a_time(sampler, prompts_P, params))
@@ -283,6 +300,58 @@ def distinct_ab(engine, sampler, prompts_P, args) -> None:
 
 PRECISIONS = (("fp32", "fp32", None), ("bf16", "bf16", None), ("bf16-fp32-head", "bf16", "fp32"))
 """(label, sampler precision, head dtype override) of ``--precision``'s variants."""
+
+
+def attention_ab(engine, sampler, prompts_P, args) -> None:
+    """The lean loop with plain-product attention vs the flash-kernel cascade, same seeded requests."""
+    from retool.engines.local import lean_decode, probe
+    from retool.render import Renderer
+
+    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=stops, seed=0)
+    sampler.decode_loop = "lean"
+    _set_precision(sampler, args.sampler_precision, None)
+
+    async def rows() -> list:
+        results = await asyncio.gather(*(sampler.sample(p, args.samples, params) for p in prompts_P))
+        return [s for r in results for s in r.sequences]
+
+    seconds: dict[str, list[float]] = {"math": [], "flash": []}
+    out = {}
+    for _ in range(args.repeats):
+        for kind in seconds:
+            lean_decode.ATTENTION = kind
+            start = time.perf_counter()
+            out[kind] = asyncio.run(rows())
+            seconds[kind].append(time.perf_counter() - start)
+    lean_decode.ATTENTION = "flash"
+    mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
+    print(f"{len(prompts_P)} rollout requests x {args.samples} samples x <= {args.max_tokens} tokens, prompts of "
+          f"{mean_prompt:.0f} tokens; lean loop at {sampler.dtype or 'the model dtype (fp32)'}; flash kernel "
+          f"available: {lean_decode._cpu_flash_attention()}; torch threads {_threads()}; best of {args.repeats}")
+    rate = {}
+    for kind in seconds:
+        count, best = sum(len(s.tokens) for s in out[kind]), min(seconds[kind])
+        rate[kind] = count / best
+        expanded = [p for p in prompts_P for _ in range(args.samples)]
+        mean, worst = _mismatch(engine.model, expanded, out[kind], probe)
+        print(f"{kind}: {rate[kind]:.1f} tok/s ({count} tokens, {best:.1f} s; runs "
+              f"{', '.join(f'{s:.1f}' for s in seconds[kind])} s); |sampler - trainer (fp32)| logprob mean "
+              f"{mean:.4f} max {worst:.4f}")
+    common = [_common_length(a.tokens, b.tokens) for a, b in zip(out["math"], out["flash"])]
+    diffs = [abs(x - y) for a, b, k in zip(out["math"], out["flash"], common)
+             for x, y in zip(a.logprobs[:k], b.logprobs[:k])]
+    print(f"flash / math: {rate['flash'] / rate['math']:.2f}x the tokens/s; rows identical: "
+          f"{sum(k == len(a.tokens) == len(b.tokens) for a, b, k in zip(out['math'], out['flash'], common))} of "
+          f"{len(common)}; tokens before a row's first difference: {sum(common)} of "
+          f"{sum(len(a.tokens) for a in out['math'])}, their logprobs apart by {max(diffs, default=0):.2e} at most, "
+          f"{sum(diffs) / max(len(diffs), 1):.2e} on average")
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def _common_length(a, b) -> int:
+    """How many leading tokens two sampled rows share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def precision_ab(engine, sampler, prompts_P, args) -> None:

@@ -88,6 +88,57 @@ def test_own_loop_logprobs_are_the_teacher_forced_policy(tiny_model, loop):
             assert seq.tokens[-1] in STOPS or len(seq.tokens) == 10
 
 
+def _attention_inputs(dtype, rows: int, n: int, columns: int, prefix: int, seed: int = 0):
+    """Random attention inputs in the lean step's layout: 3 KV heads of width 16; the first
+    columns of every row but the first masked (rows joined a running batch later)."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    bias = torch.zeros(1, rows, n, columns, dtype=dtype)
+    bias[:, 1:, :, :columns // 3] = float("-inf")
+    return (draw(3, rows, n, 16), draw(3, prefix, 16), draw(3, prefix, 16), draw(3, rows, columns, 16),
+            draw(3, rows, columns, 16), bias)
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 40, 25), (6, 3, 40, 0), (2, 21, 30, 12)],
+                         ids=["decode", "decode-no-prefix", "prefill"])
+def test_flash_attention_equals_the_plain_products(shape):
+    """The cascade over torch's CPU flash kernel (own columns, then the shared prefix, merged
+    by log-sum-exp) against one softmax over plain products: fp32 within 1e-5; in bf16 no
+    further from the fp64 value than the plain path (each rounds its output to bf16)."""
+    from retool.engines.local import lean_decode
+
+    assert lean_decode._cpu_flash_attention()  # torch 2.13 on a CPU has the kernel: the default path
+    inputs = _attention_inputs(torch.float32, *shape)
+    flash, math = lean_decode._attention_rows_flash(*inputs), lean_decode._attention_rows_math(*inputs)
+    assert flash.shape == math.shape == inputs[0].shape
+    assert torch.allclose(flash, math, atol=1e-5)
+    exact = lean_decode._attention_rows_math(*(t.double() for t in inputs))
+    low = [t.to(torch.bfloat16) for t in inputs]
+    flash_err = (lean_decode._attention_rows_flash(*low).double() - exact).abs().max()
+    math_err = (lean_decode._attention_rows_math(*low).double() - exact).abs().max()
+    assert flash_err <= math_err * 1.5 + 1e-3
+
+
+def test_the_lean_loop_samples_the_same_with_either_attention(tiny_model, monkeypatch):
+    """``lean_decode.ATTENTION``: flash (the default on a CPU) and plain products sample the
+    same tokens with logprobs within 1e-5 (fp32), rows finishing at different steps."""
+    from retool.engines.local import lean_decode
+
+    params = base.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, stop_token_ids=STOPS, seed=5)
+    runs = {}
+    for kind in ("math", "flash"):
+        monkeypatch.setattr(lean_decode, "ATTENTION", kind)
+        calls = []
+        monkeypatch.setattr(lean_decode, "_attention_rows_flash",
+                            lambda *a, _f=lean_decode._attention_rows_flash: calls.append(1) or _f(*a))
+        runs[kind] = flat(batch(engine(tiny_model, "lean"), PROMPTS, 4, params))
+        assert bool(calls) == (kind == "flash")  # each setting really took its own path
+    assert [s.tokens for s in runs["flash"]] == [s.tokens for s in runs["math"]]
+    assert len({len(s.tokens) for s in runs["flash"]}) > 2
+    for a, b in zip(runs["flash"], runs["math"]):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("loop", ["lean", "own", "generate"])
 def test_each_loop_is_reproducible_from_its_seed(tiny_model, loop):
     free = base.SamplingParams(max_tokens=8, stop_token_ids=STOPS)

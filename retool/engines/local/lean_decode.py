@@ -74,6 +74,19 @@ PREFILL_DISTINCT_ROWS = True
 a request's ``num_samples`` rows (8 per RL group, 2 per eval problem) cost one row's prefill.
 Off: every row is prefilled (``bench/sampling.py --variants``)."""
 
+ATTENTION = "flash"
+"""How a lean step's attention runs on a CPU: ``flash`` = torch's CPU flash-attention
+kernel, once over the rows' own columns and once over the shared prefix, merged by their
+log-sum-exps (the scores never materialized: the demo's decode step 0.71x the time,
+``docs/benchmarks.md``); ``math`` = plain matrix products and one softmax (the path
+before it, and the one a GPU or a torch without the kernel uses). The same values to
+float rounding (fp32: 1e-6; ``tests/test_sampler_fast.py``)."""
+
+_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
+"""torch's CPU flash-attention op, ``(q, k, v, *, attn_mask, scale) -> (out, logsumexp)``:
+the kernel behind ``F.scaled_dot_product_attention`` on a CPU, called directly for its
+log-sum-exp, which the cascade needs and the public function does not return."""
+
 PRECISIONS = ("fp32", "bf16", "auto")
 """The sampler's ``precision`` settings (``LocalSettings.precision``)."""
 
@@ -278,6 +291,26 @@ def _packed(weight: Any) -> Any:
             or not _onednn_linear(weight.dtype)):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+@functools.cache
+def _cpu_flash_attention() -> bool:
+    """Whether torch's CPU flash-attention op is present and, on a small input with a
+    prefix and a masked column, agrees with :func:`_attention_rows_math` in fp32."""
+    if _FLASH is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    q, own_k, own_v = (torch.randn(shape, generator=generator) for shape in ((2, 3, 2, 8), (2, 3, 5, 8), (2, 3, 5, 8)))
+    prefix_k, prefix_v = torch.randn(2, 4, 8, generator=generator), torch.randn(2, 4, 8, generator=generator)
+    bias = torch.zeros(1, 3, 1, 5)
+    bias[:, 1:, :, 0] = float("-inf")
+    try:
+        got = _attention_rows_flash(q, prefix_k, prefix_v, own_k, own_v, bias)
+    except (RuntimeError, TypeError) as exc:
+        warnings.warn(f"CPU flash attention unavailable ({exc}); lean steps use plain products", RuntimeWarning,
+                      stacklevel=2)
+        return False
+    return bool(torch.allclose(got, _attention_rows_math(q, prefix_k, prefix_v, own_k, own_v, bias), atol=1e-5))
 
 
 @functools.cache
@@ -652,9 +685,39 @@ def _attention(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any, bia
 
 
 def _attention_rows(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any, bias: Any) -> Any:
-    """Softmax attention of queries ``q`` (kv_heads, rows, n, d) over the shared prefix (one
-    matrix product for all rows) and each row's own columns (``bias`` (1, rows, n, S)
-    added to their scores); (kv_heads, rows, n, d)."""
+    """Softmax attention of queries ``q`` (kv_heads, rows, n, d) over the shared prefix
+    (``prefix_*`` (kv_heads, P, d), read once for all rows) and each row's own columns
+    (``own_*`` (kv_heads, rows, S, d), ``bias`` (1, rows, n or 1, S) added to their
+    scores); (kv_heads, rows, n, d). On a CPU with torch's flash kernel
+    (:data:`ATTENTION`), :func:`_attention_rows_flash`; else :func:`_attention_rows_math`."""
+    if ATTENTION == "flash" and q.device.type == "cpu" and _cpu_flash_attention():
+        return _attention_rows_flash(q, prefix_k, prefix_v, own_k, own_v, bias)
+    return _attention_rows_math(q, prefix_k, prefix_v, own_k, own_v, bias)
+
+
+def _attention_rows_flash(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any, bias: Any) -> Any:
+    """:func:`_attention_rows` as two calls of torch's CPU flash-attention kernel, merged by
+    their log-sum-exps (cascade attention): every row's queries over its own columns (a
+    batch of rows, one head per KV head with its query heads as the query positions, the
+    mask as ``bias``), and all rows' queries over the one copy of the prefix. Neither
+    materializes the scores; the kernel accumulates in fp32 and the two parts are merged in
+    fp32, rounded once to ``q``'s dtype."""
+    kv_heads, rows, n, d = q.shape
+    out, lse = _FLASH(q.transpose(0, 1), own_k.transpose(0, 1), own_v.transpose(0, 1),
+                      attn_mask=bias[0][:, None].to(q.dtype))
+    out, lse = out.transpose(0, 1), lse.transpose(0, 1)  # (kv_heads, rows, n, d), (kv_heads, rows, n)
+    if not prefix_k.shape[1]:
+        return out
+    prefix_out, prefix_lse = _FLASH(q.reshape(1, kv_heads, rows * n, d), prefix_k[None], prefix_v[None])
+    prefix_out, prefix_lse = prefix_out.view(kv_heads, rows, n, d), prefix_lse.view(kv_heads, rows, n)
+    total = torch.logaddexp(lse, prefix_lse)
+    own_share, prefix_share = torch.exp(lse - total)[..., None], torch.exp(prefix_lse - total)[..., None]
+    return (out.float() * own_share + prefix_out.float() * prefix_share).to(q.dtype)
+
+
+def _attention_rows_math(q: Any, prefix_k: Any, prefix_v: Any, own_k: Any, own_v: Any, bias: Any) -> Any:
+    """:func:`_attention_rows` in plain products: the prefix's scores are one matrix product
+    for all rows, the own columns' a second; one softmax over both (in fp32)."""
     kv_heads, rows, n, d = q.shape
     q = q * d ** -0.5
     prefix_len = prefix_k.shape[1]
