@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from retool.engines import engine_spec
+from retool.engines import engine_spec, openmp
 
 PROBE_QUESTION = "What is 6 times 7?"
 PROBE_ANSWER = "The answer is \\boxed{42}."
@@ -205,12 +205,13 @@ class WeightSyncGuard:
 
     async def _score(self, trainer: ProbeTrainer, sampler: ProbeSampler) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Both sides' logprobs of the probe, one after the other; the trainer's in a worker
-        thread, as a sampler's are (on this CPU torch ran several times slower on the main
-        thread than in a worker under load, bench/weight_sync.py)."""
+        thread, as a sampler's are, with one OpenMP team at a time (``retool.engines.openmp``:
+        torch's parallel regions on a thread beside another thread's team ran several times
+        slower, bench/weight_sync.py, bench/openmp_teams.py)."""
         tokens, start = self.probe.tokens, self.probe.start
         sampler_lp = self._checked(tuple(await sampler.compute_logprobs(tokens, start)), "sampler")
-        trainer_lp = self._checked(tuple(await asyncio.to_thread(trainer.compute_logprobs, tokens, start)), "trainer")
-        return sampler_lp, trainer_lp
+        trainer_lp = await openmp.on_worker_thread(trainer.compute_logprobs, tokens, start)
+        return sampler_lp, self._checked(tuple(trainer_lp), "trainer")
 
     def _checked(self, scores: tuple[float, ...], side: str) -> tuple[float, ...]:
         want = len(self.probe.tokens) - self.probe.start

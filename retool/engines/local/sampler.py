@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from retool.engines import openmp
 from retool.engines.base import SampledSequence, SampleResult, SamplingParams
 from retool.engines.local import decoding, hf_compat, kv_cache, lean_decode, memory, probe
 from retool.engines.settings import LocalSettings
@@ -268,7 +269,7 @@ class LocalSamplingClient:
     async def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
         """Teacher-forced logprobs of ``tokens[start:]`` through this sampler's decode path (the
         weight-sync guard's probe, ``retool.weight_sync``)."""
-        return await asyncio.to_thread(probe.sampler_logprobs, self, tokens, start)
+        return await openmp.on_worker_thread(probe.sampler_logprobs, self, tokens, start)
 
     async def sample(self, prompt_tokens: Sequence[int], num_samples: int,
                      sampling_params: SamplingParams) -> SampleResult:
@@ -341,7 +342,7 @@ class LocalSamplingClient:
                 continue
             rows = [(r, i) for r in group for i in range(r.num_samples)]
             for chunk in self._chunks(rows):
-                sequences = await asyncio.to_thread(self._generate, chunk)
+                sequences = await openmp.on_worker_thread(self._generate, chunk)
                 await asyncio.to_thread(memory.release_free_memory)  # the batch's KV and logits are gone now
                 for (request, i), sequence in zip(chunk, sequences):
                     request.sequences[i] = sequence
@@ -366,7 +367,7 @@ class LocalSamplingClient:
                 loop.call_soon_threadsafe(request.answer)
 
         while stream:
-            await asyncio.to_thread(self._generate_stream, stream, finished, loop)
+            await openmp.on_worker_thread(self._generate_stream, stream, finished, loop)
             await asyncio.to_thread(memory.release_free_memory)  # the batch's KV and logits are gone now
         queue.stream = None
 
