@@ -28,25 +28,18 @@ gives the RL stage's informative share — the rolled-out groups with mixed rewa
 ones that teach — as "N of M groups informative".
 
 Measured at these defaults on 2 idle cores of an Intel Xeon with AVX-512 and AMX, bf16
-chosen by ``auto`` (docs/demo.md records every seed run; seeds 42, 1, 2, 3 were named
-beforehand): seed 42 at 94b6e01, 20.3 minutes, after SFT 71.9 % → after RL 87.5 %, RL's
-gain +15.6 points at paired s.e. 3.6 (z 4.37, beyond two standard errors), 24 of 28 RL
-groups informative, peak memory 2.61 GiB for the process tree (with the evals' loop KV at
-512 MB: 18.8 minutes, 3.13 GiB); seed 3, 24.5 minutes, 66.7 % → 82.3 %, +15.6 (s.e. 3.9, z
-3.97); seed 1, 26.2 minutes, 75.0 % → 79.7 %, +4.7 (s.e. 3.5, z 1.35: within the noise); seed 2,
-24.2 minutes, 84.4 % → 89.6 %, +5.2 (s.e. 2.9, z 1.79: within the noise), peaks 2.60-2.67 GiB.
-On an AMD EPYC with avx512_bf16 at earlier commits:
-seed 42 +13.0 points (z 3.91) in 15.7–29.3 minutes by the day; seed 1 +8.3 points (s.e. 3.1, z 2.68); seed 2 +9.4 (3.5, z 2.68); seed 3, whose cold start
-is the weakest (68.8 %), +7.3 (4.1, z 1.77: within the noise). On two cores without native
-bf16 (AVX2 only), where ``auto`` runs fp32: seed 42, 48.5 minutes, 74.0 % → 82.8 %, +8.9
-points at s.e. 2.3 (z 3.78), 24 of 35 groups informative, peak 3.07 GiB; seed 3, 43.8
-minutes, 71.9 % → 82.3 %, +10.4 points at s.e. 3.9 (z 2.66), 22 of 35 groups
-informative, peak 3.26 GiB; seed 1, 35.4 minutes, 75.0 % → 84.9 %, +9.9 points at s.e. 3.6
-(z 2.75), 24 of 28 groups informative, peak 3.31 GiB; seed 2, 34.7 minutes, 77.6 % → 78.1 %,
-+0.5 points at s.e. 3.3 (z 0.16: within the noise), 24 of 31 groups informative. At 623757d
-(the frozen matrices spilled during rollouts, memory handed back after every micro-batch)
-seed 42 gave the same 74.0 % → 82.8 % in 39.3 minutes with a peak of 2.60 GiB. Measured, never
-guaranteed: a seed can land within the noise.
+chosen by ``auto``, at c1fba1f (docs/demo.md records every seed run; seeds 42, 1, 2, 3
+were named beforehand): seed 42, 13.3 minutes, after SFT 72.4 % → after RL 87.0 %, RL's
+gain +14.6 points at paired s.e. 3.5 (z 4.11, beyond two standard errors), 24 of 28 RL
+groups informative, peak memory 2.58 GiB for the process tree; seed 1, 14.7 minutes,
+75.5 % → 85.4 %, +9.9 (s.e. 2.9, z 3.38); seed 3, 14.1 minutes, 66.7 % → 79.2 %, +12.5
+(s.e. 3.6, z 3.52); seed 2, 13.3 minutes, 84.4 % → 80.2 %, −4.2 (s.e. 2.6, z −1.58: within
+the noise, no gain), peaks 2.55–2.61 GiB. On two cores without native bf16 (AVX2 only),
+where ``auto`` runs fp32, at earlier commits (before the sampler's flash-kernel attention
+and single OpenMP team): seed 42, 48.5 minutes, 74.0 % → 82.8 %, +8.9 points at s.e. 2.3
+(z 3.78); seed 3, 43.8 minutes, +10.4 (s.e. 3.9, z 2.66); seed 1, 35.4 minutes, +9.9 (s.e.
+3.6, z 2.75); seed 2, 34.7 minutes, +0.5 (s.e. 3.3, z 0.16: within the noise); peaks
+2.60–3.31 GiB. Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
 
