@@ -77,3 +77,14 @@ def test_on_worker_thread_returns_and_raises_what_the_function_does():
 
     with pytest.raises(ValueError, match="from the worker"):
         asyncio.run(openmp.on_worker_thread(boom))
+
+
+def test_a_process_without_libgomp_yet_looks_again_later(monkeypatch):
+    """Asked before torch has mapped libgomp, the lookup answers None and does not keep that
+    answer: once the library is there, it is found."""
+    monkeypatch.setattr(openmp, "_FOUND", [])
+    monkeypatch.setattr(openmp, "_mapped_libgomp", lambda: None)
+    assert openmp._libgomp() is None and not openmp.release_team()
+    monkeypatch.undo()
+    monkeypatch.setattr(openmp, "_FOUND", [])
+    assert openmp._libgomp() is not None and openmp.release_team()

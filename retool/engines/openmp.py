@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,21 +37,34 @@ OMP_PAUSE_HARD = 2
 T = TypeVar("T")
 
 
-@functools.cache
+_FOUND: list[Any] = []
+"""The libgomp handle (or ``None`` when one is mapped but has no pause routine), once found."""
+
+
 def _libgomp() -> Any:
-    """The libgomp this process has loaded (torch's own copy, usually), or ``None``."""
+    """The libgomp this process has loaded (torch's own copy, usually), or ``None``. Looked
+    up again on every call until a libgomp is mapped (torch may be imported later)."""
+    if not _FOUND:
+        path = _mapped_libgomp()
+        if path is None:
+            return None
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            lib = None
+        _FOUND.append(lib if lib is not None and hasattr(lib, "omp_pause_resource_all") else None)
+    return _FOUND[0]
+
+
+def _mapped_libgomp() -> str | None:
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
-    paths = {line.split(maxsplit=5)[5] for line in maps.splitlines() if len(line.split(maxsplit=5)) == 6}
-    for path in sorted(paths):
-        if Path(path).name.startswith("libgomp"):
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                return None
-            return lib if hasattr(lib, "omp_pause_resource_all") else None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libgomp"):
+            return fields[5]
     return None
 
 
