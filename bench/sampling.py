@@ -62,6 +62,16 @@ each, the ratio, whether the same tokens were sampled, the largest logprob diffe
 load. ``--samples 8`` asks each request for 8 samples (the RL groups' shape).
 
     python bench/sampling.py --requests 2 --samples 8 --max-tokens 256 --attention
+
+``--as-filed`` is the demo's RL rollout (``--requests 2 --samples 8``: two groups of 8, T 1,
+top-p 1, the rollout's stop tokens) three ways, alternating ``--repeats`` times: **as
+filed** (the sampler the demo ran when its ~62 tokens/s were measured: HF ``generate`` in
+fp32 on a worker thread beside the main thread's OpenMP team, ``retool.engines.openmp``'s
+release switched off), the old loop on today's threading (``generate``, fp32, one team),
+and the new default (the lean loop at ``--sampler-precision``, one team): tokens/s of each,
+the ratios, and the machine bound of the new path's tokens at its precision.
+
+    python bench/sampling.py --requests 2 --samples 8 --max-tokens 256 --as-filed
 """
 
 from __future__ import annotations
@@ -145,6 +155,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per request of --distinct and --attention")
     parser.add_argument("--attention", action="store_true",
                         help="the lean loop's attention: plain products vs the flash-kernel cascade (see above)")
+    parser.add_argument("--as-filed", action="store_true",
+                        help="the demo's rollout: the sampler as the demo ran it when filed vs today's old loop vs "
+                             "the new default")
     parser.add_argument("--sampler-precision", default="auto", choices=("fp32", "bf16", "auto"),
                         help="--attention's lean loop precision (auto: bf16 where the CPU computes it natively)")
     args = parser.parse_args()
@@ -153,12 +166,14 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
 
+    grouped = args.distinct or args.attention or args.as_filed
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
                                                    sampler=LocalSettings(max_sample_rows=args.requests * (
-                                                       args.samples if args.distinct or args.attention else 1))))
+                                                       args.samples if grouped else 1))))
     sampler = engine.save_weights_for_sampler()
     sampler.kv_cache_bytes = 0  # the store of earlier turns is bench/multiturn.py's subject
     make = (tool_prompts if args.tool_prompts or args.loops or args.precision or args.distinct or args.attention
+            or args.as_filed
             else prompts)
     prompts_P = make(engine.get_tokenizer(), args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(0,), seed=0)
@@ -173,6 +188,8 @@ def main() -> None:
         return distinct_ab(engine, sampler, prompts_P, args)
     if args.attention:
         return attention_ab(engine, sampler, prompts_P, args)
+    if args.as_filed:
+        return as_filed_ab(engine, sampler, prompts_P, args)
 
     calls = sampler.calls
     base_tokens, base_s = timed(one_at_a_time(sampler, prompts_P, params))
@@ -346,6 +363,66 @@ def attention_ab(engine, sampler, prompts_P, args) -> None:
           f"{len(common)}; tokens before a row's first difference: {sum(common)} of "
           f"{sum(len(a.tokens) for a in out['math'])}, their logprobs apart by {max(diffs, default=0):.2e} at most, "
           f"{sum(diffs) / max(len(diffs), 1):.2e} on average")
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+AS_FILED = (("as filed", "generate", "fp32", False), ("old loop, one team", "generate", "fp32", True),
+            ("new default", "lean", None, True))
+"""(label, decode loop, precision (None: ``--sampler-precision``), one OpenMP team) of ``--as-filed``."""
+
+
+def as_filed_ab(engine, sampler, prompts_P, args) -> None:
+    """The demo's rollout groups through the sampler as filed, the old loop today, and the new default."""
+    import torch
+
+    from retool.engines import openmp
+    from retool.render import Renderer
+
+    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=stops, seed=0)
+    release = openmp.release_team
+
+    async def groups() -> list:
+        results = await asyncio.gather(*(sampler.sample(p, args.samples, params) for p in prompts_P))
+        return [s.tokens for r in results for s in r.sequences]
+
+    seconds: dict[str, list[float]] = {label: [] for label, *_ in AS_FILED}
+    tokens, dtypes = {}, {}
+    for _ in range(args.repeats):
+        for label, loop, precision, one_team in AS_FILED:
+            sampler.decode_loop = loop
+            _set_precision(sampler, precision or args.sampler_precision, None)
+            dtypes[label] = sampler.dtype
+            openmp.release_team = release if one_team else (lambda: False)
+            torch.ones(1 << 18).add_(1)  # the main thread holds a team, as after the demo's SFT and training
+            start = time.perf_counter()
+            tokens[label] = asyncio.run(groups())
+            seconds[label].append(time.perf_counter() - start)
+    openmp.release_team = release
+    sampler.decode_loop = "lean"
+    new_dtype = dtypes["new default"]
+    half = new_dtype is not None and new_dtype != torch.float32
+    rate, bandwidth = machine_rates(new_dtype if half else None)
+    lengths = [len(t) for t in tokens["new default"]]
+    expanded = [p for p in prompts_P for _ in range(args.samples)]
+    bound_s = machine_bound(engine.model, expanded, lengths, rate, bandwidth, element_bytes=2 if half else 4)
+    mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
+    print(f"{len(prompts_P)} rollout requests x {args.samples} samples x <= {args.max_tokens} tokens, prompts of "
+          f"{mean_prompt:.0f} tokens; torch threads {_threads()}; best of {args.repeats}")
+    rates = {}
+    for label, loop, _, one_team in AS_FILED:
+        count, best = sum(map(len, tokens[label])), min(seconds[label])
+        rates[label] = count / best
+        print(f"{label} ({loop}, {dtypes[label] or 'fp32'}, {'one OpenMP team' if one_team else 'two teams'}): "
+              f"{rates[label]:.1f} tok/s ({count} tokens, {best:.1f} s; runs "
+              f"{', '.join(f'{s:.1f}' for s in seconds[label])} s)")
+    print(f"new default: {rates['new default'] / rates['as filed']:.2f}x the sampler as filed, "
+          f"{rates['new default'] / rates['old loop, one team']:.2f}x the old loop on today's threading; "
+          f"old loop on today's threading {rates['old loop, one team'] / rates['as filed']:.2f}x as filed")
+    count = sum(lengths)
+    print(f"machine bound of the new default's tokens: {count / bound_s:.0f} tok/s ({bound_s:.2f} s at "
+          f"{rate / 1e9:.0f} GFLOP/s matmul in {new_dtype or 'fp32'} and {bandwidth / 1e9:.1f} GB/s memory, measured "
+          f"now); new default at {count / rates['new default'] / bound_s:.1f}x the bound's time")
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
