@@ -28,13 +28,13 @@ gives the RL stage's informative share — the rolled-out groups with mixed rewa
 ones that teach — as "N of M groups informative".
 
 Measured at these defaults on 2 idle cores of an Intel Xeon with AVX-512 and AMX, bf16
-chosen by ``auto``, at c1fba1f (docs/demo.md records every seed run; seeds 42, 1, 2, 3
-were named beforehand): seed 42, 13.3 minutes, after SFT 72.4 % → after RL 87.0 %, RL's
-gain +14.6 points at paired s.e. 3.5 (z 4.11, beyond two standard errors), 24 of 28 RL
-groups informative, peak memory 2.58 GiB for the process tree; seed 1, 14.7 minutes,
-75.5 % → 85.4 %, +9.9 (s.e. 2.9, z 3.38); seed 3, 14.1 minutes, 66.7 % → 79.2 %, +12.5
-(s.e. 3.6, z 3.52); seed 2, 13.3 minutes, 84.4 % → 80.2 %, −4.2 (s.e. 2.6, z −1.58: within
-the noise, no gain), peaks 2.55–2.61 GiB. On two cores without native bf16 (AVX2 only),
+chosen by ``auto``, at d9a2fd6 (docs/demo.md records every seed run; seeds 42, 1, 2, 3
+were named beforehand): seed 42, 16.9 minutes, after SFT 72.4 % → after RL 86.5 %, RL's
+gain +14.1 points at paired s.e. 3.8 (z 3.75, beyond two standard errors), 36 of 47 RL
+groups informative, peak memory 2.55 GiB for the process tree; seed 1, 17.4 minutes,
+75.5 % → 85.4 %, +9.9 (s.e. 3.7, z 2.69); seed 3, 18.1 minutes, 66.7 % → 83.9 %, +17.2
+(s.e. 4.2, z 4.11); seed 2, 18.8 minutes, 83.9 % → 85.9 %, +2.1 (s.e. 3.5, z 0.60: within
+the noise, no gain shown), peaks 2.55–2.68 GiB. On two cores without native bf16 (AVX2 only),
 where ``auto`` runs fp32, at earlier commits (before the sampler's flash-kernel attention
 and single OpenMP team): seed 42, 48.5 minutes, 74.0 % → 82.8 %, +8.9 points at s.e. 2.3
 (z 3.78); seed 3, 43.8 minutes, +10.4 (s.e. 3.9, z 2.66); seed 1, 35.4 minutes, +9.9 (s.e.
