@@ -248,9 +248,7 @@ LOOPS = (("generate", "old path (HF generate)"), ("own", "own decode loop, model
 
 def loops_ab(engine, sampler, prompts_P, args) -> None:
     """The old path (``decode_loop=generate``) vs ``own`` and the new ``lean``, same seeded rollout requests."""
-    from retool.render import Renderer
-
-    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    stops = _rollout_stops(engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=args.top_p, stop_token_ids=stops,
                             seed=0)
     seconds: dict[str, list[float]] = {loop: [] for loop, _ in LOOPS}
@@ -283,15 +281,12 @@ def loops_ab(engine, sampler, prompts_P, args) -> None:
 def distinct_ab(engine, sampler, prompts_P, args) -> None:
     """Each request's rows prefilled once per distinct prompt vs every row, same seeded group requests."""
     from retool.engines.local import lean_decode
-    from retool.render import Renderer
-
-    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    stops = _rollout_stops(engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=stops, seed=0)
     sampler.decode_loop = "lean"
 
     async def groups() -> list:
-        results = await asyncio.gather(*(sampler.sample(p, args.samples, params) for p in prompts_P))
-        return [s.tokens for r in results for s in r.sequences]
+        return [s.tokens for s in await sequences(sampler, prompts_P, params, args.samples)]
 
     variants = {"every row prefilled": False, "distinct prompts prefilled once": True}
     seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -322,16 +317,11 @@ PRECISIONS = (("fp32", "fp32", None), ("bf16", "bf16", None), ("bf16-fp32-head",
 def attention_ab(engine, sampler, prompts_P, args) -> None:
     """The lean loop with plain-product attention vs the flash-kernel cascade, same seeded requests."""
     from retool.engines.local import lean_decode, probe
-    from retool.render import Renderer
-
-    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    stops = _rollout_stops(engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=stops, seed=0)
     sampler.decode_loop = "lean"
     _set_precision(sampler, args.sampler_precision, None)
 
-    async def rows() -> list:
-        results = await asyncio.gather(*(sampler.sample(p, args.samples, params) for p in prompts_P))
-        return [s for r in results for s in r.sequences]
 
     seconds: dict[str, list[float]] = {"math": [], "flash": []}
     out = {}
@@ -339,7 +329,7 @@ def attention_ab(engine, sampler, prompts_P, args) -> None:
         for kind in seconds:
             lean_decode.ATTENTION = kind
             start = time.perf_counter()
-            out[kind] = asyncio.run(rows())
+            out[kind] = asyncio.run(sequences(sampler, prompts_P, params, args.samples))
             seconds[kind].append(time.perf_counter() - start)
     lean_decode.ATTENTION = "flash"
     mean_prompt = sum(map(len, prompts_P)) / len(prompts_P)
@@ -376,15 +366,12 @@ def as_filed_ab(engine, sampler, prompts_P, args) -> None:
     import torch
 
     from retool.engines import openmp
-    from retool.render import Renderer
-
-    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    stops = _rollout_stops(engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=stops, seed=0)
     release = openmp.release_team
 
     async def groups() -> list:
-        results = await asyncio.gather(*(sampler.sample(p, args.samples, params) for p in prompts_P))
-        return [s.tokens for r in results for s in r.sequences]
+        return [s.tokens for s in await sequences(sampler, prompts_P, params, args.samples)]
 
     seconds: dict[str, list[float]] = {label: [] for label, *_ in AS_FILED}
     tokens, dtypes = {}, {}
@@ -438,9 +425,7 @@ def precision_ab(engine, sampler, prompts_P, args) -> None:
 
     from retool.engines.local import lean_decode, probe
     from retool.peak_rss import own_peak_bytes
-    from retool.render import Renderer
-
-    stops = Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
+    stops = _rollout_stops(engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, top_p=args.top_p, stop_token_ids=stops,
                             seed=0)
     sampler.decode_loop = "lean"
@@ -504,9 +489,17 @@ def _lean_bytes(weights, model_dtype) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-async def sequences(sampler, prompts_P, params) -> list:
-    results = await asyncio.gather(*(sampler.sample(p, 1, params) for p in prompts_P))
-    return [r.sequences[0] for r in results]
+async def sequences(sampler, prompts_P, params, n: int = 1) -> list:
+    """All prompts' requests at once, ``n`` samples each; their sequences, prompt by prompt."""
+    results = await asyncio.gather(*(sampler.sample(p, n, params) for p in prompts_P))
+    return [s for r in results for s in r.sequences]
+
+
+def _rollout_stops(engine) -> tuple[int, ...]:
+    """The stop tokens of the RL rollout's turns (Hermes template, tools declared)."""
+    from retool.render import Renderer
+
+    return Renderer(engine.get_tokenizer(), chat_template="hermes", tools=True).stop_token_ids
 
 
 def _mismatch(model, prompts_P, sequences_P, probe) -> tuple[float, float]:
@@ -545,8 +538,9 @@ def _timed_once(fn) -> float:
 
 
 def machine_bound(model, prompts_P, lengths_R, rate: float, bandwidth: float, element_bytes: int = 4) -> float:
-    """Seconds the work cannot beat on this machine: a prefill of every prompt token (the
-    shared prefix once) at ``rate``, then per decode step, for the rows still running,
+    """Seconds the work cannot beat on this machine: a prefill of every distinct prompt's
+    tokens (the shared prefix once; rows that repeat a prompt, a group's samples, share its
+    prefill, as the lean loop's) at ``rate``, then per decode step, for the rows still running,
     the larger of its FLOPs at ``rate`` and its bytes (all weights + those rows' KV, at
     ``element_bytes`` a number) at ``bandwidth``."""
     from retool.engines.local import kv_cache
@@ -556,8 +550,9 @@ def machine_bound(model, prompts_P, lengths_R, rate: float, bandwidth: float, el
     weight_bytes = params * element_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
-    shared = kv_cache.shared_prefix_length([tuple(p) for p in prompts_P])
-    prefill_tokens = shared + sum(len(p) - shared for p in prompts_P)
+    distinct = list(dict.fromkeys(tuple(p) for p in prompts_P))
+    shared = kv_cache.shared_prefix_length(distinct)
+    prefill_tokens = shared + sum(len(p) - shared for p in distinct)
     seconds = 2 * params * prefill_tokens / rate
     for step in range(1, max(lengths_R)):
         running = [len(p) + step for p, n in zip(prompts_P, lengths_R) if n > step]
