@@ -105,6 +105,10 @@ class DemoConfig:
                                 "docs/demo.md)")
     sft_batch_size: int = option(4, "dialogues per SFT step")
     sft_lr: float = option(1e-3, "SFT learning rate (calibrated in docs/sft.md)")
+    sft_recovery_share: float = option(0.0, "share of the SFT dialogues whose first call is a mistake (a real "
+                                            "traceback, then 'I fix it' and the right call; the mistake is "
+                                            "context, not trained on; stateless only; retool task-data "
+                                            "--recovery-share)")
     rl_problems: int = option(400, "RL training problems")
     rl_steps: int = option(18, "RL steps (12 left seed 2 at -4.2 points; the same run carried on to 18 gained "
                                "+3.1, and the whole demo stays under 20 min: docs/demo.md)")
@@ -184,6 +188,12 @@ class DemoConfig:
         require(self.rl_save_every >= 0, f"rl_save_every must be >= 0, got {self.rl_save_every}")
         require(self.eval_batch_kv_mb >= 0, f"eval_batch_kv_mb must be >= 0, got {self.eval_batch_kv_mb}")
         require(self.rl_curriculum in CURRICULA, f"rl_curriculum must be one of {', '.join(CURRICULA)}")
+        require(0 <= self.sft_recovery_share <= 1, f"sft_recovery_share must be in [0, 1], got "
+                                                   f"{self.sft_recovery_share}")
+        require(not self.sft_recovery_share or (self.interpreter == "stateless" and self.max_code_calls >= 2
+                                                and self.max_assistant_turns >= 3),
+                "sft_recovery_share needs --interpreter stateless, --max-code-calls >= 2 and "
+                "--max-assistant-turns >= 3 (a mistaken call, the right one, the answer)")
         LocalSettings(precision=self.sampler_precision).validate()
         try:
             tasks.parse_difficulty(self.rl_difficulty)
@@ -208,7 +218,7 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
-IDENTITY = ("model", "seed", "interpreter", "rl_difficulty", "rl_max_staleness")
+IDENTITY = ("model", "seed", "interpreter", "rl_difficulty", "rl_max_staleness", "sft_recovery_share")
 """What the stored stages were made with; a change needs a new folder."""
 
 
@@ -248,7 +258,8 @@ def make_data(cfg: DemoConfig, out: Path) -> dict[str, Path]:
     if not paths["sft"].exists():
         _say(f"generating {cfg.sft_dialogues} SFT dialogues (tool outputs from the real sandbox)")
         tasks.write_jsonl(paths["sft"], tasks.make_sft_conversations(cfg.sft_dialogues, cfg.seed,
-                                                                     interpreter=cfg.interpreter))
+                                                                     interpreter=cfg.interpreter,
+                                                                     recovery_share=cfg.sft_recovery_share))
     return paths
 
 

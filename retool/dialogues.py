@@ -8,6 +8,10 @@ truncated tool message, the next generation prompt (mask 0). The text of a tool-
 turn is the chat template's own render of the OpenAI ``tool_calls`` message, and it
 must parse back to the same code with the protocol's parser, or the dialogue is
 rejected. So the loss covers assistant tokens only; tool output is never trained on.
+An assistant message with ``"weight": 0`` (OpenAI's fine-tuning format has the same key,
+0 or 1) stays in the context but is not trained on either: a mistaken call that the
+dialogue goes on to correct, for instance, so that the model learns the correction and
+not the mistake.
 
 **Input** (JSONL, one dialogue per line): ``{"messages": [...]}`` with an optional
 system message, one user message (the question), then assistant turns; an assistant
@@ -49,6 +53,8 @@ class AssistantTurn:
     """The ``code_interpreter`` call's code; ``None`` for the final answer."""
     tool_output: str | None = None
     """The content of the tool message that answered the call."""
+    weight: int = 1
+    """1: trained on; 0: context only (the message's ``"weight"`` key)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,8 @@ def parse_dialogue(row: Any, where: str = "<dialogue>") -> Dialogue:
     if not turns or turns[-1].code is not None:
         raise ConversationError(f"{where}: the last message must be the final assistant answer "
                                 "(an assistant message without tool_calls)")
+    if not any(turn.weight for turn in turns):
+        raise ConversationError(f"{where}: every assistant message has weight 0: the dialogue would train nothing")
     if not messages[start]["content"].strip():
         raise ConversationError(f"{where}: message {start}: the question (user message) is empty")
     system = messages[0]["content"] if start else None
@@ -130,10 +138,13 @@ def _assistant_turn(messages: list[dict[str, Any]], i: int, where: str) -> tuple
                                 "message) may follow the question")
     content = message.get("content") or ""
     calls = message.get("tool_calls") or []
+    weight = message.get("weight", 1)
+    if type(weight) is not int or weight not in (0, 1):  # noqa: E721 -- True/1.0 are not weights
+        raise ConversationError(f"{here}: weight must be 0 or 1, got {weight!r}")
     if not calls:
         if not content.strip():
             raise ConversationError(f"{here}: empty assistant turn (no content and no tool call)")
-        return AssistantTurn(content), i + 1
+        return AssistantTurn(content, weight=weight), i + 1
     code = _call_code(calls, here)
     if i + 1 >= len(messages) or messages[i + 1]["role"] != "tool":
         raise ConversationError(f"{here}: the tool call is not followed by a tool message with its output")
@@ -142,7 +153,7 @@ def _assistant_turn(messages: list[dict[str, Any]], i: int, where: str) -> tuple
     if call_id and tool.get("tool_call_id") and tool["tool_call_id"] != call_id:
         raise ConversationError(f"{where}: message {i + 1}: tool_call_id {tool['tool_call_id']!r} does not "
                                 f"answer the call {call_id!r} before it")
-    return AssistantTurn(content, code, tool["content"]), i + 2
+    return AssistantTurn(content, code, tool["content"], weight), i + 2
 
 
 def _call_code(calls: Any, where: str) -> str:
@@ -242,7 +253,7 @@ def dialogue_tokens(dialogue: Dialogue, renderer: Any, formatter: AssistantForma
             truncated += tool_text != clean
             segment = renderer.tool_turn(sampled, zeros, tool_text)
         tokens.extend(segment.tokens)
-        mask.extend(segment.mask)
+        mask.extend(segment.mask if turn.weight else [0] * len(segment.mask))
     return DialogueTokens(tuple(tokens), tuple(mask), truncated)
 
 

@@ -14,6 +14,11 @@ draws such problems (integer answers, several operations and paraphrases) and wr
   in one interpreter session: the first defines the question's numbers (and an
   intermediate result) as variables, the second computes the answer from those
   variables without redefining them — what a model needs to see to rely on state.
+  With ``recovery_share`` (stateless only), that share of the dialogues first makes a
+  mistaken call (:func:`mistakes`: an unclosed or extra parenthesis, ``math.`` left out,
+  digits summed as strings), gets the sandbox's real traceback, and then makes the right
+  call: the mistaken message carries ``"weight": 0`` (:mod:`retool.dialogues`), so the
+  model is trained on reading an error and correcting it, never on making it.
 
 The three splits are disjoint by construction: every problem's split is a hash of its
 operation and operands (never of its wording), so a test problem never reappears,
@@ -385,7 +390,8 @@ def _problem(draw: Draw) -> Problem:
 
 
 def make_sft_conversations(n: int, seed: int = 0, *, kinds: Sequence[str] | None = None,
-                           sandbox: Any = None, interpreter: str = "stateless") -> list[dict[str, Any]]:
+                           sandbox: Any = None, interpreter: str = "stateless",
+                           recovery_share: float = 0.0) -> list[dict[str, Any]]:
     """``n`` OpenAI-format tool dialogues for cold-start SFT (split ``sft``).
 
     Each is ``{"id", "answer", "messages"}`` with messages system
@@ -397,15 +403,63 @@ def make_sft_conversations(n: int, seed: int = 0, *, kinds: Sequence[str] | None
     observations of :class:`retool.sandbox.Sandbox` (``sandbox``; one is started and
     closed otherwise). Raises ``RuntimeError`` if a snippet's output is not its answer
     (a generator bug).
+
+    ``recovery_share`` (``stateless`` only): the share of dialogues, drawn with a seeded
+    generator of their own (the problems are the same whatever the share), whose first
+    call is one of :func:`mistakes` of the snippet, answered by its real traceback and
+    followed by ``"I fix it"`` and the right call; that first assistant message has
+    ``"weight": 0`` (context, not trained on). Raises ``RuntimeError`` if a mistake runs
+    without an error (a generator bug).
     """
     check_interpreter(interpreter)
+    if not 0.0 <= recovery_share <= 1.0:
+        raise ValueError(f"recovery_share must be in [0, 1], got {recovery_share}")
+    if recovery_share and interpreter != "stateless":
+        raise ValueError("recovery dialogues are stateless (a stateful dialogue already makes both of its calls)")
     draws = draw_problems(n, seed, "sft", kinds)
     if interpreter == "stateless":
         calls = [[(d.plan, d.code)] for d in draws]
     else:
         calls = [_stateful_calls(d) for d in draws]
-    observations = _run_all([[code for _, code in steps] for steps in calls], sandbox, interpreter == "stateful")
-    return [_conversation(d, steps, obs, interpreter) for d, steps, obs in zip(draws, calls, observations)]
+    mistaken = [False] * len(draws)
+    if recovery_share:
+        rng = random.Random(f"retool-arithmetic/{seed}/sft-recovery")
+        for i, draw in enumerate(draws):
+            if rng.random() < recovery_share:
+                mistaken[i] = True
+                calls[i] = [(draw.plan, rng.choice(mistakes(draw.code))), (_retry(draw), draw.code)]
+    observations = _run_all([[code for _, code in steps] for steps in calls], sandbox, interpreter == "stateful",
+                            mistaken)
+    return [_conversation(d, _named_error(steps, obs) if wrong else steps, obs, interpreter, mistaken=wrong)
+            for d, steps, obs, wrong in zip(draws, calls, observations, mistaken)]
+
+
+def _retry(draw: Draw) -> str:
+    """The text of a recovery dialogue's second call: the error (``{error}``, filled in from the
+    traceback) and the plan's first sentence again, which states what the call computes."""
+    need = draw.plan.split(". That is error-prone")[0]
+    return f"The code raised {{error}}. I fix it: {need}."
+
+
+def mistakes(code: str) -> list[str]:
+    """Mistaken versions of a stateless snippet, each raising in the sandbox: the last
+    parenthesis left out or doubled (``SyntaxError``), ``math.`` left out before
+    ``gcd``/``lcm`` (``NameError``), digits summed without ``int`` (``TypeError``) — the
+    kinds of mistake the demo's model makes in its RL rollouts (``docs/demo.md``)."""
+    line = code.removeprefix(PRELUDE)
+    out = [PRELUDE + line[:-1], PRELUDE + line + ")"]
+    if "math." in line:
+        out.append(PRELUDE + line.replace("math.", ""))
+    if "int(d) for d" in line:
+        out.append(PRELUDE + line.replace("int(d) for d", "d for d"))
+    return out
+
+
+def _named_error(steps: list[tuple[str, str]], observations: list[str]) -> list[tuple[str, str]]:
+    """A recovery dialogue's steps with the exception's name (the traceback's last line) in the retry's text."""
+    last = [line for line in observations[0].splitlines() if line.strip()][-1]
+    error = last.split(":")[0].strip()
+    return [steps[0], (steps[1][0].replace("{error}", error), steps[1][1])]
 
 
 def _stateful_calls(draw: Draw) -> list[tuple[str, str]]:
@@ -420,8 +474,10 @@ def _stateful_calls(draw: Draw) -> list[tuple[str, str]]:
             (f"Now I compute {what} from the variables already defined.", compute)]
 
 
-def _run_all(snippets: list[list[str]], sandbox: Any, stateful: bool) -> list[list[str]]:
-    """The observations of each dialogue's snippets, run in order (in one session when ``stateful``)."""
+def _run_all(snippets: list[list[str]], sandbox: Any, stateful: bool,
+             mistaken: list[bool] | None = None) -> list[list[str]]:
+    """The observations of each dialogue's snippets, run in order (in one session when ``stateful``);
+    where ``mistaken``, the first snippet must fail and the others succeed, elsewhere every one."""
     async def dialogue(sb: Any, codes: list[str]) -> list[Any]:
         if not stateful:
             return [await sb.run(code, timeout_s=10.0) for code in codes]
@@ -436,16 +492,20 @@ def _run_all(snippets: list[list[str]], sandbox: Any, stateful: bool) -> list[li
     else:
         with Sandbox(SandboxConfig(timeout_s=10.0, workers=4)) as sb:
             results = asyncio.run(run(sb))
-    for codes, outcomes in zip(snippets, results):
-        for code, result in zip(codes, outcomes):
-            if not result.ok:
+    for codes, outcomes, wrong in zip(snippets, results, mistaken or [False] * len(snippets)):
+        for k, (code, result) in enumerate(zip(codes, outcomes)):
+            if wrong and k == 0:
+                if result.ok or result.status.value != "error":
+                    raise RuntimeError(f"generator bug: the mistaken snippet {code!r} ended {result.status.value}, "
+                                       "not with an error")
+            elif not result.ok:
                 raise RuntimeError(f"generator snippet failed in the sandbox ({result.status.value}): {code!r}\n"
                                    f"{result.observation}")
     return [[r.observation for r in outcomes] for outcomes in results]
 
 
 def _conversation(draw: Draw, steps: list[tuple[str, str]], observations: list[str],
-                  interpreter: str) -> dict[str, Any]:
+                  interpreter: str, *, mistaken: bool = False) -> dict[str, Any]:
     if observations[-1].strip() != str(draw.answer):
         raise RuntimeError(f"generator bug: {steps[-1][1]!r} printed {observations[-1]!r}, expected {draw.answer}")
     messages: list[dict[str, Any]] = [
@@ -455,7 +515,10 @@ def _conversation(draw: Draw, steps: list[tuple[str, str]], observations: list[s
     for i, ((plan, code), observation) in enumerate(zip(steps, observations)):
         call = {"id": f"call_{i}", "type": "function",
                 "function": {"name": TOOL_NAME, "arguments": json.dumps({"code": code})}}
-        messages += [{"role": "assistant", "content": plan, "tool_calls": [call]},
+        message: dict[str, Any] = {"role": "assistant", "content": plan, "tool_calls": [call]}
+        if mistaken and i == 0:
+            message["weight"] = 0  # context: the model learns the correction, not the mistake
+        messages += [message,
                      {"role": "tool", "tool_call_id": f"call_{i}", "name": TOOL_NAME, "content": observation}]
     messages.append({"role": "assistant", "content": f"{draw.conclusion}\n\n\\boxed{{{draw.answer}}}"})
     return {"id": _problem(draw).id, "answer": str(draw.answer), "messages": messages}
@@ -488,6 +551,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"splits 'rl' and 'test': harder operands per kind, kind=level,... or one level for "
                         f"every kind (0..{MAX_LEVEL}; level L adds L digits; default: level 0, the calibrated task)")
     p.add_argument("--output", type=Path, required=True, help="the JSONL file to write")
+    p.add_argument("--recovery-share", type=float, default=0.0,
+                   help="split 'sft', stateless only: the share of dialogues whose first call is a mistake "
+                        "(its real traceback, then the right call; the mistaken message has weight 0, so it "
+                        "is context, not trained on)")
     p.add_argument("--interpreter", choices=INTERPRETERS, default="stateless",
                    help="split 'sft' only: 'stateful' writes two-call dialogues whose second call uses the "
                         "variables of the first (one interpreter session), with the stateful system prompt")
@@ -500,9 +567,12 @@ def _run_task_data(args: argparse.Namespace) -> int:
         output_file(args.output, "--output")
         if args.split == "sft" and args.difficulty.strip():
             raise ValueError("--difficulty applies to the 'rl' and 'test' splits; SFT dialogues use level 0")
+        if args.split != "sft" and args.recovery_share:
+            raise ValueError("--recovery-share applies to the 'sft' split (dialogues)")
         if args.split == "sft":
             rows: list[dict[str, Any]] = make_sft_conversations(args.n, args.seed, kinds=kinds,
-                                                                interpreter=args.interpreter)
+                                                                interpreter=args.interpreter,
+                                                                recovery_share=args.recovery_share)
         else:
             difficulty = parse_difficulty(args.difficulty)
             rows = [_problem_row(p) for p in make_problems(args.n, args.seed, args.split, kinds, difficulty)]

@@ -107,6 +107,8 @@ def test_a_rerun_with_another_seed_or_interpreter_is_refused(tmp_path, capsys):
         check_identity(DemoConfig(seed=7, rl_difficulty="product=1"), out)  # the stored RL problems are level 0
     with pytest.raises(ConfigError, match="--rl-max-staleness 0 → 1"):
         check_identity(DemoConfig(seed=7, rl_max_staleness=1), out)  # the stored RL stage sampled, then trained
+    with pytest.raises(ConfigError, match="--sft-recovery-share 0.0 → 0.1"):
+        check_identity(DemoConfig(seed=7, sft_recovery_share=0.1), out)  # the stored SFT dialogues have none
     (out / "demo.json").write_text("{")
     with pytest.raises(ConfigError, match="unreadable"):
         check_identity(DemoConfig(seed=7), out)
@@ -149,6 +151,10 @@ def test_bad_sizes_are_rejected(capsys):
     assert "--rl-difficulty: difficulty: levels must be 0..2" in capsys.readouterr().err
     assert cli_main(["demo", "--rl-max-staleness", "-1"]) == 2
     assert "rl_max_staleness must be >= 0" in capsys.readouterr().err
+    assert cli_main(["demo", "--sft-recovery-share", "2"]) == 2
+    assert "sft_recovery_share must be in [0, 1], got 2.0" in capsys.readouterr().err
+    assert cli_main(["demo", "--sft-recovery-share", "0.1", "--max-code-calls", "1"]) == 2
+    assert "sft_recovery_share needs --interpreter stateless, --max-code-calls >= 2" in capsys.readouterr().err
 
 
 def _gain(before: float, after: float, stderr: float | None) -> Comparison:

@@ -102,6 +102,21 @@ def test_tokens_equal_the_templates_render_of_the_openai_dialogue(tokenizer, tem
     assert "<tool_response>" not in trained and "done\n" not in trained  # tool output is never trained on
 
 
+def test_a_weight_0_message_is_context_not_trained_on():
+    """OpenAI's ``"weight": 0``: the message's tokens stay in the sequence, its mask is 0
+    (a mistaken call that the dialogue then corrects), and the other turns train as before."""
+    renderer = Renderer(smollm2_tokenizer(), chat_template="hermes")
+    formatter = dialogue_module.AssistantFormatter(renderer)
+    plain = dialogue_module.dialogue_tokens(dialogue_module.parse_dialogue(openai_row()), renderer, formatter)
+    muted = dialogue_module.dialogue_tokens(dialogue_module.parse_dialogue(_edit(2, weight=0)), renderer, formatter)
+    assert muted.tokens_T == plain.tokens_T
+    trained = [i for i, m in enumerate(plain.mask_T) if m]
+    first_turn = [i for i in trained if i < plain.tokens_T.index(renderer.end_of_turn_id, trained[0]) + 1]
+    assert first_turn and [i for i, m in enumerate(muted.mask_T) if m] == trained[len(first_turn):]
+    explicit = dialogue_module.dialogue_tokens(dialogue_module.parse_dialogue(_edit(2, weight=1)), renderer, formatter)
+    assert explicit == plain
+
+
 def test_call_text_is_the_templates_render():
     formatter = dialogue_module.AssistantFormatter(Renderer(smollm2_tokenizer(), chat_template="hermes"))
     turn = dialogue_module.AssistantTurn("Let me compute.", CODE, "42\n")
@@ -174,6 +189,10 @@ BAD_ROWS = {
     "second question": (_edit(4, role="user"), "a user message after the question"),
     "content not text": (_edit(1, content=["What", "?"]), "user content must be a string"),
     "no messages": ({"conversation": []}, "expected an object with a 'messages' list"),
+    "weight not 0 or 1": (_edit(2, weight=0.5), "message 2: weight must be 0 or 1, got 0.5"),
+    "weight a bool": (_edit(4, weight=True), "message 4: weight must be 0 or 1, got True"),
+    "nothing trained": ({"messages": [*_edit(2, weight=0)["messages"][:4], {**openai_row()["messages"][4], "weight": 0}]},
+                        "every assistant message has weight 0"),
 }
 
 

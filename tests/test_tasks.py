@@ -130,6 +130,56 @@ def test_sft_conversations_are_valid_tool_dialogues(sandbox):
         assert dialogue.turns[0].code == code
 
 
+def test_recovery_dialogues_correct_a_real_error_and_train_only_the_correction(sandbox):
+    rows = tasks.make_sft_conversations(60, seed=4, sandbox=sandbox, recovery_share=0.3)
+    plain = tasks.make_sft_conversations(60, seed=4, sandbox=sandbox)
+    assert [r["id"] for r in rows] == [r["id"] for r in plain]  # the same problems, whatever the share
+    recovered = [(r, p) for r, p in zip(rows, plain) if r != p]
+    assert 8 <= len(recovered) <= 30
+    assert tasks.make_sft_conversations(60, seed=4, sandbox=sandbox, recovery_share=0.3) == rows  # seeded
+    errors = set()
+    for row, before in recovered:
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+        first, traceback, retry, output, answer = row["messages"][2:]
+        mistake, right = (json.loads(m["tool_calls"][0]["function"]["arguments"])["code"] for m in (first, retry))
+        assert first["weight"] == 0 and "weight" not in retry and "weight" not in answer
+        assert first["content"] == before["messages"][2]["content"]  # the plan, then the mistaken call
+        assert right == json.loads(before["messages"][2]["tool_calls"][0]["function"]["arguments"])["code"]
+        assert mistake != right and mistake in tasks.mistakes(right)
+        result = sandbox.run_sync(mistake)  # the recorded traceback is the sandbox's own
+        assert result.status.value == "error" and traceback["content"] == result.observation
+        error = traceback["content"].strip().splitlines()[-1].split(":")[0]
+        errors.add(error)
+        assert retry["content"].startswith(f"The code raised {error}. I fix it: I need ")
+        assert output["content"] == before["messages"][3]["content"] and answer == before["messages"][4]
+        turns = parse_dialogue(row).turns
+        assert [t.weight for t in turns] == [0, 1, 1] and [t.code for t in turns] == [mistake, right, None]
+    assert "SyntaxError" in errors
+
+
+def test_every_mistake_of_every_kind_raises_in_the_sandbox(sandbox):
+    for kind in tasks.KINDS:
+        draw = tasks.draw_problems(1, 2, "sft", kinds=[kind])[0]
+        found = tasks.mistakes(draw.code)
+        assert len(found) >= 2 and all(m.startswith(tasks.PRELUDE) for m in found)
+        for code in found:
+            assert sandbox.run_sync(code).status.value == "error", (kind, code)
+
+
+def test_recovery_share_is_checked():
+    with pytest.raises(ValueError, match="recovery_share must be in"):
+        tasks.make_sft_conversations(2, recovery_share=1.5)
+    with pytest.raises(ValueError, match="recovery dialogues are stateless"):
+        tasks.make_sft_conversations(2, recovery_share=0.5, interpreter="stateful")
+
+
+def test_a_mistake_that_runs_is_a_generator_bug(sandbox, monkeypatch):
+    monkeypatch.setattr(tasks, "mistakes", lambda code: [code])
+    with pytest.raises(RuntimeError, match="generator bug: the mistaken snippet"):
+        tasks.make_sft_conversations(3, seed=1, sandbox=sandbox, recovery_share=1.0)
+
+
 def test_a_generator_bug_is_caught_by_the_sandbox_check():
     draw = tasks.draw_problems(1, 0, "sft", kinds=["product"])[0]
     wrong = tasks.Draw(**{**draw.__dict__, "answer": draw.answer + 1})
@@ -187,6 +237,11 @@ def test_cli_writes_dialogues_and_loadable_problems(tmp_path, capsys):
     assert [p.id for p in problems] == [p.id for p in tasks.make_problems(5, 0, "test")]
     assert main(["task-data", "--kinds", "nope", "--output", str(tmp_path / "x.jsonl")]) == 2
     assert "unknown problem kind" in capsys.readouterr().err
+    assert main(["task-data", "--split", "test", "--recovery-share", "0.2", "--output", str(tmp_path / "y.jsonl")]) == 2
+    assert capsys.readouterr().err == "error: --recovery-share applies to the 'sft' split (dialogues)\n"
+    out = tmp_path / "rec.jsonl"
+    assert main(["task-data", "--n", "8", "--recovery-share", "1", "--output", str(out)]) == 0
+    assert all(len(json.loads(line)["messages"]) == 7 for line in out.read_text().splitlines())
 
 
 def test_cli_unwritable_output_is_one_line(tmp_path, capsys):
