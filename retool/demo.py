@@ -34,7 +34,12 @@ gain +14.1 points at paired s.e. 3.8 (z 3.75, beyond two standard errors), 36 of
 groups informative, peak memory 2.55 GiB for the process tree; seed 1, 17.4 minutes,
 75.5 % → 85.4 %, +9.9 (s.e. 3.7, z 2.69); seed 3, 18.1 minutes, 66.7 % → 83.9 %, +17.2
 (s.e. 4.2, z 4.11); seed 2, 18.8 minutes, 83.9 % → 85.9 %, +2.1 (s.e. 3.5, z 0.60: within
-the noise, no gain shown), peaks 2.55–2.68 GiB. On two cores without native bf16 (AVX2 only),
+the noise, no gain shown), peaks 2.55–2.68 GiB. On 2 idle cores of an AMD EPYC without AMX
+(``avx512_bf16``; bf16 chosen), the same defaults: seed 42, 23.6 minutes, 75.5 % → 87.0 %,
++11.5 (s.e. 3.5, z 3.26); seed 2, about 25.3 minutes, 76.0 % → 89.1 %, +13.0 (z 3.57);
+seed 1, 25.6 minutes, 75.5 % → 89.1 %, +13.5 (z 3.95); peaks 2.52–2.74 GiB — bf16 training
+there is only 1.27x faster than fp32, so the demo takes longer than the 20 minutes its
+sizes were chosen for. On two cores without native bf16 (AVX2 only),
 where ``auto`` runs fp32, at earlier commits (before the sampler's flash-kernel attention
 and single OpenMP team): seed 42, 48.5 minutes, 74.0 % → 82.8 %, +8.9 points at s.e. 2.3
 (z 3.78); seed 3, 43.8 minutes, +10.4 (s.e. 3.9, z 2.66); seed 1, 35.4 minutes, +9.9 (s.e.
