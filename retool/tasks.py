@@ -89,7 +89,11 @@ def _plan(what: str) -> str:
     Stating the expression first gives a small model a copy path question → plan → code
     (measured in ``docs/sft.md``: with generic plans it wrote prose into the ``code`` argument).
     """
-    return f"I need {what}. That is error-prone by hand, so I will compute it with Python."
+    return f"I need {what}{_PLAN_TAIL}"
+
+
+_PLAN_TAIL = ". That is error-prone by hand, so I will compute it with Python."
+"""What every stateless plan says after the expression (:func:`_retry` repeats the part before it)."""
 
 
 PRELUDE = "import math\n"
@@ -437,7 +441,9 @@ def make_sft_conversations(n: int, seed: int = 0, *, kinds: Sequence[str] | None
 def _retry(draw: Draw) -> str:
     """The text of a recovery dialogue's second call: the error (``{error}``, filled in from the
     traceback) and the plan's first sentence again, which states what the call computes."""
-    need = draw.plan.split(". That is error-prone")[0]
+    need = draw.plan.removesuffix(_PLAN_TAIL)
+    if need == draw.plan:
+        raise RuntimeError(f"generator bug: plan {draw.plan!r} does not end as _plan writes it")
     return f"The code raised {{error}}. I fix it: {need}."
 
 
@@ -495,7 +501,7 @@ def _run_all(snippets: list[list[str]], sandbox: Any, stateful: bool,
     for codes, outcomes, wrong in zip(snippets, results, mistaken or [False] * len(snippets)):
         for k, (code, result) in enumerate(zip(codes, outcomes)):
             if wrong and k == 0:
-                if result.ok or result.status.value != "error":
+                if result.status.value != "error":
                     raise RuntimeError(f"generator bug: the mistaken snippet {code!r} ended {result.status.value}, "
                                        "not with an error")
             elif not result.ok:

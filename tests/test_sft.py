@@ -191,7 +191,8 @@ BAD_ROWS = {
     "no messages": ({"conversation": []}, "expected an object with a 'messages' list"),
     "weight not 0 or 1": (_edit(2, weight=0.5), "message 2: weight must be 0 or 1, got 0.5"),
     "weight a bool": (_edit(4, weight=True), "message 4: weight must be 0 or 1, got True"),
-    "nothing trained": ({"messages": [*_edit(2, weight=0)["messages"][:4], {**openai_row()["messages"][4], "weight": 0}]},
+    "nothing trained": ({"messages": [*_edit(2, weight=0)["messages"][:4],
+                                      {**openai_row()["messages"][4], "weight": 0}]},
                         "every assistant message has weight 0"),
 }
 
