@@ -38,7 +38,9 @@ the noise, no gain shown), peaks 2.55–2.68 GiB. On 2 idle cores of an AMD EPYC
 (``avx512_bf16``; bf16 chosen), the same defaults: seed 42, 23.6 minutes, 75.5 % → 87.0 %,
 +11.5 (s.e. 3.5, z 3.26); seed 2, about 25.3 minutes, 76.0 % → 89.1 %, +13.0 (z 3.57);
 seed 1, 25.6 minutes, 75.5 % → 89.1 %, +13.5 (z 3.95); seed 3, 26.6 minutes, 68.2 % → 81.8 %,
-+13.5 (s.e. 5.2, z 2.63); peaks 2.48–2.74 GiB — bf16 training
++13.5 (s.e. 5.2, z 2.63); seed 5, 23.3 minutes, 71.9 % → 85.9 %, +14.1 (z 3.54); seeds 7 and 11,
+run later on seeds nothing was tuned on, +5.2 (z 1.68) and +1.6 (z 0.62: from a cold start at
+87.5 %), within the noise; peaks 2.39–2.74 GiB — bf16 training
 there is only 1.27x faster than fp32, so the demo takes longer than the 20 minutes its
 sizes were chosen for. On two cores without native bf16 (AVX2 only),
 where ``auto`` runs fp32, at earlier commits (before the sampler's flash-kernel attention
