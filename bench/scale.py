@@ -57,6 +57,7 @@ RSS / fds / process slopes ~ 0.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -77,6 +78,10 @@ from bench.steady import steady_rows  # noqa: E402
 from bench.tinker_latency import LatencyModel, LatencyTinkerServer, ServiceCall, replace_model  # noqa: E402
 
 CONFIG = ROOT / "configs" / "qwen35-4b-tinker.toml"
+PRESETS = {"tinker": CONFIG, "pytrio": ROOT / "configs" / "qwen35-4b-pytrio.toml"}
+"""The reference run's preset per service (``--service``)."""
+KEY_ENV = {"tinker": "TINKER_API_KEY", "pytrio": "PYTRIO_API_KEY"}
+"""Where ``--service tinker``/``pytrio`` finds the user's key (read by the SDK; never a flag)."""
 KILL_AFTER_STEP = 100
 API_KEY = "tml-latency-model-rehearsal-0000000000"
 """The SDK wants a key of Tinker's shape; the latency-model service accepts any."""
@@ -197,13 +202,22 @@ def _read_rows(path: Path) -> list[dict]:
     return [r for r in rows if "step" in r and "time/step" in r]
 
 
-def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, data: Path, run: Path,
+def train_argv(args: argparse.Namespace, work: Path, url: str | None, tokenizer: Path, data: Path, run: Path,
                stream: bool = False, max_staleness: int = 0) -> list[str]:
-    argv = [sys.executable, "-m", "retool", "train", "--config", str(CONFIG), "--save-every", str(args.save_every),
-            "--max-steps", str(args.steps), "--train-data", str(data), "--run-dir", str(run),
-            "--tinker-base-url", url, "--tinker-tokenizer", str(tokenizer), "--sinks", "jsonl",
-            "--batch-size", str(args.batch_size), "--group-size", str(args.group_size), "--seed", str(args.seed),
-            "--weight-sync-check-every", "0"]  # the latency model has no weights, so no logprobs to check
+    """``retool train`` with the reference run's preset at the bench's shape: against the
+    latency model at ``url``, or (``--service tinker``/``pytrio``) the real service, with
+    its price table and ``--max-cost``."""
+    engine = "tinker" if args.service == "latency" else args.service
+    argv = [sys.executable, "-m", "retool", "train", "--config", str(PRESETS[engine]),
+            "--save-every", str(args.save_every), "--max-steps", str(args.steps), "--train-data", str(data),
+            "--run-dir", str(run), f"--{engine}-tokenizer", str(tokenizer), "--sinks", "jsonl",
+            "--batch-size", str(args.batch_size), "--group-size", str(args.group_size), "--seed", str(args.seed)]
+    if url:
+        argv += [f"--{engine}-base-url", url]
+    if args.service == "latency":
+        argv += ["--weight-sync-check-every", "0"]  # the latency model has no weights, so no logprobs to check
+    else:
+        argv += ["--price-table", str(args.price_table), "--max-cost", str(args.max_cost)]
     if args.sandbox_timeout_s is not None:
         argv += ["--sandbox-timeout-s", str(args.sandbox_timeout_s)]
     if args.sandbox_workers is not None:
@@ -212,7 +226,7 @@ def train_argv(args: argparse.Namespace, work: Path, url: str, tokenizer: Path, 
         argv.append("--stream-groups")
     if max_staleness:
         argv += ["--max-staleness", str(max_staleness)]
-    return argv
+    return argv + list(args.train_arg)
 
 
 @dataclass
@@ -230,50 +244,106 @@ class Outcome:
     resumed_samples: list[Sample] = field(default_factory=list)
     """The resumed client's samples (``samples``: the first client's, the soak's)."""
     redone: tuple[bool, str] | None = None
-    killed_after: int | None = None
-    """The step after whose metrics row the first client was SIGKILLed (at a random delay)."""
     """Whether the steps done before the kill and done again after the resume asked the
     service the same things (the steps from the checkpoint to the last one the killed
-    client finished)."""
+    client finished); with ``--service``, :attr:`order` (no service log to compare)."""
+    killed_after: int | None = None
+    """The step after whose metrics row the first client was SIGKILLed (at a random delay)."""
+    order: tuple[bool, str] | None = None
+    """Whether those steps rolled out the same problems in the same groups (the trajectories files)."""
 
 
 def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenizer_dir: Path, data: Path,
              kill: bool, stream: bool = False, max_staleness: int = 0) -> Outcome:
-    """One run against a fresh latency-model service (``stream``: with ``--stream-groups``;
-    ``max_staleness``: with ``--max-staleness``);
-    with ``kill``, SIGKILLed after step 100 at a random point and resumed."""
+    """One run against a fresh latency-model service, or (``--service tinker``/``pytrio``)
+    the real one (``stream``: with ``--stream-groups``; ``max_staleness``: with
+    ``--max-staleness``); with ``kill``, SIGKILLed after step ``--kill-after`` at a random
+    point and resumed."""
     from tests.tokenizers import qwen35_tokenizer
 
-    run = work / "run"
-    env = {**os.environ, "TINKER_API_KEY": API_KEY, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    if args.service != "latency":  # the user's own key stays in the environment, as the SDK reads it
+        return _rehearse(args, None, args.base_url, env, work, tokenizer_dir, data, kill, stream, max_staleness)
     with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model) as server:
-        argv = train_argv(args, work, server.url, tokenizer_dir, data, run, stream, max_staleness)
-        client = ClientRun(argv, run, env)
-        codes, resumed_from = [], None
-        if kill:
-            rng = random.Random(args.seed)
-            kill_step = rng.randint(args.kill_after + 1, args.steps - 1)
-            killed_after = kill_step
-            codes.append(client.run(kill_step, rng.uniform(0.0, 1.0) * _mean_step_s(run)))
-            steps_before = len(server.calls)
+        return _rehearse(args, server, server.url, {**env, "TINKER_API_KEY": API_KEY}, work, tokenizer_dir, data,
+                         kill, stream, max_staleness)
+
+
+def _rehearse(args: argparse.Namespace, server: LatencyTinkerServer | None, url: str | None, env: dict[str, str],
+              work: Path, tokenizer_dir: Path, data: Path, kill: bool, stream: bool, max_staleness: int) -> Outcome:
+    run = work / "run"
+    client = ClientRun(train_argv(args, work, url, tokenizer_dir, data, run, stream, max_staleness), run, env)
+    calls_before = lambda: list(server.calls) if server else []  # noqa: E731
+    codes, resumed_from, resumed_samples, redone, killed_after, order = [], None, [], None, None, None
+    if kill:
+        rng = random.Random(args.seed)
+        killed_after = rng.randint(args.kill_after + 1, args.steps - 1)
+        codes.append(client.run(killed_after, rng.uniform(0.0, 1.0) * _mean_step_s(run)))
+        before, checkpoint = trajectory_order(run), last_checkpoint(run)
+        first_calls = calls_before()
+        if server:
             server.new_client()
-            resumed_client = ClientRun([sys.executable, "-m", "retool", "train", "--resume", str(run)], run, env)
-            codes.append(resumed_client.run())
-            resumed_samples = resumed_client.samples
-            resumed = server.calls[steps_before:]
+        resumed_client = ClientRun([sys.executable, "-m", "retool", "train", "--resume", str(run)], run, env)
+        codes.append(resumed_client.run())
+        resumed_samples = resumed_client.samples
+        order = same_order(before, trajectory_order(run), checkpoint)
+        if server:
+            resumed = server.calls[len(first_calls):]
             resumed_from = min((c.step for c in resumed), default=None)
-            finished = {c.step for c in server.calls[:steps_before] if c.endpoint == "optim_step"}
+            finished = {c.step for c in first_calls if c.endpoint == "optim_step"}
             overlap = {step for step in finished if step >= (resumed_from or 0)}
-            redone = same_calls([c for c in server.calls[:steps_before] if c.step in overlap],
-                                [c for c in resumed if c.step in overlap])
-            keep = [c for c in server.calls[:steps_before] if resumed_from is None or c.step < resumed_from]
-            calls = keep + resumed
+            redone = same_calls([c for c in first_calls if c.step in overlap], [c for c in resumed if c.step in overlap])
+            calls = [c for c in first_calls if resumed_from is None or c.step < resumed_from] + resumed
         else:
-            codes.append(client.run())
-            calls, resumed_samples, redone, killed_after = list(server.calls), [], None, None
-        samples = client.samples
-        return Outcome(_read_rows(run / "metrics.jsonl"), samples, calls, list(server.step_marks),
-                       dict(server.tokens), dict(server.gaps), codes, resumed_from, resumed_samples, redone, killed_after)
+            resumed_from, redone, calls = checkpoint, order, []
+    else:
+        codes.append(client.run())
+        calls = calls_before()
+    rows = _read_rows(run / "metrics.jsonl")
+    if server:
+        marks, tokens, gaps = list(server.step_marks), dict(server.tokens), dict(server.gaps)
+    else:
+        marks, tokens, gaps = [], client_tokens(rows), {}
+    return Outcome(rows, client.samples, calls, marks, tokens, gaps, codes, resumed_from, resumed_samples, redone,
+                   killed_after, order)
+
+
+def trajectory_order(run: Path) -> dict[int, list[tuple[int, int, str]]]:
+    """Step -> (group, index, problem id) of every trajectory in its file: the run's data
+    order, read on the client's side (a file a SIGKILL cut short is left out)."""
+    order = {}
+    for path in sorted((run / "trajectories").glob("step_*.jsonl.gz")):
+        try:
+            with gzip.open(path, "rt") as f:
+                records = [json.loads(line) for line in f]
+        except (OSError, EOFError, json.JSONDecodeError):
+            continue
+        order[int(path.name[5:11])] = sorted((r["group"], r["index"], r["trajectory"]["problem_id"]) for r in records)
+    return order
+
+
+def last_checkpoint(run: Path) -> int | None:
+    steps = [int(p.name[5:]) for p in (run / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+    return max(steps, default=None)
+
+
+def same_order(before: dict[int, list], after: dict[int, list], checkpoint: int | None) -> tuple[bool, str]:
+    """Whether the steps done before the kill and again after the resume (those after the
+    checkpoint it resumed from) rolled out the same problems in the same groups."""
+    redone = sorted(s for s in before if checkpoint is None or s > checkpoint)
+    differ = [s for s in redone if after.get(s) != before[s]]
+    detail = f"steps {redone[0]}-{redone[-1]} redone" if redone else "no step redone: the kill came after a checkpoint"
+    return not differ, detail + (f"; steps that differ: {differ[:10]}" if differ else "")
+
+
+def client_tokens(rows: list[dict]) -> dict[str, int]:
+    """What the run asked the service for, from its own metrics (``--service``: no service log)."""
+    def total(key: str) -> int:
+        return int(sum(r.get(key, 0) for r in rows))
+
+    return {"prefill": total("tokens/prefill_service"),
+            "prefill_new": total("tokens/prefill_service") - total("tokens/prefill_cached"),
+            "sampled": total("tokens/sampled"), "trained": total("tokens/forward_backward")}
 
 
 def _mean_step_s(run: Path) -> float:
@@ -299,7 +369,8 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
     from retool.sandbox.metrics import percentile
 
     rows_by_step = {int(r["step"]): r for r in outcome.rows}  # a step redone after a resume: its last row
-    spans = step_spans(outcome.marks)
+    client_side = client_spans(outcome.rows)
+    spans = step_spans(outcome.marks) if outcome.marks else client_side
     steps = [s for s in sorted(spans) if s in rows_by_step]
     rows = [rows_by_step[s] for s in steps]
     walls = [spans[s][0] for s in steps]
@@ -354,7 +425,26 @@ def report(outcome: Outcome, model: LatencyModel, per_step: bool) -> dict[str, f
         totals[f"gap_s_per_step/{before}->{after}"] = seconds / max(len(walls), 1)
     tok = outcome.tokens
     totals.update({f"tokens_{k}": float(v) for k, v in tok.items()})
+    totals["measured_on"] = "service" if outcome.marks else "client"
+    # the same split from the client's side (time/service_busy: an SDK request in flight), on the same steps
+    mine = [client_side[s] for s in steps if s in client_side]
+    if mine:
+        own_wall = sum(w for w, _ in mine)
+        totals["client_side_steps"] = len(mine)
+        totals["client_side_share"] = (own_wall - sum(b for _, b in mine)) / own_wall if own_wall else 0.0
+        totals["client_side_s_per_step"] = (own_wall - sum(b for _, b in mine)) / len(mine)
+    costs = [r["cost/total"] for r in outcome.rows if "cost/total" in r]
+    if costs:
+        totals["cost_total"] = costs[-1]
     return totals
+
+
+def client_spans(rows: list[dict]) -> dict[int, tuple[float, float]]:
+    """Step -> (wall seconds, seconds with a service request in flight), measured by the
+    client itself (``time/service_window`` and ``time/service_busy``, Tinker/PyTRIO
+    engines: from one step's optim_step answer to the next, the latency service's span)."""
+    return {int(r["step"]): (r["time/service_window"], r["time/service_busy"]) for r in rows
+            if "time/service_window" in r and "time/service_busy" in r}
 
 
 def step_spans(marks: list[tuple[float, float, int | None]]) -> dict[int, tuple[float, float]]:
@@ -372,22 +462,33 @@ def _mean(rows: list[dict], key: str) -> float:
     return sum(r.get(key, 0.0) for r in rows) / max(len(rows), 1)
 
 
-def print_totals(label: str, totals: dict[str, float], model: LatencyModel) -> None:
+def print_totals(label: str, totals: dict[str, float], model: LatencyModel | None) -> None:
+    """Print a rehearsal's totals; ``model`` None: the real service (``--service``)."""
     t = totals
-    print(f"\n== {label}: {int(t['steps'])} steps, time scale {model.time_scale:g}, load {os.getloadavg()}")
-    print(f"step wall {t['step_s']:.2f} s; service busy {t['service_s'] / max(t['steps'], 1):.2f} s/step; "
+    scale_note = "the real service" if model is None else f"time scale {model.time_scale:g}"
+    print(f"\n== {label}: {int(t['steps'])} steps, {scale_note}, load {os.getloadavg()}")
+    side = "as the service saw it" if t.get("measured_on") == "service" else "measured by the client"
+    unscaled = model is None or model.time_scale == 1
+    print(f"step wall {t['step_s']:.2f} s; service busy {t['service_s'] / max(t['steps'], 1):.2f} s/step ({side}); "
           f"client's own work {t['client_s_per_step']:.2f} s/step = {100 * t['client_share']:.1f} % of a step "
-          f"(goal <= 5 %{' at time scale 1' if model.time_scale == 1 else '; the goal applies to unscaled runs'})")
+          f"(goal <= 5 %{'' if unscaled else '; the goal applies to unscaled runs'})")
+    if t.get("measured_on") == "service" and "client_side_share" in t:
+        print(f"the same from the client's side (an SDK request in flight, time/service_busy; the SDK's own "
+              f"work counts as in flight): client's own work {t['client_side_s_per_step']:.2f} s/step = "
+              f"{100 * t['client_side_share']:.1f} %")
+    if "cost_total" in t:
+        print(f"cost: {t['cost_total']:.4g} USD (cost/total, priced by --price-table)")
     print(f"steps with no sandbox timeout ({int(t['steps_without_timeout'])}): client's own work "
           f"{t['client_s_per_step_without_timeout']:.2f} s/step = {100 * t['client_share_without_timeout']:.1f} %; "
           f"median step {100 * t['client_share_median']:.1f} %")
-    print(f"of which between two samples (every live trajectory at its code call: the sandbox running it, "
-          f"the client parsing and rendering around it) {t['between_samples_s_per_step']:.2f} s/step; the rest "
-          f"of the client's own work {t['client_s_per_step'] - t['between_samples_s_per_step']:.2f} s/step = "
-          f"{100 * t['client_share_apart_from_code_calls']:.1f} %")
-    gaps = [(k.split("/", 1)[1], v) for k, v in t.items() if k.startswith("gap_s_per_step/")]
-    print("client's own work, by where it sits (s/step; idle between the service calls named): "
-          + ", ".join(f"{k} {v:.2f}" for k, v in gaps))
+    if t.get("measured_on") == "service":  # where the idle time sits needs the service's log of its calls
+        print(f"of which between two samples (every live trajectory at its code call: the sandbox running it, "
+              f"the client parsing and rendering around it) {t['between_samples_s_per_step']:.2f} s/step; the rest "
+              f"of the client's own work {t['client_s_per_step'] - t['between_samples_s_per_step']:.2f} s/step = "
+              f"{100 * t['client_share_apart_from_code_calls']:.1f} %")
+        gaps = [(k.split("/", 1)[1], v) for k, v in t.items() if k.startswith("gap_s_per_step/")]
+        print("client's own work, by where it sits (s/step; idle between the service calls named): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in gaps))
     met = t["sandbox_wait_p95_median_s"] <= t["sandbox_run_p95_s"]
     print(f"sandbox: {t['sandbox_calls']:.0f} calls, {t['sandbox_calls_per_s']:.1f} calls/s of rollout time, "
           f"median-step p50 {t['sandbox_p50_s']:.3f} s / p95 {t['sandbox_p95_s']:.3f} s; wait for a worker p95 "
@@ -493,6 +594,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
                              "(--max-staleness comparison only)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="--engine vllm: synchronous / sampling-ahead pairs, alternating (default 2)")
+    parser.add_argument("--service", choices=("latency", "tinker", "pytrio"), default="latency",
+                        help="latency: the latency-model service on 127.0.0.1 (default); tinker / pytrio: the real "
+                             "service, one run, its API key read from TINKER_API_KEY / PYTRIO_API_KEY (never a flag), "
+                             "capped by --max-cost")
+    parser.add_argument("--max-cost", type=float, default=None,
+                        help="--service tinker/pytrio (required): USD the run may spend; retool train ends it cleanly, "
+                             "after a checkpoint, before another step would pass it")
+    parser.add_argument("--price-table", type=Path, default=None,
+                        help="--service tinker/pytrio (required): your prices, TOML (configs/prices/example.toml)")
+    parser.add_argument("--base-url", default=None, help="--service tinker/pytrio: the service's URL (default: the SDK's)")
+    parser.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                        help="one more flag for retool train, after the bench's own (repeat it; e.g. "
+                             "--train-arg=--lora-rank=16)")
     parser.add_argument("--per-step", action=argparse.BooleanOptionalAction, default=True, help="print every step")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep runs here (default: a temporary folder)")
     parser.add_argument("--json", type=Path, default=None, help="also write the totals here")
@@ -505,6 +619,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         model = replace_model(defaults, **{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
     except ValueError as err:
         parser.error(str(err))
+    if args.service != "latency":
+        _check_real_service(parser, args)
+    elif args.max_cost is not None or args.price_table is not None or args.base_url is not None:
+        parser.error("--max-cost, --price-table and --base-url are for --service tinker/pytrio (the latency model "
+                     "costs nothing)")
     if min(args.steps, args.batch_size, args.group_size, args.problems, args.save_every) < 1:
         parser.error("--steps, --batch-size, --group-size, --problems and --save-every must be >= 1")
     if args.kill is None:
@@ -526,6 +645,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
     if args.kill and args.steps <= args.kill_after + 1:
         parser.error(f"--kill needs --steps > {args.kill_after + 1} (the kill comes after step {args.kill_after})")
     return args, model
+
+
+def _check_real_service(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--service tinker``/``pytrio``: one run of the reference run's preset, paid, so
+    capped; every problem a one-line error before anything is sent."""
+    if not os.environ.get(KEY_ENV[args.service]):
+        parser.error(f"--service {args.service} needs your API key in {KEY_ENV[args.service]} (the SDK reads it "
+                     f"there; it is never a flag)")
+    if args.max_cost is None or args.price_table is None:
+        parser.error(f"--service {args.service} needs --max-cost USD and --price-table FILE: the run is billed, "
+                     f"and retool train stops it before another step would pass the budget")
+    if not args.max_cost > 0:
+        parser.error(f"--max-cost must be > 0, got {args.max_cost:g}")
+    if not args.price_table.is_file():
+        parser.error(f"--price-table {args.price_table}: no such file")
+    if args.engine != "tinker" or args.compare or args.stream_groups or any(args.max_staleness):
+        parser.error(f"--service {args.service} runs one run (each comparison is another full bill): no --engine vllm, "
+                     f"--compare, --stream-groups or --max-staleness")
+    given = [f.name for f in fields(LatencyModel) if getattr(args, f.name) is not None]
+    if given:
+        parser.error(f"--service {args.service}: the latency-model flags do not apply ({', '.join(given)})")
 
 
 def vllm_argv(args: argparse.Namespace, url: str, adapters: Path, data: Path, run: Path, max_staleness: int
@@ -592,17 +732,29 @@ def main(argv: list[str] | None = None) -> int:
         return vllm_staleness(args, work)
     tokenizer_dir = qwen35_tokenizer_folder(work / "qwen3.5-tokenizer")
     data = write_problems(work / "train.jsonl", args.problems)
-    print(f"latency model: {model}\nwork dir {work}; load {os.getloadavg()}", flush=True)
+    if args.service == "latency":
+        print(f"latency model: {model}\nwork dir {work}; load {os.getloadavg()}", flush=True)
+    else:
+        print(f"the real {args.service} service ({args.base_url or 'the SDK default URL'}), {KEY_ENV[args.service]} "
+              f"from the environment; --max-cost {args.max_cost:g} USD priced by {args.price_table}\nwork dir {work}; "
+              f"load {os.getloadavg()}", flush=True)
+    shown_model = model if args.service == "latency" else None
     outcome = rehearse(args, model, work / ("killed" if args.kill else "run"), tokenizer_dir, data, args.kill)
     totals = report(outcome, model, args.per_step)
-    print_totals("killed + resumed" if args.kill else "run", totals, model)
+    print_totals("killed + resumed" if args.kill else "run", totals, shown_model)
     ok = all(code == 0 for code in outcome.returncodes[-1:])
+    if args.service != "latency" and len(outcome.rows) < args.steps:
+        print(f"the run stopped after {len(outcome.rows)} of {args.steps} steps: see {work}/*/client.err "
+              f"(--max-cost ends a run cleanly once another step would pass it)")
     if args.kill:
         print(f"SIGKILL at a random point after step {outcome.killed_after} (> {args.kill_after}): exit codes {outcome.returncodes}; resumed from step "
               f"{outcome.resumed_from}; finished with {len(outcome.rows)} metric rows")
-        print(f"steps redone after the resume asked the service what they asked before the kill: "
-              f"{outcome.redone[0]} ({outcome.redone[1]})")
-        ok = ok and outcome.redone[0]
+        if args.service == "latency":
+            print(f"steps redone after the resume asked the service what they asked before the kill: "
+                  f"{outcome.redone[0]} ({outcome.redone[1]})")
+        print(f"steps redone after the resume rolled out the problems they rolled out before the kill, group by "
+              f"group: {outcome.order[0]} ({outcome.order[1]})")
+        ok = ok and outcome.redone[0] and outcome.order[0]
     if args.compare:
         reference = rehearse(args, model, work / "uninterrupted", tokenizer_dir, data, kill=False)
         same, detail = same_calls(reference.calls, outcome.calls)

@@ -326,8 +326,11 @@ def test_retool_train_and_eval_run_on_the_fake_service(flavour, tmp_path, monkey
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("train/loss", "train/approx_kl", "train/clip_frac", "train/sampler_logprob_diff", "engine/errors",
-                "engine/retries", "tokens/prefill", "tokens/sampled", "tokens/trained"):
+                "engine/retries", "tokens/prefill", "tokens/sampled", "tokens/trained", "time/service_busy",
+                "time/service_window"):
         assert key in rows[-1], key
+    for row in rows:  # the client's own measure of the service's share of the step
+        assert 0 < row["time/service_busy"] <= row["time/service_window"]
     assert rows[-1]["train/optim_steps"] == 2.0
     engine_json = json.loads((run / "checkpoints" / "step_000002" / "engine" / "engine.json").read_text())
     assert engine_json["engine"] == flavour and engine_json["weights"].startswith("tinker://fake/")
@@ -782,3 +785,34 @@ def test_export_downloads_a_peft_folder_the_local_engine_loads(flavour, tmp_path
     for a, b in zip(local.params, trained.params):
         torch.testing.assert_close(a, b)
     assert cli_main(["export", str(run), "--output-dir", str(out)]) == 2  # never overwrites
+
+
+def test_in_flight_time_is_the_union_of_the_requests_spans():
+    """``time/service_busy``: overlapping requests count once, gaps with nothing in flight
+    not at all; a request still in flight at a take counts up to it and on into the next
+    window."""
+    from retool.engines.tinker import InFlight
+
+    now = [0.0]
+    meter = InFlight(clock=lambda: now[0])
+    assert meter.take() == (0.0, 0.0)  # no request yet: no window
+
+    now[0] = -5.0  # the first window starts at the first request, not when the meter was made
+
+    def at(t: float, *actions) -> None:
+        now[0] = t
+        for action in actions:
+            action()
+
+    at(1.0, meter.enter)               # a sample from 1 to 4
+    at(2.0, meter.enter)               # another from 2 to 3, inside it
+    at(3.0, meter.exit)
+    at(4.0, meter.exit)
+    at(6.0, meter.enter)               # nothing in flight from 4 to 6; forward_backward from 6 ...
+    now[0] = 7.0
+    assert meter.take() == (4.0, 6.0)  # 1-4 and 6-7 of the window 1-7
+    at(9.0, meter.exit)                # ... to 9
+    now[0] = 10.0
+    assert meter.take() == (2.0, 3.0)  # 7-9 of the window 7-10
+    now[0] = 12.0
+    assert meter.take() == (0.0, 2.0)

@@ -83,6 +83,10 @@ def test_the_metrics_the_bench_reads_exist_and_its_totals_are_sane(rehearsal):
     assert totals["sandbox_calls"] > 0
     assert 0 < totals["grade_max_s"] <= totals["grade_s_per_step"] and totals["grade_s"] > 0
     assert len(outcome.samples) == 3 and all(s.fds > 0 and s.procs >= 1 for s in outcome.samples)
+    # the client's own measure (an SDK request in flight) of the same steps: the SDK's own work
+    # counts as in flight there, so the client's share can only come out lower, not higher
+    assert totals["measured_on"] == "service" and totals["client_side_steps"] == 3
+    assert 0 < totals["client_side_share"] <= totals["client_share"] + 0.01
 
 
 def test_trajectories_are_token_exact_under_the_qwen35_template(rehearsal):
@@ -191,6 +195,7 @@ def test_a_sigkill_and_resume_ask_the_service_what_an_uninterrupted_run_asks(tmp
     assert killed.resumed_samples and all(s.procs > 1 for s in killed.resumed_samples)  # its own steps only
     assert sorted({int(r["step"]) for r in killed.rows}) == [1, 2, 3, 4]
     assert killed.redone[0], killed.redone[1]  # step 3, done before the kill and again after it
+    assert killed.order == (True, "steps 3-3 redone")  # the same, read from the trajectories files
     assert "0 vs 0 calls" not in killed.redone[1]
     uninterrupted = scale.rehearse(args, model, tmp_path / "uninterrupted", tokenizer_dir, data, kill=False)
     same, detail = scale.same_calls(uninterrupted.calls, killed.calls)
@@ -259,3 +264,60 @@ def test_the_sandbox_wait_bench_splits_queueing_from_the_hand_over():
         assert figures.calls_per_s > 0
     with pytest.raises(SystemExit):
         scale_sandbox.main(["--workers", "0"])
+
+
+SECRET = "tml-planted-secret-key-0123456789abcdef"
+
+
+def test_the_real_service_mode_measures_from_the_client_and_keeps_to_the_budget(tmp_path, monkeypatch, capsys):
+    """``--service tinker`` against a service the bench did not start (here a latency-model
+    server stands in for the paid one: the bench is given only its URL and finds the key in
+    the environment): the client-side split, the tokens from the run's own metrics, the
+    price table's cost, and ``--max-cost`` ending the run cleanly; the key in no output."""
+    from bench.tinker_latency import LatencyTinkerServer
+
+    prices = tmp_path / "prices.toml"
+    prices.write_text('[tinker]\nunits = "tinker_billing"\nprefill = 1.0\nprefill_cached = 0.5\nsample = 2.0\n'
+                      "train = 3.0\ncheckpoint = 0.0\n")
+    monkeypatch.setenv("TINKER_API_KEY", SECRET)
+    work = tmp_path / "work"
+    with LatencyTinkerServer(tmp_path / "service", qwen35_tokenizer(), LatencyModel(time_scale=4)) as server:
+        flags = ["--service", "tinker", "--base-url", server.url, "--steps", "3", "--batch-size", "2",
+                 "--group-size", "4", "--problems", "12", "--sandbox-timeout-s", "3", "--price-table", str(prices),
+                 "--work-dir", str(work), "--json", str(tmp_path / "totals.json"),
+                 "--train-arg=--weight-sync-check-every=0"]  # the stand-in has no weights to check
+        code = scale.main(flags + ["--max-cost", "1e-6"])  # less than one step: it ends after step 1
+        assert code == 0
+        out = capsys.readouterr().out
+        assert "the run stopped after 1 of 3 steps" in out
+        assert len(server.calls) > 0  # the service the bench was pointed at did the work
+    totals = json.loads((tmp_path / "totals.json").read_text())
+    assert totals["steps"] == 1 and totals["measured_on"] == "client"
+    assert 0 < totals["service_s"] < totals["wall_s"] and 0 < totals["client_share"] < 1
+    assert totals["tokens_sampled"] > 0 and totals["tokens_trained"] > 0 and 0 < totals["cost_total"]
+    assert "measured by the client" in out and "cost:" in out and "between two samples" not in out
+    leaked = [p for p in work.rglob("*") if p.is_file() and not p.name.endswith(".gz")
+              and SECRET.encode() in p.read_bytes()]
+    assert SECRET not in out and not leaked
+
+
+@pytest.mark.parametrize("env, flags, message", [
+    (None, ["--service", "tinker"], "needs your API key in TINKER_API_KEY"),
+    (None, ["--service", "pytrio"], "needs your API key in PYTRIO_API_KEY"),
+    ("TINKER_API_KEY", ["--service", "tinker"], "needs --max-cost USD and --price-table FILE"),
+    ("TINKER_API_KEY", ["--service", "tinker", "--max-cost", "5", "--price-table", "missing.toml"], "no such file"),
+    ("TINKER_API_KEY", ["--service", "tinker", "--max-cost", "5", "--price-table", "PRICES", "--max-staleness", "1"],
+     "runs one run"),
+    ("TINKER_API_KEY", ["--service", "tinker", "--max-cost", "5", "--price-table", "PRICES", "--decode-rate", "9"],
+     "latency-model flags do not apply (decode_rate)"),
+    (None, ["--max-cost", "5"], "are for --service tinker/pytrio")])
+def test_the_real_service_mode_refuses_what_it_cannot_do_in_one_line(env, flags, message, monkeypatch, capsys):
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    monkeypatch.delenv("PYTRIO_API_KEY", raising=False)
+    if env:
+        monkeypatch.setenv(env, SECRET)
+    prices = str(scale.ROOT / "configs" / "prices" / "example.toml")
+    with pytest.raises(SystemExit) as exit_:
+        scale.parse_args(["--steps", "3"] + [prices if f == "PRICES" else f for f in flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and SECRET not in err

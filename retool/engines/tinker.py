@@ -89,6 +89,7 @@ import sys
 import tarfile
 import tempfile
 import threading
+import time
 import urllib.request
 import uuid
 import zipfile
@@ -322,6 +323,51 @@ ones it reported as cached (Tinker: ``prompt_cache_hit_tokens``, plus the shared
 of a multi-sample request, which Tinker documents as billed cached)."""
 
 
+class InFlight:
+    """How long at least one of this client's service requests was outstanding: the union
+    of the requests' spans, from just before the SDK call to its answer (or failure).
+
+    :meth:`take` returns that time and the wall time it was counted over since the last
+    take (the first window: since the first request), and starts a new window:
+    ``time/service_busy`` and ``time/service_window`` of the step whose ``optim_step``
+    answer took them. The rest of the window
+    (``window - busy``) is the client's own work with nothing in flight — rollout
+    bookkeeping, sandbox calls, grading, datums, metrics, checkpoints — measured from the
+    client's side (the SDK's own serialization counts as in flight), so it needs no help
+    from the service (``bench/scale.py --service``)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock, self._lock = clock, threading.Lock()
+        self._count, self._busy_since, self._busy = 0, 0.0, 0.0
+        self._window_start: float | None = None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._count == 0:
+                self._busy_since = self._clock()
+                if self._window_start is None:
+                    self._window_start = self._busy_since
+            self._count += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0:
+                self._busy += self._clock() - self._busy_since
+
+    def take(self) -> tuple[float, float]:
+        """``(busy, window)`` seconds since the last take; a new window starts now."""
+        with self._lock:
+            now = self._clock()
+            if self._window_start is None:
+                return 0.0, 0.0
+            busy = self._busy + (now - self._busy_since if self._count else 0.0)
+            window, self._window_start, self._busy = now - self._window_start, now, 0.0
+            if self._count:
+                self._busy_since = now
+            return busy, window
+
+
 @dataclass
 class _Counters:
     errors: int = 0
@@ -332,6 +378,7 @@ class _Counters:
         self.sdk = RetryCounter()
         """The SDK's own retries (:func:`retool.engines.sdk_retries.watch_tinker`)."""
         self.usage = dict.fromkeys(USAGE_METRICS, 0.0)
+        self.in_flight = InFlight()
 
     def add(self, amounts: Mapping[str, float]) -> None:
         with self.lock:
@@ -340,9 +387,10 @@ class _Counters:
 
     def take(self) -> dict[str, float]:
         sdk_retries = self.sdk.take()
+        busy, window = self.in_flight.take()
         with self.lock:
             out = {"engine/errors": float(self.errors), "engine/retries": float(self.retries + sdk_retries),
-                   **self.usage}
+                   **self.usage, "time/service_busy": busy, "time/service_window": window}
             self.errors = self.retries = 0
             self.usage = dict.fromkeys(USAGE_METRICS, 0.0)
         return out
@@ -366,12 +414,17 @@ def _translate(flavour: Flavour, counters: _Counters, what: str, err: BaseExcept
 
 
 def _call(flavour: Flavour, counters: _Counters, what: str, fn: Callable[[], Any], retryable: bool = True) -> Any:
+    """``fn()`` (an SDK call), counted as in flight while it runs; an SDK failure
+    translated (:func:`_translate`)."""
+    counters.in_flight.enter()
     try:
         return fn()
     except (ConfigError, ValueError, FloatingPointError):
         raise
     except Exception as err:
         raise _translate(flavour, counters, what, err, retryable) from None
+    finally:
+        counters.in_flight.exit()
 
 
 # ---------------------------------------------------------------- sampling
@@ -500,15 +553,30 @@ class ServiceTrainingClient:
             raise ValueError(f"engine {self.flavour.name} has no sampler-trainer correction (--behaviour-is)")
         total_weight = _check_data(data, loss_fn)
         sdk_data = [sdk_datum(self.flavour, d, loss_fn, total_weight) for d in data]
-        sdk_future = _call(self.flavour, self.counters, "forward_backward",
-                           lambda: self.sdk_client.forward_backward(sdk_data, loss_fn, sdk_loss_config(loss_fn, config)),
-                           retryable=False)
+        sdk_future = self._submit("forward_backward", lambda: self.sdk_client.forward_backward(
+            sdk_data, loss_fn, sdk_loss_config(loss_fn, config)))
         self._pending_gradient = True
         return self._result_pool.submit(self._finish_forward_backward, sdk_future, data, loss_fn, config)
 
+    def _submit(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Send a request whose answer is an SDK future; it stays in flight (``time/service_busy``)
+        until :meth:`_answer` has its result."""
+        self.counters.in_flight.enter()
+        try:
+            return _call(self.flavour, self.counters, what, fn, retryable=False)
+        except BaseException:
+            self.counters.in_flight.exit()
+            raise
+
+    def _answer(self, what: str, sdk_future: Any) -> Any:
+        try:
+            return _call(self.flavour, self.counters, what, sdk_future.result, retryable=False)
+        finally:
+            self.counters.in_flight.exit()
+
     def _finish_forward_backward(self, sdk_future: Any, data: Sequence[Datum], loss_fn: str,
                                  config: Mapping[str, float]) -> ForwardBackwardOutput:
-        output = _call(self.flavour, self.counters, "forward_backward", sdk_future.result, retryable=False)
+        output = self._answer("forward_backward", sdk_future)
         logprobs_D = target_logprobs(output)
         if [len(lp) for lp in logprobs_D] != [d.num_tokens for d in data]:
             raise RuntimeError(f"engine {self.flavour.name}: forward_backward returned logprobs of the wrong shape")
@@ -526,14 +594,12 @@ class ServiceTrainingClient:
         self._pending_gradient = False
         if self.adam_eps is not None:
             adam_params = dataclasses.replace(adam_params, eps=self.adam_eps)
-        sdk_future = _call(self.flavour, self.counters, "optim_step",
-                           lambda: self.sdk_client.optim_step(sdk_adam_params(self.flavour, adam_params)),
-                           retryable=False)
+        sdk_future = self._submit("optim_step", lambda: self.sdk_client.optim_step(
+            sdk_adam_params(self.flavour, adam_params)))
         return self._result_pool.submit(self._finish_optim_step, sdk_future, adam_params)
 
     def _finish_optim_step(self, sdk_future: Any, adam_params: AdamParams) -> OptimStepOutput:
-        response = _call(self.flavour, self.counters, "optim_step (it may or may not have been applied)",
-                         sdk_future.result, retryable=False)
+        response = self._answer("optim_step (it may or may not have been applied)", sdk_future)
         self.optim_steps += 1
         metrics = {"train/lr": adam_params.learning_rate, "train/optim_steps": float(self.optim_steps)}
         for key, value in (response.metrics or {}).items():
