@@ -40,6 +40,20 @@ alternating ``--repeats`` times; steps per hour over steps ``2 .. N - K`` (step 
 overlap, the last ``K`` have nothing left to overlap: ``--steps`` at least ``K + 2``),
 their ratio, the rollout/training split and the load.
 
+With ``--service tinker`` (or ``pytrio``) the same run goes to the real service instead:
+the SDK reads your key from ``TINKER_API_KEY`` (``PYTRIO_API_KEY``), never from a flag or
+a file; ``--max-cost USD`` and ``--price-table FILE`` are required (``retool train`` ends
+the run cleanly, after a checkpoint, before another step would pass the budget; the
+bench says where it stopped); ``--base-url`` picks the service's address. One run only
+(no comparisons: each would be another bill). With no service log to read, the split of
+each step is measured by the client itself: ``time/service_busy``, the time at least one
+SDK request was in flight (the SDK's own work counts as in flight, so the client's share
+comes out a little lower than the service would see it), over ``time/service_window``,
+the wall time from one step's ``optim_step`` answer to the next; the latency-model runs
+print this measure beside the service's. A kill and resume is checked on the client's
+side too: the redone steps rolled out the same problems in the same groups (the
+trajectories files); the latency-model runs check that as well.
+
 Usage::
 
     python bench/scale.py --steps 20                   # the unscaled overhead figure
@@ -49,6 +63,7 @@ Usage::
     python bench/scale.py --steps 20 --max-staleness 1 2 --no-kill   # ... and two steps ahead, in one run
     nice -n 10 python bench/scale.py --time-scale 10   # the 200-step soak, with kill + resume
     python bench/scale.py --steps 3 --batch-size 2 --group-size 4   # a quick check
+    TINKER_API_KEY=... python bench/scale.py --service tinker --steps 20 --no-kill --max-cost 30 --price-table my.toml
 
 Goals printed: client overhead <= 5 % of a step; sandbox worker wait p95 <= run time p95;
 RSS / fds / process slopes ~ 0.
@@ -264,6 +279,7 @@ def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenize
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     if args.service != "latency":  # the user's own key stays in the environment, as the SDK reads it
         return _rehearse(args, None, args.base_url, env, work, tokenizer_dir, data, kill, stream, max_staleness)
+    env = {k: v for k, v in env.items() if k not in KEY_ENV.values()}  # a real key never goes near the latency model
     with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model) as server:
         return _rehearse(args, server, server.url, {**env, "TINKER_API_KEY": API_KEY}, work, tokenizer_dir, data,
                          kill, stream, max_staleness)
@@ -734,6 +750,10 @@ def main(argv: list[str] | None = None) -> int:
     data = write_problems(work / "train.jsonl", args.problems)
     if args.service == "latency":
         print(f"latency model: {model}\nwork dir {work}; load {os.getloadavg()}", flush=True)
+        for service, env in KEY_ENV.items():
+            if os.environ.get(env):
+                print(f"{env} is set: --service {service} --max-cost USD --price-table FILE runs this against the "
+                      f"real service (this run uses the latency model and never sends the key)")
     else:
         print(f"the real {args.service} service ({args.base_url or 'the SDK default URL'}), {KEY_ENV[args.service]} "
               f"from the environment; --max-cost {args.max_cost:g} USD priced by {args.price_table}\nwork dir {work}; "
