@@ -308,7 +308,8 @@ def _rehearse(args: argparse.Namespace, server: LatencyTinkerServer | None, url:
             resumed_from = min((c.step for c in resumed), default=None)
             finished = {c.step for c in first_calls if c.endpoint == "optim_step"}
             overlap = {step for step in finished if step >= (resumed_from or 0)}
-            redone = same_calls([c for c in first_calls if c.step in overlap], [c for c in resumed if c.step in overlap])
+            redone = same_calls([c for c in first_calls if c.step in overlap],
+                                [c for c in resumed if c.step in overlap])
             calls = [c for c in first_calls if resumed_from is None or c.step < resumed_from] + resumed
         else:
             resumed_from, redone, calls = checkpoint, order, []
@@ -619,7 +620,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
                              "after a checkpoint, before another step would pass it")
     parser.add_argument("--price-table", type=Path, default=None,
                         help="--service tinker/pytrio (required): your prices, TOML (configs/prices/example.toml)")
-    parser.add_argument("--base-url", default=None, help="--service tinker/pytrio: the service's URL (default: the SDK's)")
+    parser.add_argument("--base-url", default=None,
+                        help="--service tinker/pytrio: the service's URL (default: the SDK's)")
     parser.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                         help="one more flag for retool train, after the bench's own (repeat it; e.g. "
                              "--train-arg=--lora-rank=16)")
