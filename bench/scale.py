@@ -72,7 +72,6 @@ RSS / fds / process slopes ~ 0.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import random
@@ -91,6 +90,8 @@ sys.path.insert(0, str(ROOT))
 from bench.scale_policy import make_problems  # noqa: E402
 from bench.steady import steady_rows  # noqa: E402
 from bench.tinker_latency import LatencyModel, LatencyTinkerServer, ServiceCall, replace_model  # noqa: E402
+from retool.runs import latest_checkpoint  # noqa: E402
+from retool.trajectory_log import TrajectoryLogError, read_trajectory_log  # noqa: E402
 
 CONFIG = ROOT / "configs" / "qwen35-4b-tinker.toml"
 PRESETS = {"tinker": CONFIG, "pytrio": ROOT / "configs" / "qwen35-4b-pytrio.toml"}
@@ -261,7 +262,7 @@ class Outcome:
     redone: tuple[bool, str] | None = None
     """Whether the steps done before the kill and done again after the resume asked the
     service the same things (the steps from the checkpoint to the last one the killed
-    client finished); with ``--service``, :attr:`order` (no service log to compare)."""
+    client finished); ``None`` with ``--service`` (no service log: :attr:`order` only)."""
     killed_after: int | None = None
     """The step after whose metrics row the first client was SIGKILLed (at a random delay)."""
     order: tuple[bool, str] | None = None
@@ -289,14 +290,14 @@ def _rehearse(args: argparse.Namespace, server: LatencyTinkerServer | None, url:
               work: Path, tokenizer_dir: Path, data: Path, kill: bool, stream: bool, max_staleness: int) -> Outcome:
     run = work / "run"
     client = ClientRun(train_argv(args, work, url, tokenizer_dir, data, run, stream, max_staleness), run, env)
-    calls_before = lambda: list(server.calls) if server else []  # noqa: E731
     codes, resumed_from, resumed_samples, redone, killed_after, order = [], None, [], None, None, None
     if kill:
         rng = random.Random(args.seed)
         killed_after = rng.randint(args.kill_after + 1, args.steps - 1)
         codes.append(client.run(killed_after, rng.uniform(0.0, 1.0) * _mean_step_s(run)))
-        before, checkpoint = trajectory_order(run), last_checkpoint(run)
-        first_calls = calls_before()
+        latest = latest_checkpoint(run)
+        before, checkpoint = trajectory_order(run), latest.step if latest else None
+        first_calls = list(server.calls) if server else []
         if server:
             server.new_client()
         resumed_client = ClientRun([sys.executable, "-m", "retool", "train", "--resume", str(run)], run, env)
@@ -312,10 +313,10 @@ def _rehearse(args: argparse.Namespace, server: LatencyTinkerServer | None, url:
                                 [c for c in resumed if c.step in overlap])
             calls = [c for c in first_calls if resumed_from is None or c.step < resumed_from] + resumed
         else:
-            resumed_from, redone, calls = checkpoint, order, []
+            resumed_from, calls = checkpoint, []
     else:
         codes.append(client.run())
-        calls = calls_before()
+        calls = list(server.calls) if server else []
     rows = _read_rows(run / "metrics.jsonl")
     if server:
         marks, tokens, gaps = list(server.step_marks), dict(server.tokens), dict(server.gaps)
@@ -326,22 +327,17 @@ def _rehearse(args: argparse.Namespace, server: LatencyTinkerServer | None, url:
 
 
 def trajectory_order(run: Path) -> dict[int, list[tuple[int, int, str]]]:
-    """Step -> (group, index, problem id) of every trajectory in its file: the run's data
-    order, read on the client's side (a file a SIGKILL cut short is left out)."""
-    order = {}
-    for path in sorted((run / "trajectories").glob("step_*.jsonl.gz")):
+    """Step -> (group, index, problem id) of every trajectory in the run's trajectories
+    files: its data order, read on the client's side (an unreadable file is left out)."""
+    order: dict[int, list[tuple[int, int, str]]] = {}
+    for path in sorted((run / "trajectories").glob("*.jsonl.gz")):
         try:
-            with gzip.open(path, "rt") as f:
-                records = [json.loads(line) for line in f]
-        except (OSError, EOFError, json.JSONDecodeError):
+            rows = read_trajectory_log(path)
+        except TrajectoryLogError:
             continue
-        order[int(path.name[5:11])] = sorted((r["group"], r["index"], r["trajectory"]["problem_id"]) for r in records)
-    return order
-
-
-def last_checkpoint(run: Path) -> int | None:
-    steps = [int(p.name[5:]) for p in (run / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
-    return max(steps, default=None)
+        for r in rows:
+            order.setdefault(r.step, []).append((r.group, r.index, r.trajectory.problem_id))
+    return {step: sorted(keys) for step, keys in order.items()}
 
 
 def same_order(before: dict[int, list], after: dict[int, list], checkpoint: int | None) -> tuple[bool, str]:
@@ -771,12 +767,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill:
         print(f"SIGKILL at a random point after step {outcome.killed_after} (> {args.kill_after}): exit codes {outcome.returncodes}; resumed from step "
               f"{outcome.resumed_from}; finished with {len(outcome.rows)} metric rows")
-        if args.service == "latency":
+        if outcome.redone is not None:
             print(f"steps redone after the resume asked the service what they asked before the kill: "
                   f"{outcome.redone[0]} ({outcome.redone[1]})")
         print(f"steps redone after the resume rolled out the problems they rolled out before the kill, group by "
               f"group: {outcome.order[0]} ({outcome.order[1]})")
-        ok = ok and outcome.redone[0] and outcome.order[0]
+        ok = ok and (outcome.redone is None or outcome.redone[0]) and outcome.order[0]
     if args.compare:
         reference = rehearse(args, model, work / "uninterrupted", tokenizer_dir, data, kill=False)
         same, detail = same_calls(reference.calls, outcome.calls)
