@@ -163,9 +163,13 @@ class SamplingParams:
     temperature-1 distribution). ``top_k`` 0 and ``top_p`` 1.0 disable those filters.
     ``stop_token_ids`` end a sequence when sampled; empty means the model's
     end-of-sequence tokens. ``seed`` makes a request reproducible: the same seed, prompt
-    and settings give the same tokens (on the local engine whichever other requests
-    share its batch); ``None`` draws from the engine's own seeded stream. Stop *strings*
-    are not supported: rollouts stop on tokens.
+    and settings draw the same random numbers, on the local engine whichever other
+    requests share its batch, so the tokens are the same wherever the logits are. The
+    local sampler's batch layout (what its rows share, their padding, KV reused from an
+    earlier turn) changes the logits' float rounding: in fp32 by ~1e-5 (a token rarely
+    changes), in bf16 by up to tenths of a nat (tokens often part after a few dozen;
+    ``bench/sampler_invariance.py``). ``None`` draws from the engine's own seeded stream.
+    Stop *strings* are not supported: rollouts stop on tokens.
     """
 
     max_tokens: int

@@ -65,8 +65,10 @@ class RowSampler:
 
     At each step it keeps ``log_softmax(logits / T)`` (the unfiltered policy at the
     sampling temperature), applies top-k/top-p (HF's warpers) to the scaled logits and
-    draws one token per row with that row's own generator, so a seeded request gets the
-    same tokens whichever requests share its batch. It returns scores that are ``-inf``
+    draws one token per row with that row's own generator, so a seeded request's draws do
+    not depend on which requests share its batch (its tokens do where the batch's float
+    rounding moves a logit across a draw: rare in fp32, common in bf16; see
+    ``SamplingParams``). It returns scores that are ``-inf``
     except at the drawn token, which HF's greedy step then takes. The token drawn at
     step t is read back from ``input_ids`` at step t + 1 (or at the end) to pick out its
     logprob. Temperature 0 takes the argmax.
