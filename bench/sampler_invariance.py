@@ -7,7 +7,7 @@ out by what its rows share (a shared prefix computed once, each row's own column
 to the longest, the stored KV of an earlier turn reused), and each layout rounds
 differently. This script measures how far that goes on the rollout's own prompts
 (system prompt, tool declaration, an arithmetic question; ``--requests`` of them, each
-asked for ``--samples`` samples at temperature 1 and top-p 1, the demo's RL shape):
+asked for ``--samples`` samples at temperature 1 and top-p 1, as the demo's RL samples):
 
 - **alone**: each request in a batch of its own, the KV store emptied before it (the
   reference);
