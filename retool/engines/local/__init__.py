@@ -24,7 +24,7 @@ Generation runs in eval mode under ``torch.no_grad`` with the adapter active.
 Sampling is seeded and never touches torch's global RNG: every row draws with its own
 generator, seeded from ``(SamplingParams.seed, sample index)`` for a seeded request
 (the same draws whatever else shares its batch; the same tokens up to the float
-rounding of the batch's layout, which in bf16 often changes a token: ``SamplingParams``)
+rounding of the batch's layout, which in bf16 can change a token: ``SamplingParams``)
 and from ``(config.seed, generate calls so far, row position)``
 otherwise (the same run of requests, batched the same way, repeats exactly;
 ``save_state``/``load_state`` carry the seed and call counter).

@@ -67,7 +67,7 @@ class RowSampler:
     sampling temperature), applies top-k/top-p (HF's warpers) to the scaled logits and
     draws one token per row with that row's own generator, so a seeded request's draws do
     not depend on which requests share its batch (its tokens do where the batch's float
-    rounding moves a logit across a draw: rare in fp32, common in bf16; see
+    rounding moves a logit across a draw: rare in fp32, more often in bf16; see
     ``SamplingParams``). It returns scores that are ``-inf``
     except at the drawn token, which HF's greedy step then takes. The token drawn at
     step t is read back from ``input_ids`` at step t + 1 (or at the end) to pick out its
