@@ -33,23 +33,18 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
+from pathlib import Path
 
-from retool.engines import LocalSettings
-from retool.engines.base import SamplingParams
-from retool.engines.local import LocalEngineConfig, LocalTrainingClient
-from retool.protocol import SYSTEM_PROMPT
-from retool.render import Renderer
-from retool.tasks import make_problems
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.sampling import tool_prompts  # noqa: E402 - the rollout's first-turn prompts
+from retool.engines import LocalSettings  # noqa: E402
+from retool.engines.base import SamplingParams  # noqa: E402
+from retool.engines.local import LocalEngineConfig, LocalTrainingClient  # noqa: E402
 
 Sample = tuple[tuple[int, ...], tuple[float, ...]]
-
-
-def rollout_prompts(tokenizer, n: int) -> list[list[int]]:
-    """The rollout's first-turn prompts for ``n`` held-out arithmetic problems."""
-    renderer = Renderer(tokenizer, chat_template="hermes", tools=True)
-    return [renderer.prompt_tokens([{"role": "system", "content": SYSTEM_PROMPT},
-                                    {"role": "user", "content": p.question}])
-            for p in make_problems(n, seed=1, split="test")]
 
 
 async def _sample(sampler, prompts_P: list[list[int]], indices: list[int], samples: int,
@@ -82,7 +77,7 @@ def measure(args, precision: str) -> None:
         model=args.model, init_from=args.init_from,
         sampler=LocalSettings(precision=precision, max_sample_rows=args.requests * args.samples)))
     sampler = engine.save_weights_for_sampler()
-    prompts_P = rollout_prompts(engine.get_tokenizer(), args.requests)
+    prompts_P = tool_prompts(engine.get_tokenizer(), args.requests)
     indices = list(range(args.requests))
     alone: dict[int, list[Sample]] = {}
     for i in indices:
