@@ -37,9 +37,10 @@ earlier 96 x 2 held-out, which do not depend on it; the evals rerun): +10.9 (z 4
 (z 4.19), +11.5 (z 2.85), +13.5 (z 4.29), and for 7 and 11 +4.2 (z 1.71) and +2.1 (z 0.89):
 within the noise (seed 11's cold start was at 85 %); seeds 13, 17, 29, 31, 37, 43, 47
 and 23, fresh and never run before, +29.7 (z 8.56), +7.8 (z 3.54), +26.6 (z 8.31), +10.9
-(z 4.60), +10.4 (z 3.92), +6.2 (z 2.60), +12.0 (z 3.81) and +1.0 (z 0.43, within the noise: a cold start at 86.5 %);
-22.5–26.9 minutes, peaks 2.39–2.74 GiB. Here bf16 training is only 1.27x faster than fp32, so the demo takes
-longer than the 20 minutes its sizes were chosen for; on an Intel Xeon with AMX, at
+(z 4.60), +10.4 (z 3.92), +6.2 (z 2.60), +12.0 (z 3.81) and +1.0 (z 0.43, within the
+noise: a cold start at 86.5 %); 22.5–26.9 minutes, peaks 2.39–2.74 GiB. Here bf16
+training is only 1.27x faster than fp32, so the demo takes longer than the 20 minutes its
+sizes were chosen for; on an Intel Xeon with AMX, at
 d9a2fd6 with 96 x 2 held-out, seeds 42, 1, 3 and 5 gained +9.9 to +17.2 points (z
 2.69–4.11) and seed 2 +2.1 (z 0.60, within the noise) in 16.9–18.8 minutes. On two cores
 without native bf16 (AVX2 only), where ``auto`` runs fp32, at earlier commits: 35–49
