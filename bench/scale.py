@@ -87,7 +87,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scale_policy import make_problems  # noqa: E402
+from bench.scale_policy import TIMEOUT_RATE, make_problems  # noqa: E402
 from bench.steady import steady_rows  # noqa: E402
 from bench.tinker_latency import LatencyModel, LatencyTinkerServer, ServiceCall, replace_model  # noqa: E402
 from retool.runs import latest_checkpoint  # noqa: E402
@@ -281,7 +281,8 @@ def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenize
     if args.service != "latency":  # the user's own key stays in the environment, as the SDK reads it
         return _rehearse(args, None, args.base_url, env, work, tokenizer_dir, data, kill, stream, max_staleness)
     env = {k: v for k, v in env.items() if k not in KEY_ENV.values()}  # a real key never goes near the latency model
-    with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model) as server:
+    with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model,
+                             TIMEOUT_RATE if args.timeout_rate is None else args.timeout_rate) as server:
         return _rehearse(args, server, server.url, {**env, "TINKER_API_KEY": API_KEY}, work, tokenizer_dir, data,
                          kill, stream, max_staleness)
 
@@ -590,6 +591,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
     parser.add_argument("--sandbox-timeout-s", type=float, default=None,
                         help="override the preset's 30 s sandbox timeout (a soak: fewer long stalls)")
     parser.add_argument("--sandbox-workers", type=int, default=None, help="override the preset's 8 workers")
+    parser.add_argument("--timeout-rate", type=float, default=None,
+                        help=f"the scripted policy's share of snippets that loop to the sandbox timeout (default "
+                             f"{TIMEOUT_RATE:g}; the reference run reported 0.02-0.03)")
     parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=None,
                         help="SIGKILL after step --kill-after and resume (default: on when --steps > 101)")
     parser.add_argument("--kill-after", type=int, default=KILL_AFTER_STEP,
@@ -633,6 +637,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         model = replace_model(defaults, **{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
     except ValueError as err:
         parser.error(str(err))
+    if args.timeout_rate is not None and not 0.0 <= args.timeout_rate <= 0.5:
+        parser.error(f"--timeout-rate must be in [0, 0.5], got {args.timeout_rate:g}")
     if args.service != "latency":
         _check_real_service(parser, args)
     elif args.max_cost is not None or args.price_table is not None or args.base_url is not None:
@@ -647,9 +653,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
     args.lags = sorted({k for k in args.max_staleness if k})  # the sampling-ahead runs to compare
     if args.engine == "vllm":
         if len(args.lags) != 1 or args.stream_groups or args.compare or args.repeats < 1 \
+                or args.timeout_rate is not None \
                 or args.steps < max(args.lags, default=0) + 2:
             parser.error("--engine vllm compares one --max-staleness K >= 1 with synchronous steps: give "
-                         "--max-staleness K, --steps >= K + 2 and --repeats >= 1 (no --stream-groups / --compare)")
+                         "--max-staleness K, --steps >= K + 2 and --repeats >= 1 (no --stream-groups / --compare / "
+                         "--timeout-rate)")
         args.kill = False
     args.max_staleness = args.lags[0] if args.lags else 0  # the first (--engine vllm: the only) K
     if args.kill and args.lags:
@@ -678,6 +686,7 @@ def _check_real_service(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"--service {args.service} runs one run (each comparison is another full bill): no --engine vllm, "
                      f"--compare, --stream-groups or --max-staleness")
     given = [f.name for f in fields(LatencyModel) if getattr(args, f.name) is not None]
+    given += ["timeout_rate"] if args.timeout_rate is not None else []
     if given:
         parser.error(f"--service {args.service}: the latency-model flags do not apply ({', '.join(given)})")
 
@@ -747,7 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_dir = qwen35_tokenizer_folder(work / "qwen3.5-tokenizer")
     data = write_problems(work / "train.jsonl", args.problems)
     if args.service == "latency":
-        print(f"latency model: {model}\nwork dir {work}; load {os.getloadavg()}", flush=True)
+        rate = TIMEOUT_RATE if args.timeout_rate is None else args.timeout_rate
+        print(f"latency model: {model}\nscripted policy: {100 * rate:g} % of snippets loop to the sandbox timeout"
+              f"\nwork dir {work}; load {os.getloadavg()}", flush=True)
         for service, env in KEY_ENV.items():
             if os.environ.get(env):
                 print(f"{env} is set: --service {service} --max-cost USD --price-table FILE runs this against the "

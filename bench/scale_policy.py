@@ -50,7 +50,9 @@ ERROR_RATE = 0.06
 LONG_OUTPUT_RATE = 0.04
 """Share of calls that print far more than the tool-response budget."""
 TIMEOUT_RATE = 0.004
-"""Share of calls that loop until the sandbox's timeout (about one per 2.5 steps)."""
+"""Share of calls that loop until the sandbox's timeout (about one per 2.5 steps); the
+reference run reported 2-3 % (``ScriptedPolicy(timeout_rate=...)``, ``bench/scale.py
+--timeout-rate``)."""
 CORRECT_RATE = 0.5
 
 _WORDS = ("so", "the", "sum", "term", "we", "check", "each", "case", "then", "value", "count", "next",
@@ -112,16 +114,29 @@ def _divisor_count(n: int) -> int:
     return count * (2 if n > 1 else 1)
 
 
-def snippet(question: str, rng: random.Random) -> str:
+def snippet(question: str, rng: random.Random, timeout_rate: float = TIMEOUT_RATE) -> str:
     """A real snippet for the question: plain, sympy or numpy; some raise, some print
-    long output, a rare one never ends."""
+    long output, a share ``timeout_rate`` never ends.
+
+    One draw decides the kind. Above the default rate the extra timeouts come from the
+    top of the draw's range, after the plain snippet's own draws, so a higher rate turns
+    some plain calls into endless loops and changes nothing else the trajectory draws."""
     roll = rng.random()
-    if roll < TIMEOUT_RATE:
-        return "total = 0\nwhile True:\n    total += 1"
-    if roll < TIMEOUT_RATE + ERROR_RATE:
+    if roll < min(timeout_rate, TIMEOUT_RATE):
+        return _ENDLESS
+    if TIMEOUT_RATE <= roll < TIMEOUT_RATE + ERROR_RATE:
         return rng.choice(("print(undefined_total)", "values = [1, 2, 3]\nprint(values[7])", "print(1 / 0)"))
-    if roll < TIMEOUT_RATE + ERROR_RATE + LONG_OUTPUT_RATE:
+    if TIMEOUT_RATE + ERROR_RATE <= roll < TIMEOUT_RATE + ERROR_RATE + LONG_OUTPUT_RATE:
         return "print([k * k for k in range(1, 3000)])"
+    code = _plain(question, rng)
+    return _ENDLESS if roll >= 1.0 - max(0.0, timeout_rate - TIMEOUT_RATE) else code
+
+
+_ENDLESS = "total = 0\nwhile True:\n    total += 1"
+
+
+def _plain(question: str, rng: random.Random) -> str:
+    """The snippet that computes the question's answer, in one of three styles."""
     numbers = [int(x) for x in re.findall(r"\d+", question)]
     style = rng.choice(("plain", "sympy", "numpy"))
     if "sum of the squares" in question:
@@ -168,8 +183,11 @@ def make_plan(attempt: int) -> Plan:
 class ScriptedPolicy:
     """Sampled text for a prompt, as the service's answer to a sample request."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, timeout_rate: float = TIMEOUT_RATE) -> None:
+        if not 0.0 <= timeout_rate <= 0.5:
+            raise ValueError(f"timeout_rate must be in [0, 0.5], got {timeout_rate:g}")
         self.tokenizer = tokenizer
+        self.timeout_rate = timeout_rate
         self._sentences = self._sentence_pool()
 
     def _sentence_pool(self) -> list[tuple[str, int]]:
@@ -198,7 +216,7 @@ class ScriptedPolicy:
         head = f"Let me work through this carefully (attempt {plan.attempt}). " if turn == 0 else ""
         body = head + self._filler(words, rng)
         if turn < plan.calls:
-            return body + "\n\n" + tool_call(snippet(question, rng), rng.random() < MALFORMED_RATE)
+            return body + "\n\n" + tool_call(snippet(question, rng, self.timeout_rate), rng.random() < MALFORMED_RATE)
         answer = solve(question)
         return body + f"\n\nSo the answer is:\n\\boxed{{{answer if plan.correct else answer + rng.randint(1, 9)}}}"
 

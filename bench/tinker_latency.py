@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.scale_policy import ScriptedPolicy
+from bench.scale_policy import TIMEOUT_RATE, ScriptedPolicy
 from tests.fake_tinker_http import TinkerHTTPFake, _forward_backward_from_proto, _forward_backward_proto, _sample_proto
 
 
@@ -187,10 +187,11 @@ class ServiceCall:
 class LatencyTinkerServer(TinkerHTTPFake):
     """A Tinker-compatible HTTP server on 127.0.0.1 whose work is time; a context manager."""
 
-    def __init__(self, root: str | Path, tokenizer: Any, model: LatencyModel = LatencyModel()) -> None:
+    def __init__(self, root: str | Path, tokenizer: Any, model: LatencyModel = LatencyModel(),
+                 timeout_rate: float = TIMEOUT_RATE) -> None:
         super().__init__(root)
         self.model = model
-        self.policy = ScriptedPolicy(tokenizer)
+        self.policy = ScriptedPolicy(tokenizer, timeout_rate)
         self.budget = ThroughputBudget()
         self.cache = PrefixCache(model.prefix_cache_tokens)
         self.calls: list[ServiceCall] = []

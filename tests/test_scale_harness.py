@@ -145,6 +145,24 @@ def test_the_policy_has_the_reference_runs_shape_and_real_answers():
     assert len(tokens) == len(logprobs) == 16 and reason == "length"
 
 
+def test_the_timeout_rate_turns_calls_into_timeouts_and_changes_nothing_else():
+    """``--timeout-rate``: the reference run's 2-3 % of calls at the timeout, not the
+    default 0.4 %; the same plans, turns and answers, only snippets become endless loops."""
+    tokenizer = qwen35_tokenizer()
+    default, reference = ScriptedPolicy(tokenizer), ScriptedPolicy(tokenizer, timeout_rate=0.025)
+    loop = "while True:"
+    contexts = [f"<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n" for p in make_problems(9)]
+    pairs = [(default.text(c, seed), reference.text(c, seed)) for c in contexts for seed in range(200)]
+    calls = [pair for pair in pairs if "<tool_call>" in pair[0]]
+    loops = [sum(loop in text for text in side) for side in zip(*calls)]
+    assert loops[0] < loops[1] and 0.01 < loops[1] / len(calls) < 0.05
+    for before, after in pairs:  # a call that did not become a loop is the same text
+        assert before == after or (loop in after and loop not in before)
+        assert before.split("<tool_call>")[0] == after.split("<tool_call>")[0]
+    with pytest.raises(ValueError, match="timeout_rate"):
+        ScriptedPolicy(tokenizer, timeout_rate=0.95)
+
+
 def test_requests_in_flight_share_the_throughput_budget():
     budget = ThroughputBudget()
     try:
@@ -225,7 +243,11 @@ def test_a_tokenizer_setting_must_be_a_folder(tmp_path):
                                             (["--engine", "vllm", "--steps", "4", "--max-staleness", "1", "2"],
                                              "compares one --max-staleness K"),
                                             (["--engine", "vllm", "--steps", "3", "--max-staleness", "2"],
-                                             "--steps >= K + 2")])
+                                             "--steps >= K + 2"),
+                                            (["--timeout-rate", "0.9"], "--timeout-rate must be in [0, 0.5]"),
+                                            (["--timeout-rate", "-0.1"], "--timeout-rate must be in [0, 0.5]"),
+                                            (["--engine", "vllm", "--steps", "4", "--max-staleness", "1",
+                                              "--timeout-rate", "0.02"], "--timeout-rate")])
 def test_bad_bench_flags_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         scale.parse_args(flags)
