@@ -288,6 +288,21 @@ def test_the_sandbox_wait_bench_splits_queueing_from_the_hand_over():
         scale_sandbox.main(["--workers", "0"])
 
 
+@pytest.mark.parametrize("demote", [False, True])
+def test_the_sandbox_wait_bench_runs_spinning_calls_beside_the_bursts(demote, capsys):
+    from bench import scale_sandbox
+
+    code = scale_sandbox.burst_snippets(4, seed=1)
+    started = time.monotonic()
+    figures = scale_sandbox.measure("spinning", 3, [code[:2], code[2:]], 10.0, loops=1, loop_timeout_s=1.0,
+                                    demote=demote)
+    assert figures.calls == 4 and 0 < figures.run_p50 <= figures.run_p95
+    assert time.monotonic() - started >= 2 * 1.0  # each burst waited for its spinning call's timeout
+    with pytest.raises(SystemExit):
+        scale_sandbox.main(["--workers", "2", "--loops", "2"])
+    assert "must each be > --loops" in capsys.readouterr().err
+
+
 SECRET = "tml-planted-secret-key-0123456789abcdef"
 
 

@@ -118,6 +118,8 @@ PREFORK_IDLE_S = 0.05
 """How long the zygote must have had nothing to do before it forks a child ahead: longer
 than a session's calls are apart when they come back to back, far shorter than the time
 a model takes to write its next call."""
+DEMOTED_NICE = 19
+"""The nice value of a stateless call past ``demote_after_s`` (the lowest priority)."""
 PREFORK_NICE = 10
 """How much lower the templates run (as root): children forked ahead take spare CPU only."""
 seccomp = _load_sibling("seccomp")
@@ -359,6 +361,9 @@ class Call:
         self.started = time.monotonic()
         self.deadline = self.started + req["timeout_s"]
         self.killed: str | None = None  # "timeout" / "output_limit" / "cancelled"
+        self.demote_at = math.inf  # when it goes to DEMOTED_NICE (stateless calls only)
+        self.demoted = False
+        self.demoted_pids: set[int] = set()
         self.done = False  # answered and cleaned up
         self.session: Session | None = None  # the stateful interpreter it runs in, if any
         self.fresh = True  # runs in an interpreter started for it (always, without a session)
@@ -668,6 +673,8 @@ class Zygote:
                      else _memory_file("stdin", req["stdin"].encode()))
             call.started = time.monotonic()
             call.deadline = call.started + req["timeout_s"]
+            if self.cfg.get("demote_after_s"):
+                call.demote_at = call.started + self.cfg["demote_after_s"]
             self._hand_over(child, {"code": req["code"], "cpu_s": req["cpu_s"], "memory_mb": req["memory_mb"],
                                     "auto_print": req.get("auto_print", True)}, stdin)
         except BaseException:
@@ -925,7 +932,7 @@ class Zygote:
         return self.cfg["max_output_bytes"] if name in ("stdout", "stderr") else 1 << 16
 
     def _next_timeout(self) -> float | None:
-        deadlines = [c.deadline for c in self.calls.values() if not c.killed]
+        deadlines = [min(c.deadline, c.demote_at) for c in self.calls.values() if not c.killed]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         if (self.calls or self.sessions) and not hasattr(os, "pidfd_open"):
             timeout = 0.005 if timeout is None else min(timeout, 0.005)  # poll for exits
@@ -947,14 +954,45 @@ class Zygote:
         for call in list(self.calls.values()):
             if not call.killed and now >= call.deadline:
                 self._kill(call, "timeout")
+            elif not call.killed and now >= call.demote_at:
+                call.demote_at = math.inf
+                self._demote(call)
         if now >= self.next_cpu_check:
             self.next_cpu_check = now + CPU_POLL_S
             self._enforce_cpu_time()
 
+    def _demote(self, call: Call) -> None:
+        """Every process of a long-running stateless call to :data:`DEMOTED_NICE`, and the
+        autogroup of its session with it (where the kernel groups sessions, it weighs them
+        against each other first, so a process's own nice value only counts within its
+        session): those in its control group (the slot's template, which forks the slot's
+        next runner, left out), else its process group; children inherit both. With a
+        control group this repeats every :data:`CPU_POLL_S` for processes not seen yet, so
+        one that starts a session of its own (``setsid``) is demoted again."""
+        call.demoted = True
+        template = self.slot_templates.get(call.slot)
+        if call.group is not None:
+            pids = [pid for pid in call.group.pids() if pid not in call.demoted_pids
+                    and (template is None or pid != template.pid)]
+            call.demoted_pids.update(pids)
+            targets = [(os.PRIO_PROCESS, pid) for pid in pids]
+        else:
+            targets = [(os.PRIO_PGRP, call.pid)]
+        for which, who in targets:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # gone, or not ours to lower
+                os.setpriority(which, who, DEMOTED_NICE)
+            if which == os.PRIO_PROCESS:
+                with contextlib.suppress(OSError):  # no autogroups here, or the process is gone
+                    with open(f"/proc/{who}/autogroup", "w") as f:
+                        f.write(str(DEMOTED_NICE))
+
     def _enforce_cpu_time(self) -> None:
         """Kill each call whose processes together (its control group: every thread, every
-        child, the session interpreter's daemon threads) used more than its CPU time."""
+        child, the session interpreter's daemon threads) used more than its CPU time; demote
+        the processes a demoted call started since the last look."""
         for call in list(self.calls.values()):
+            if call.demoted and call.group is not None and not call.killed:
+                self._demote(call)
             if call.group is not None and not call.killed:
                 if call.group.cpu_seconds() - call.group_cpu_base > call.req["cpu_s"]:
                     self._kill(call, "cpu_time")
@@ -1921,6 +1959,8 @@ def _apply_limits(req: dict, cfg: dict, baseline_bytes: int, session_cap: int | 
         (resource.RLIMIT_NPROC, (cfg["max_processes"],) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
     ]
+    if hasattr(resource, "RLIMIT_NICE"):  # Linux: a demoted call cannot raise its priority again
+        limits.append((resource.RLIMIT_NICE, (0, 0)))
     for which, value in limits:
         resource.setrlimit(which, value)
     if sys.platform.startswith("linux"):

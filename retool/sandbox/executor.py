@@ -110,6 +110,12 @@ class SandboxConfig:
     """Cap on stdout and on stderr, each; a call that exceeds it is killed (``output_limit``)."""
     workers: int = 8
     """Calls running at once (stateless and session calls together); further calls wait in the queue."""
+    demote_after_s: float | None = 1.0
+    """A stateless call still running after this many seconds runs its remaining time at
+    the lowest CPU priority (nice 19, every process of it, those it starts later too), so
+    a snippet that spins to its timeout takes only the CPU the short calls beside it, the
+    sampler and the trainer leave; it cannot raise its priority again (RLIMIT_NICE 0, no
+    capabilities). Its wall timeout and CPU-time bound are unchanged. ``None``: never."""
     session_memory_mb: int | None = None
     """Memory a session's interpreter may hold in all, in MiB on top of the baseline (a
     hard limit; each call may still grow it by only ``memory_mb``). ``None``: 4 x ``memory_mb``."""
@@ -152,6 +158,8 @@ class SandboxConfig:
     ``session_netns``, ``cgroups``, ``prefork``: fork each child when its request comes)."""
 
     def __post_init__(self) -> None:
+        if self.demote_after_s is not None and not self.demote_after_s > 0:
+            raise ValueError(f"SandboxConfig.demote_after_s must be > 0 or None, got {self.demote_after_s!r}")
         positive = ("timeout_s", "memory_mb", "max_file_mb", "max_processes", "max_output_bytes",
                     "workers", "max_sessions", "scratch_mb", "call_scratch_mb", "start_timeout_s")
         for name in positive:
@@ -224,7 +232,7 @@ class _Zygote:
 
     def _wire_config(self) -> dict:
         c = self.cfg
-        return {"workers": c.workers, "max_sessions": c.max_sessions,
+        return {"workers": c.workers, "max_sessions": c.max_sessions, "demote_after_s": c.demote_after_s,
                 "session_memory_mb": c.session_memory_mb or 4 * c.memory_mb, "preload": list(c.preload),
                 "network": c.network,
                 "scratch_mb": c.scratch_mb, "call_scratch_mb": c.call_scratch_mb, "uid_base": c.uid_base, "prefork": c.prefork, "max_processes": c.max_processes,
