@@ -148,6 +148,10 @@ class RolloutBudgets:
     sandbox_workers: int = option(8, "concurrent sandbox executions")
     sandbox_timeout_s: float = option(30.0, f"wall-clock limit of one code execution (at most {MAX_TIMEOUT_S:g} s)")
     sandbox_memory_mb: int = option(2048, "memory one code execution may allocate (MiB, on top of the preloaded modules)")
+    sandbox_demote_after_s: float = option(0.0, "seconds after which a running code execution drops to the "
+                                           "lowest CPU priority, so calls that spin to their timeout leave the "
+                                           "cores to short ones (0: never; only where the sampler and trainer "
+                                           "are not on this machine's CPU)")
     sandbox_strict: bool = option(False, "refuse to start unless the sandbox has full isolation")
     interpreter: str = option("stateless", "stateless: every code call starts a fresh Python; stateful: "
                               "one Python session per trajectory keeps variables between its calls "
@@ -158,6 +162,8 @@ class RolloutBudgets:
             raise ConfigError(problem)
         for name in ("sandbox_workers", "sandbox_memory_mb"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.sandbox_demote_after_s >= 0,  # false for nan
+                f"sandbox_demote_after_s must be >= 0 seconds (0: never), got {self.sandbox_demote_after_s!r}")
         require(self.interpreter in INTERPRETERS,
                 f"interpreter must be one of {', '.join(INTERPRETERS)}, got {self.interpreter!r}")
         require(0 < self.sandbox_timeout_s <= MAX_TIMEOUT_S,  # false for nan
@@ -187,7 +193,8 @@ class RolloutBudgets:
     def sandbox_config(self) -> SandboxConfig:
         """The sandbox's limits and pool size."""
         return SandboxConfig(timeout_s=self.sandbox_timeout_s, memory_mb=self.sandbox_memory_mb,
-                             workers=self.sandbox_workers, strict=self.sandbox_strict)
+                             workers=self.sandbox_workers, strict=self.sandbox_strict,
+                             demote_after_s=self.sandbox_demote_after_s or None)
 
 
 class CodeRunner:

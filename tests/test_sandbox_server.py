@@ -516,6 +516,32 @@ def test_train_and_eval_refuse_unbounded_sandbox_timeouts(value, tmp_path, capsy
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_train_and_eval_refuse_a_negative_demotion_threshold(value, tmp_path, capsys):
+    for command in (["train", "--run-dir", str(tmp_path / "run")], ["eval", "--output", str(tmp_path / "e.jsonl")]):
+        code = _cli(*command, "--sandbox-demote-after-s", value)
+        assert code == 2 and "sandbox_demote_after_s must be >= 0 seconds (0: never)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_demotion_is_off_by_default_and_on_in_the_service_presets():
+    """Off where the sampler may share the CPU (a demoted call would get almost none);
+    on, with 32 workers, where calls at the reference run's timeout rate would otherwise
+    hold the workers and the cores from the short ones."""
+    from retool.config import load_toml, make_config
+    from retool.sandbox import SandboxConfig
+    from retool.train import TrainConfig
+
+    assert make_config(TrainConfig).sandbox_config().demote_after_s is None
+    assert SandboxConfig().demote_after_s is None
+    repo = Path(__file__).resolve().parents[1]
+    for name, (workers, demote) in {"qwen35-4b-tinker": (32, 1.0), "qwen35-4b-pytrio": (32, 1.0),
+                                    "qwen35-4b-vllm": (32, 1.0), "qwen35-4b-local": (8, None),
+                                    "cpu-smollm2": (4, None)}.items():
+        cfg = make_config(TrainConfig, **load_toml(TrainConfig, repo / "configs" / f"{name}.toml"))
+        assert (cfg.sandbox_config().workers, cfg.sandbox_config().demote_after_s) == (workers, demote), name
+
+
 def test_cli_strict_flags_are_wired():
     from retool.cli import parse_args
 

@@ -363,7 +363,7 @@ class Call:
         self.killed: str | None = None  # "timeout" / "output_limit" / "cancelled"
         self.demote_at = math.inf  # when it goes to DEMOTED_NICE (stateless calls only)
         self.demoted = False
-        self.demoted_pids: set[int] = set()
+        self.demoted_pids: dict[int, int] = {}  # pid -> the session it was demoted in
         self.done = False  # answered and cleaned up
         self.session: Session | None = None  # the stateful interpreter it runs in, if any
         self.fresh = True  # runs in an interpreter started for it (always, without a session)
@@ -967,15 +967,20 @@ class Zygote:
         against each other first, so a process's own nice value only counts within its
         session): those in its control group (the slot's template, which forks the slot's
         next runner, left out), else its process group; children inherit both. With a
-        control group this repeats every :data:`CPU_POLL_S` for processes not seen yet, so
-        one that starts a session of its own (``setsid``) is demoted again."""
+        control group this repeats every :data:`CPU_POLL_S` for processes not seen yet and
+        for those in another session since (``setsid`` starts a new autogroup at nice 0)."""
         call.demoted = True
         template = self.slot_templates.get(call.slot)
         if call.group is not None:
-            pids = [pid for pid in call.group.pids() if pid not in call.demoted_pids
-                    and (template is None or pid != template.pid)]
-            call.demoted_pids.update(pids)
-            targets = [(os.PRIO_PROCESS, pid) for pid in pids]
+            targets = []
+            for pid in call.group.pids():
+                try:
+                    session = os.getsid(pid)
+                except OSError:  # gone
+                    continue
+                if call.demoted_pids.get(pid) != session and (template is None or pid != template.pid):
+                    call.demoted_pids[pid] = session  # again if it starts a session of its own later
+                    targets.append((os.PRIO_PROCESS, pid))
         else:
             targets = [(os.PRIO_PGRP, call.pid)]
         for which, who in targets:

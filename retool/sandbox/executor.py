@@ -110,12 +110,15 @@ class SandboxConfig:
     """Cap on stdout and on stderr, each; a call that exceeds it is killed (``output_limit``)."""
     workers: int = 8
     """Calls running at once (stateless and session calls together); further calls wait in the queue."""
-    demote_after_s: float | None = 1.0
+    demote_after_s: float | None = None
     """A stateless call still running after this many seconds runs its remaining time at
-    the lowest CPU priority (nice 19, every process of it, those it starts later too), so
-    a snippet that spins to its timeout takes only the CPU the short calls beside it, the
-    sampler and the trainer leave; it cannot raise its priority again (RLIMIT_NICE 0, no
-    capabilities). Its wall timeout and CPU-time bound are unchanged. ``None``: never."""
+    the lowest CPU priority (nice 19 and its session's autogroup at 19, every process of
+    it, those it starts later too), so a snippet that spins to its timeout takes only the
+    CPU the short calls beside it leave; it cannot raise its priority again (RLIMIT_NICE
+    0, no capabilities). Its wall timeout and CPU-time bound are unchanged. ``None`` (the
+    default): never. For a sandbox that has the machine's CPU to itself (the sampler and
+    trainer on a service or a GPU): beside a sampler that keeps every core busy (the local
+    engine on a CPU) a demoted call gets almost no CPU and may run into its timeout."""
     session_memory_mb: int | None = None
     """Memory a session's interpreter may hold in all, in MiB on top of the baseline (a
     hard limit; each call may still grow it by only ``memory_mb``). ``None``: 4 x ``memory_mb``."""
