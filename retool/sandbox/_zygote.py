@@ -986,10 +986,9 @@ class Zygote:
         for which, who in targets:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # gone, or not ours to lower
                 os.setpriority(which, who, DEMOTED_NICE)
-            if which == os.PRIO_PROCESS:
-                with contextlib.suppress(OSError):  # no autogroups here, or the process is gone
-                    with open(f"/proc/{who}/autogroup", "w") as f:
-                        f.write(str(DEMOTED_NICE))
+            with contextlib.suppress(OSError):  # no autogroups here, or gone (a group: its leader's session)
+                with open(f"/proc/{who}/autogroup", "w") as f:
+                    f.write(str(DEMOTED_NICE))
 
     def _enforce_cpu_time(self) -> None:
         """Kill each call whose processes together (its control group: every thread, every
