@@ -281,8 +281,7 @@ def rehearse(args: argparse.Namespace, model: LatencyModel, work: Path, tokenize
     if args.service != "latency":  # the user's own key stays in the environment, as the SDK reads it
         return _rehearse(args, None, args.base_url, env, work, tokenizer_dir, data, kill, stream, max_staleness)
     env = {k: v for k, v in env.items() if k not in KEY_ENV.values()}  # a real key never goes near the latency model
-    with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model,
-                             TIMEOUT_RATE if args.timeout_rate is None else args.timeout_rate) as server:
+    with LatencyTinkerServer(work / "service", qwen35_tokenizer(), model, args.timeout_rate) as server:
         return _rehearse(args, server, server.url, {**env, "TINKER_API_KEY": API_KEY}, work, tokenizer_dir, data,
                          kill, stream, max_staleness)
 
@@ -666,6 +665,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Laten
         parser.error("--stream-groups compares uninterrupted runs: add --no-kill (or run fewer steps)")
     if args.kill and args.steps <= args.kill_after + 1:
         parser.error(f"--kill needs --steps > {args.kill_after + 1} (the kill comes after step {args.kill_after})")
+    if args.timeout_rate is None:  # None until here: the checks above refuse it where it does not apply
+        args.timeout_rate = TIMEOUT_RATE
     return args, model
 
 
@@ -756,8 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_dir = qwen35_tokenizer_folder(work / "qwen3.5-tokenizer")
     data = write_problems(work / "train.jsonl", args.problems)
     if args.service == "latency":
-        rate = TIMEOUT_RATE if args.timeout_rate is None else args.timeout_rate
-        print(f"latency model: {model}\nscripted policy: {100 * rate:g} % of snippets loop to the sandbox timeout"
+        print(f"latency model: {model}\nscripted policy: {100 * args.timeout_rate:g} % of snippets loop to the "
+              f"sandbox timeout"
               f"\nwork dir {work}; load {os.getloadavg()}", flush=True)
         for service, env in KEY_ENV.items():
             if os.environ.get(env):

@@ -114,6 +114,10 @@ def _divisor_count(n: int) -> int:
     return count * (2 if n > 1 else 1)
 
 
+ENDLESS = "total = 0\nwhile True:\n    total += 1"
+"""The snippet that never ends (it runs to the sandbox's timeout)."""
+
+
 def snippet(question: str, rng: random.Random, timeout_rate: float = TIMEOUT_RATE) -> str:
     """A real snippet for the question: plain, sympy or numpy; some raise, some print
     long output, a share ``timeout_rate`` never ends.
@@ -123,16 +127,13 @@ def snippet(question: str, rng: random.Random, timeout_rate: float = TIMEOUT_RAT
     some plain calls into endless loops and changes nothing else the trajectory draws."""
     roll = rng.random()
     if roll < min(timeout_rate, TIMEOUT_RATE):
-        return _ENDLESS
+        return ENDLESS
     if TIMEOUT_RATE <= roll < TIMEOUT_RATE + ERROR_RATE:
         return rng.choice(("print(undefined_total)", "values = [1, 2, 3]\nprint(values[7])", "print(1 / 0)"))
     if TIMEOUT_RATE + ERROR_RATE <= roll < TIMEOUT_RATE + ERROR_RATE + LONG_OUTPUT_RATE:
         return "print([k * k for k in range(1, 3000)])"
     code = _plain(question, rng)
-    return _ENDLESS if roll >= 1.0 - max(0.0, timeout_rate - TIMEOUT_RATE) else code
-
-
-_ENDLESS = "total = 0\nwhile True:\n    total += 1"
+    return ENDLESS if roll >= 1.0 - max(0.0, timeout_rate - TIMEOUT_RATE) else code
 
 
 def _plain(question: str, rng: random.Random) -> str:

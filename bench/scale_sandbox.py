@@ -15,10 +15,9 @@ plain, sympy and numpy mixes; some that raise; none that time out) at a real
 
 With ``--loops N`` every burst has ``N`` snippets beside it that spin until their timeout
 (``--loop-timeout-s``), as the reference run's 2-3 % of calls at the 30 s timeout do, and
-each worker count runs twice in the same run: with the sandbox's default
-``demote_after_s`` of the service presets (1 s: a call past it runs at nice 19) and
-without it (``None``, the sandbox's default), so the
-short calls' wait and run time show what the demotion buys against the same load.
+each worker count runs twice in the same run: with the service presets' ``demote_after_s``
+(1 s: a call past it runs at nice 19) and without it (``None``, the sandbox's default),
+so the short calls' wait and run time show what the demotion buys against the same load.
 
 Every figure is printed beside the first setting's (same run) with the machine's load
 average. Not covered: the calls of a live run interleave with sampling and grading
@@ -45,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scale_policy import TIMEOUT_RATE, make_problems, snippet  # noqa: E402
+from bench.scale_policy import ENDLESS, TIMEOUT_RATE, make_problems, snippet  # noqa: E402
 from retool.sandbox import Sandbox, SandboxConfig  # noqa: E402
 from retool.sandbox.metrics import percentile  # noqa: E402
 
@@ -70,7 +69,7 @@ def burst_snippets(count: int, seed: int) -> list[str]:
     out: list[str] = []
     while len(out) < count:
         code = snippet(rng.choice(problems).question, rng)
-        if "while True" not in code:
+        if code != ENDLESS:
             out.append(code)
     return out
 
@@ -81,8 +80,6 @@ async def _timed(sandbox: Sandbox, code: str, timeout_s: float) -> tuple[float, 
     return time.monotonic() - start, result.wall_s
 
 
-SPINNER = "total = 0\nwhile True:\n    total += 1"
-"""The scripted policy's never-ending snippet."""
 DEMOTE_AFTER_S = 1.0
 """``SandboxConfig.demote_after_s`` with the demotion on (the service presets' value)."""
 SPIN_LEAD_S = 1.5
@@ -97,8 +94,9 @@ async def _bursts(sandbox: Sandbox, snippets: list[list[str]], timeout_s: float,
     start just before each burst and run beside it to their timeout (not counted)."""
     start, out = time.monotonic(), []
     for burst in snippets:
-        spinners = [asyncio.ensure_future(sandbox.run(SPINNER, timeout_s=loop_timeout_s)) for _ in range(loops)]
-        await asyncio.sleep(SPIN_LEAD_S if loops else 0.0)  # already spinning, as most of a 30 s timeout is
+        spinners = [asyncio.ensure_future(sandbox.run(ENDLESS, timeout_s=loop_timeout_s)) for _ in range(loops)]
+        if spinners:
+            await asyncio.sleep(SPIN_LEAD_S)  # already spinning, as a call at a 30 s timeout mostly is
         if one_at_a_time:
             for code in burst:
                 out.append(await _timed(sandbox, code, timeout_s))

@@ -134,12 +134,12 @@ Not isolated / known limits:
   (the service presets: 1 s) runs the rest of its time at nice 19, and so does its
   session's autogroup (the kernel weighs sessions against each other first), every
   process of it (those in its control group, else its process group; children inherit
-  it); RLIMIT_NICE 0 without capabilities keeps it there, so a snippet that spins to its timeout takes only the CPU the short calls
-  leave (beside a sampler that keeps every core busy it gets almost none: hence off by
-  default). Before that second, and in sessions, calls share the CPU as ordinary
-  processes; with control groups a process the call starts later, in a session of its
-  own too, is demoted within 50 ms; without them a snippet that leaves its process group
-  before the second keeps its priority.
+  it); RLIMIT_NICE 0 without capabilities keeps it there, so a snippet that spins to
+  its timeout takes only the CPU the short calls leave (beside a sampler that keeps
+  every core busy it gets almost none: hence off by default). Before that second, and
+  in sessions, calls share the CPU as ordinary processes; with control groups a process
+  the call starts later, in a session of its own too, is demoted within 50 ms; without
+  them a snippet that leaves its process group before the second keeps its priority.
 - The kernel is shared: a kernel exploit through a system call the filter allows escapes
   everything here (the filter is a deny list, not an allow list; there is no VM).
 - Control groups need root (as another user, or where the cgroup file system cannot be
