@@ -35,11 +35,14 @@ keeps sampling its weights while the service trains). Engines without one refuse
 ``--max-staleness > 0`` in their capabilities.
 
 **Resume**: the groups of future steps are kept in the run's group store as they finish
-(``RUN_DIR/rollouts/``) and stay there until a checkpoint at or after their step is no
-longer the newest but one; every checkpoint first waits for the rollouts in flight, so a
-checkpoint after step ``c`` is always accompanied by every group of steps ``c + 1 .. c +
-K``, the ones sampled with weights older than the checkpoint's. A resumed run reuses them
-and samples the rest with the weights it recomputes.
+(``RUN_DIR/rollouts/``) and stay there until a checkpoint at or after their step is listed.
+A checkpoint after step ``c`` is saved at once, while the rollouts of steps ``c + 1 .. c +
+K`` may still run, and is listed in ``manifest.json`` (so ``--resume`` finds it) only once
+every group of those steps, sampled with weights older than the checkpoint's, is stored:
+:meth:`Pipeline.ended` of the last step submitted when it was saved. Until then a crash
+resumes from the checkpoint before it, whose groups are all still stored. So the trainer
+never waits for the rollouts ahead to checkpoint, and a resumed run always finds every
+group sampled with weights it cannot recompute: it reuses them and samples the rest.
 
 **Correction**: nothing new: the PPO ratio is always taken against the logprobs the
 sampler recorded with each token (``Datum.sampler_logprobs_N``), so a stale group is
@@ -152,9 +155,21 @@ class Pipeline(Generic[T]):
         self._results[step], self._last, self._submitted = result, result, step
         threading.Thread(target=run, name=f"rollout-step-{step}", daemon=True).start()
 
+    @property
+    def submitted(self) -> int:
+        """The last step whose rollout was submitted (0: none yet)."""
+        return self._submitted
+
+    def ended(self, through: int) -> bool:
+        """Whether the rollout of every step up to ``through`` has ended without an error
+        (its groups are then all stored); those already taken by :meth:`advance` have."""
+        return through <= self._submitted and all(
+            future.done() and future.exception() is None for step, future in list(self._results.items())
+            if step <= through)
+
     def drain(self) -> None:
-        """Wait for every rollout in flight (a checkpoint: their groups are then all stored).
-        A failed one is not raised here: the step that needs it raises it."""
+        """Wait for every rollout in flight. A failed one is not raised here: the step that
+        needs it raises it."""
         for future in list(self._results.values()):
             future.exception()
 

@@ -10,13 +10,14 @@ A run folder (``RUN_DIR``, described in ``docs/formats.md``) holds:
 - ``checkpoints/step_NNNNNN/`` — ``engine/`` (the engine's ``save_state`` folder) and
   ``trainer_state.json`` (:class:`TrainerState`), written to a ``.partial`` folder and
   renamed into place (:func:`save_checkpoint`);
-- ``manifest.json`` — the checkpoints, listed only once complete, so a crash while
-  writing one leaves the previous one as the newest;
+- ``manifest.json`` — the checkpoints, listed only once complete (and, sampling ahead,
+  once the groups sampled ahead of them are stored), so a crash before that leaves the
+  previous one as the newest;
 - ``sft_data.json`` — the SFT data checksum and conversion counts (SFT only, written by
   :mod:`retool.sft`);
 - ``rollouts/step_NNNNNN/`` — the finished trajectory groups of the RL step in progress
   (:class:`GroupStore`), so a crash mid-step loses only the groups still running;
-  removed when the step is done.
+  removed when the step is done (sampling ahead: once a checkpoint at or after it is listed).
 
 This module creates the folder (refusing to overwrite a run unless resuming), saves,
 lists and finds checkpoints, resolves what ``--init-from``, ``--checkpoint`` and
@@ -347,9 +348,10 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:06d}"
 
 
-def save_checkpoint(run_dir: Path, engine: Any, state: TrainerState) -> Path:
+def save_checkpoint(run_dir: Path, engine: Any, state: TrainerState, *, listed: bool = True) -> Path:
     """Write ``checkpoints/step_NNNNNN`` (engine state + ``trainer_state.json``) atomically,
-    then list it in ``manifest.json``; return the folder."""
+    then list it in ``manifest.json`` (with ``listed=False`` not yet: :func:`list_checkpoint`
+    does, once it can be resumed from); return the folder."""
     final = checkpoint_dir(run_dir, state.step)
     staging = final.with_name(f".{final.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -358,8 +360,16 @@ def save_checkpoint(run_dir: Path, engine: Any, state: TrainerState) -> Path:
     failpoint("checkpoint_write", state.step)
     (staging / "trainer_state.json").write_text(json.dumps(dataclasses.asdict(state), indent=2))
     replace_folder(staging, final)
-    _list_in_manifest(run_dir, ManifestEntry(state.step, str(final.relative_to(run_dir)), time.time()))
+    if listed:
+        list_checkpoint(run_dir, state.step)
     return final
+
+
+def list_checkpoint(run_dir: Path, step: int) -> None:
+    """List the saved checkpoint of ``step`` in ``manifest.json``: from now on
+    :func:`latest_checkpoint` (and so ``--resume``) finds it."""
+    _list_in_manifest(run_dir, ManifestEntry(step, str(checkpoint_dir(run_dir, step).relative_to(run_dir)),
+                                             time.time()))
 
 
 def is_complete(folder: Path) -> bool:
@@ -448,6 +458,15 @@ class StepLoop:
     """The trainer state to save with a checkpoint after this step."""
     restore_state: Callable[[TrainerState], None]
     """Put a resumed checkpoint's trainer state (its totals) back."""
+    checkpoint_ready: Callable[[int, bool], bool] | None = None
+    """``(step, wait)``: whether the checkpoint saved after ``step`` can be resumed from yet
+    (with ``wait``, once what it waits for has ended; the run is ending). A checkpoint is
+    listed in ``manifest.json`` only then. ``None``: at once. Sampling ahead
+    (``--max-staleness``) needs it: a checkpoint is ready once the groups of the steps
+    sampled ahead of it, with weights older than its own, are all stored."""
+    checkpoint_listed: Callable[[int], None] | None = None
+    """Told the step of each checkpoint once it is listed (the trainer drops the stored
+    groups that no resume can need any more)."""
     description: str = "train"
     stop: Callable[[Mapping[str, float]], str | None] | None = None
     """Why to end the run after this step (e.g. its cost budget), or ``None`` to go on;
@@ -460,22 +479,48 @@ def run_steps(loop: StepLoop, *, resume: bool) -> None:
 
     On resume the engine and trainer state come from the newest complete checkpoint (none
     yet: step 1) and metric rows written after it are dropped.
+
+    A checkpoint is saved at once and listed in ``manifest.json`` once the loop's
+    ``checkpoint_ready`` says it can be resumed from, checked after every step; the steps
+    go on meanwhile. A crash before that resumes from the checkpoint before it. When the
+    run ends, it waits for what the checkpoints still wait for and lists them.
     """
     start = _restore(loop) if resume else 0
     cfg, run_dir = loop.config, loop.run_dir
     logger = MetricsLogger(run_dir, sinks=cfg.sinks, run_name=cfg.run_name or run_dir.name,
                            config=dataclasses.asdict(cfg), resume_step=start if resume else None)
+    saved: list[int] = []  # checkpoints saved and not listed yet
     with logger, StepProgress(loop.last_step, start=start, description=loop.description) as progress:
         for step in range(start + 1, loop.last_step + 1):
             metrics = loop.step(step)
             logger.log(step, metrics)
             reason = loop.stop(metrics) if loop.stop is not None else None
             if step % cfg.save_every == 0 or step == loop.last_step or reason:
-                save_checkpoint(run_dir, loop.engine, loop.checkpoint_state(step))
+                save_checkpoint(run_dir, loop.engine, loop.checkpoint_state(step), listed=False)
+                failpoint("checkpoint_saved", step)
+                saved.append(step)
+            saved = _list_ready(loop, saved, wait=False)
             progress.update(step, **loop.progress_fields(metrics))
             if reason:
                 print(f"step {step}: {reason}", file=sys.stderr)
                 break
+        for step in _list_ready(loop, saved, wait=True):
+            print(f"checkpoint {step} is not listed: a rollout of a later step, sampled ahead with older weights, "
+                  f"failed; --resume starts from the checkpoint before it", file=sys.stderr)
+
+
+def _list_ready(loop: StepLoop, saved: list[int], *, wait: bool) -> list[int]:
+    """List the checkpoints of ``saved`` that can be resumed from (waiting for them with
+    ``wait``), oldest first; return those that cannot yet."""
+    waiting = []
+    for step in saved:
+        if loop.checkpoint_ready is not None and not loop.checkpoint_ready(step, wait):
+            waiting.append(step)
+            continue
+        list_checkpoint(loop.run_dir, step)
+        if loop.checkpoint_listed is not None:
+            loop.checkpoint_listed(step)
+    return waiting
 
 
 def _restore(loop: StepLoop) -> int:

@@ -313,8 +313,8 @@ class Trainer:
     """Rolls out later steps while this one trains (``None``: ``--max-staleness 0``)."""
     weight_version: int | None = None
     """The weight version this trainer's rollouts record (``None``: the step's own)."""
-    checkpointed: int = 0
-    """The step of the newest checkpoint written or resumed (the group store keeps the groups after it)."""
+    awaits: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Each checkpoint not yet listed, and the last step whose rollout, sampled ahead of it, it waits for."""
     grading: GradeClock | None = None
     """The rollout's timed grader (``time/grade``; ``None``: not timed)."""
     writer: TrajectoryWriter = dataclasses.field(default_factory=TrajectoryWriter)
@@ -346,21 +346,33 @@ class Trainer:
         return metrics
 
     def checkpoint_state(self, step: int) -> runs.TrainerState:
-        """The state a checkpoint after ``step`` saves; every trajectories file up to it is written first
-        (and with ``--max-staleness``, every group of the steps sampled ahead of it)."""
+        """The state a checkpoint after ``step`` saves; every trajectories file up to it is written first.
+        With ``--max-staleness`` the rollouts ahead go on: :meth:`checkpoint_ready` says when they are stored."""
         self.writer.join()
-        if self.pipeline is not None:  # the checkpoint comes with every group of the steps sampled before it
-            self.pipeline.drain()
-            if self.store is not None:
-                self.store.clear_through(self.checkpointed)
-            self.checkpointed = step
+        if self.pipeline is not None:
+            self.awaits[step] = self.pipeline.submitted
         pool = self.pool.to_json() if self.pool is not None else None
         sync = self.weight_sync.state() if self.weight_sync is not None else None
         return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals), pool, sync)
 
+    def checkpoint_ready(self, step: int, wait: bool) -> bool:
+        """Whether the checkpoint after ``step`` can be resumed from: with ``--max-staleness``,
+        once every group of the steps sampled ahead of it (with older weights) is stored;
+        with ``wait``, after waiting for the rollouts in flight."""
+        if self.pipeline is None:
+            return True
+        if wait:
+            self.pipeline.drain()
+        return self.pipeline.ended(self.awaits[step])
+
+    def checkpoint_listed(self, step: int) -> None:
+        """The checkpoint after ``step`` is listed: drop the stored groups no resume can need (steps up to it)."""
+        self.awaits.pop(step, None)
+        if self.store is not None and self.pipeline is not None:
+            self.store.clear_through(step)
+
     def restore_state(self, state: runs.TrainerState) -> None:
         self.totals.update(state.totals)
-        self.checkpointed = state.step
         if self.pool is not None and state.curriculum is not None:
             self.pool = curriculum.PoolState.from_json(state.curriculum)
         if self.weight_sync is not None and state.weight_sync is not None:
@@ -845,7 +857,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Path:
         runs.run_steps(runs.StepLoop(
             run_dir, cfg, cfg.max_steps, trainer.engine, step=trainer.run_step,
             progress_fields=_progress_fields, checkpoint_state=trainer.checkpoint_state,
-            restore_state=trainer.restore_state, stop=trainer.cost.stop_reason if trainer.cost else None),
+            restore_state=trainer.restore_state, checkpoint_ready=trainer.checkpoint_ready,
+            checkpoint_listed=trainer.checkpoint_listed, stop=trainer.cost.stop_reason if trainer.cost else None),
             resume=resume)
     except BaseException as err:
         ended = err

@@ -3,6 +3,8 @@ resolver, and the shared step loop driven by a fake engine (checkpoints, resume)
 
 from __future__ import annotations
 
+import dataclasses
+
 import gzip
 import json
 import os
@@ -268,6 +270,54 @@ def test_resume_restores_engine_and_totals_and_drops_later_rows(tmp_path, capsys
     fresh = CountingTrainer()
     runs.run_steps(fresh.loop(tmp_path / "empty", 1), resume=True)  # resuming a run without checkpoints
     assert fresh.engine.loaded == [] and runs.latest_checkpoint(tmp_path / "empty").step == 1
+
+
+@dataclass
+class LaggingTrainer(CountingTrainer):
+    """A trainer whose checkpoint after step ``c`` can be resumed from only once step
+    ``c + lag`` has run (the rollouts sampled ahead of it stored), or never for ``broken``."""
+
+    lag: int = 2
+    broken: tuple[int, ...] = ()
+    done: int = 0
+    asked: list = field(default_factory=list)
+    listed: list = field(default_factory=list)
+
+    def step(self, step: int) -> dict[str, float]:
+        self.done = step
+        return super().step(step)
+
+    def ready(self, step: int, wait: bool) -> bool:
+        self.asked.append((step, wait))
+        return step not in self.broken and (wait or self.done >= step + self.lag)
+
+    def loop(self, run_dir: Path, last_step: int) -> runs.StepLoop:
+        return dataclasses.replace(super().loop(run_dir, last_step), checkpoint_ready=self.ready,
+                                   checkpoint_listed=self.listed.append)
+
+
+def test_a_checkpoint_is_listed_only_once_it_can_be_resumed_from(tmp_path, capsys):
+    """Saved at once, listed (and so found by --resume) only once what it waits for is
+    stored; a crash before that resumes from the checkpoint before it; the run's end waits
+    for the rest; one that can never be resumed from stays unlisted, with one line."""
+    run = tmp_path / "run"
+    trainer = LaggingTrainer(crash_at=6)
+    with pytest.raises(KeyboardInterrupt):
+        runs.run_steps(trainer.loop(run, 7), resume=False)
+    assert (run / "checkpoints" / "step_000004" / "trainer_state.json").is_file()  # saved ...
+    assert [e.step for e in runs.read_manifest(run)] == [2] == trainer.listed  # ... not listed: step 6 never ran
+    assert (2, False) in trainer.asked and not any(wait for _, wait in trainer.asked)
+    resumed = LaggingTrainer()
+    runs.run_steps(resumed.loop(run, 7), resume=True)
+    assert resumed.engine.loaded == [run / "checkpoints" / "step_000002" / "engine"]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
+    assert [e.step for e in runs.read_manifest(run)] == [2, 4, 6, 7] and resumed.listed == [4, 6, 7]
+    assert (6, True) in resumed.asked and (7, True) in resumed.asked  # the run's end waited for them
+    assert "not listed" not in capsys.readouterr().err
+    broken = LaggingTrainer(broken=(4,))
+    runs.run_steps(broken.loop(tmp_path / "broken", 5), resume=False)
+    assert [e.step for e in runs.read_manifest(tmp_path / "broken")] == [2, 5] == broken.listed
+    assert capsys.readouterr().err.count("not listed") == 1
 
 
 def test_data_order_is_the_step_number():

@@ -132,6 +132,36 @@ def test_unchained_rollouts_of_later_steps_run_while_an_earlier_one_is_held():
         [unchained.advance(step, chained_job) for step in (1, 2)]
 
 
+def test_a_checkpoint_waits_for_no_rollout_and_is_ready_once_those_ahead_have_ended():
+    """What a checkpoint after step 1 waits for (the rollouts of steps 2-3, sampled ahead
+    with older weights) is told by ``ended``, without waiting: false while one is held, true
+    once all have ended, never for one that failed, nor for a step not yet submitted."""
+    release, failing = threading.Event(), {3}
+
+    def job(step, version, before):
+        if step == 3:
+            assert release.wait(10)
+        if step in failing:
+            raise OSError("the service went away")
+        return step
+
+    ahead = pipeline.Pipeline[int](max_staleness=2, last_step=5)
+    assert ahead.advance(1, job) == 1 and ahead.submitted == 3
+    assert not ahead.ended(3) and not ahead.ended(4)  # step 3 held; step 4 not submitted
+    deadline = time.monotonic() + 10
+    while not ahead.ended(2):  # step 2's rollout ends on its own while step 3's is held
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release.set()
+    ahead.drain()
+    assert not ahead.ended(3)  # step 3 failed: a checkpoint waiting for it is never ready
+    failing.clear()
+    clean = pipeline.Pipeline[int](max_staleness=2, last_step=5)
+    assert clean.advance(1, job) == 1
+    clean.drain()
+    assert clean.ended(3) and clean.advance(2, job) == 2 and clean.ended(4)
+
+
 # ---------------------------------------------------------------- whole runs
 
 
@@ -263,12 +293,15 @@ def lagged_reference(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.timeout(900)  # two training processes (and the reference), each loading the model
-@pytest.mark.parametrize("failpoint", ["group_saved@3", "after_rollout@2", "checkpoint_write@2"])
+@pytest.mark.parametrize("failpoint", ["group_saved@3", "after_rollout@2", "checkpoint_write@2",
+                                       "checkpoint_saved@2"])
 def test_sigkill_anywhere_in_a_lagged_run_resumes_exactly(lagged_reference, failpoint, monkeypatch):
     """Killed while step 3's groups are sampled ahead (during step 2's update), as step 2's
-    rollout ended (during step 1's), or while checkpoint 2 is written: the resumed run
-    reuses the stored groups of the steps sampled with older weights and gives the
-    uninterrupted run's data order, versions, metrics, weights and Adam moments."""
+    rollout ended (during step 1's), while checkpoint 2 is written, or once it is written
+    but not yet listed (step 3's rollout, sampled ahead of it, may still run): the resumed
+    run starts from the newest listed checkpoint, reuses the stored groups of the steps
+    sampled with older weights and gives the uninterrupted run's data order, versions,
+    metrics, weights and Adam moments."""
     folder, reference = lagged_reference
     crashed = folder / f"crashed-{failpoint.replace('@', '-')}"
     first = run_cli([*cli_args(folder, crashed), "--max-staleness", "1"], failpoints=failpoint)
@@ -276,6 +309,8 @@ def test_sigkill_anywhere_in_a_lagged_run_resumes_exactly(lagged_reference, fail
     second = run_cli(["--resume", str(crashed)])
     assert second.returncode == 0, second.stderr[-2000:]
     assert "reused" in second.stderr
+    if failpoint == "checkpoint_saved@2":
+        assert "from step 1" in second.stderr  # checkpoint 2 was saved, not listed
     monkeypatch.setattr(test_train, "TIMING_METRICS", (*test_train.TIMING_METRICS, *PIPELINE_TIMINGS))
     assert_resumed_like(reference, crashed)
     for step in (1, 2, 3, 4):
