@@ -19,7 +19,10 @@ With ``--kill`` (the default when the run has more than 100 steps) the client is
 SIGKILLed at a random point after step 100 and ``retool train --resume`` finishes the run;
 ``--compare`` also runs it uninterrupted against a fresh service and checks that both
 asked the service for the same things, step by step (samples by prompt and seed,
-forward_backward by datums, optim_step by parameters): the same data order.
+forward_backward by datums, optim_step by parameters): the same data order. A run that
+samples ahead (``--train-arg=--max-staleness=K``) is checked the same way, but its
+samples as a set (:func:`same_calls`): a resumed run reuses the stored groups sampled
+with weights older than its checkpoint instead of asking for them again.
 
 With ``--stream-groups`` the same steps run a second time, uninterrupted, with
 ``retool train --stream-groups`` against a fresh service: both runs' totals, their
@@ -309,9 +312,11 @@ def _rehearse(args: argparse.Namespace, server: LatencyTinkerServer | None, url:
             resumed_from = min((c.step for c in resumed), default=None)
             finished = {c.step for c in first_calls if c.endpoint == "optim_step"}
             overlap = {step for step in finished if step >= (resumed_from or 0)}
-            redone = same_calls([c for c in first_calls if c.step in overlap],
-                                [c for c in resumed if c.step in overlap])
-            calls = [c for c in first_calls if resumed_from is None or c.step < resumed_from] + resumed
+            ahead = samples_ahead(run)  # then the redone steps' samples are not asked again: their training is compared
+            redone = same_calls([c for c in first_calls if c.step in overlap and (c.endpoint in TRAINING or not ahead)],
+                                [c for c in resumed if c.step in overlap and (c.endpoint in TRAINING or not ahead)])
+            calls = [c for c in first_calls
+                     if resumed_from is None or c.step < resumed_from or (ahead and c.endpoint not in TRAINING)] + resumed
         else:
             resumed_from, calls = checkpoint, []
     else:
@@ -364,8 +369,32 @@ def _mean_step_s(run: Path) -> float:
     return sum(r["time/step"] for r in rows) / len(rows) if rows else 1.0
 
 
-def same_calls(a: list[ServiceCall], b: list[ServiceCall]) -> tuple[bool, str]:
-    """Whether two runs asked the same things, step by step (order inside a step free)."""
+TRAINING = ("forward_backward", "optim_step")
+"""The training calls; the other calls the bench records are samples."""
+
+
+def samples_ahead(run: Path) -> bool:
+    """Whether the run samples ahead of training (its ``--max-staleness``, however it was given)."""
+    try:
+        return bool(json.loads((run / "config.json").read_text()).get("max_staleness", 0))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def same_calls(a: list[ServiceCall], b: list[ServiceCall], *, ahead: bool = False) -> tuple[bool, str]:
+    """Whether two runs asked the same things, step by step (order inside a step free).
+
+    With ``ahead`` (runs that sample ahead of training, ``--max-staleness``): the training
+    calls step by step, and the samples as a set. A resumed run does not ask again for the
+    groups it finds stored (those of the steps sampled with weights older than its
+    checkpoint), and a sample carries the step the trainer was at when it was asked, which
+    depends on timing when rollouts run ahead; so every sample either run asked, the other
+    asked too, and every step trained the same datums."""
+    if ahead:
+        same, detail = same_calls([c for c in a if c.endpoint in TRAINING], [c for c in b if c.endpoint in TRAINING])
+        sa, sb = ({c.digest for c in calls if c.endpoint not in TRAINING} for calls in (a, b))
+        return same and sa == sb, f"training: {detail}; distinct samples {len(sa)} vs {len(sb)}, {len(sa ^ sb)} in one only"
+
     def by_step(calls: list[ServiceCall]) -> dict[int, list[tuple[str, str]]]:
         out: dict[int, list[tuple[str, str]]] = {}
         for c in calls:
@@ -787,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = ok and (outcome.redone is None or outcome.redone[0]) and outcome.order[0]
     if args.compare:
         reference = rehearse(args, model, work / "uninterrupted", tokenizer_dir, data, kill=False)
-        same, detail = same_calls(reference.calls, outcome.calls)
+        same, detail = same_calls(reference.calls, outcome.calls, ahead=samples_ahead(work / "uninterrupted" / "run"))
         print(f"service calls and data order equal to an uninterrupted run's: {same} ({detail})")
         ok = ok and same
         totals["same_calls"] = float(same)

@@ -8,6 +8,7 @@ bench reads exist; the latency model's sharing and prefix cache behave as docume
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import threading
@@ -200,24 +201,37 @@ def test_every_latency_model_rate_is_a_flag():
     assert isinstance(args, argparse.Namespace) and args.kill is False
 
 
-def test_a_sigkill_and_resume_ask_the_service_what_an_uninterrupted_run_asks(tmp_path):
+@pytest.mark.parametrize("ahead", [0, 2], ids=["synchronous", "sampling-2-ahead"])
+def test_a_sigkill_and_resume_ask_the_service_what_an_uninterrupted_run_asks(tmp_path, ahead):
+    """Synchronous: the redone steps ask exactly what they asked before the kill. Sampling
+    2 ahead (its checkpoint listed only once the groups ahead of it are stored): the redone
+    steps train the same datums, and the samples of both runs together are the
+    uninterrupted run's; the probe: a sample the uninterrupted run did not ask is seen."""
     args, model = scale.parse_args(["--steps", "4", "--save-every", "2", "--kill-after", "2", "--batch-size", "2",
                                     "--group-size", "4", "--problems", "12", "--sandbox-timeout-s", "3",
-                                    "--time-scale", "4"])
+                                    "--time-scale", "4", *([f"--train-arg=--max-staleness={ahead}"] if ahead else [])])
     assert args.kill
     tokenizer_dir = scale.qwen35_tokenizer_folder(tmp_path / "tokenizer")
     data = scale.write_problems(tmp_path / "train.jsonl", args.problems)
     killed = scale.rehearse(args, model, tmp_path / "killed", tokenizer_dir, data, kill=True)
     assert killed.returncodes[0] < 0 and killed.returncodes[1] == 0  # SIGKILLed, then finished
-    assert killed.killed_after == 3 and killed.resumed_from == 2  # the step-2 checkpoint: steps 3, 4 asked again
     assert killed.resumed_samples and all(s.procs > 1 for s in killed.resumed_samples)  # its own steps only
     assert sorted({int(r["step"]) for r in killed.rows}) == [1, 2, 3, 4]
-    assert killed.redone[0], killed.redone[1]  # step 3, done before the kill and again after it
-    assert killed.order == (True, "steps 3-3 redone")  # the same, read from the trajectories files
+    assert killed.redone[0], killed.redone[1]  # step 3 (and more, ahead), done before the kill and again after it
+    assert killed.order[0], killed.order[1]  # the same, read from the trajectories files
     assert "0 vs 0 calls" not in killed.redone[1]
+    assert scale.samples_ahead(tmp_path / "killed" / "run") == bool(ahead)
+    if not ahead:
+        assert killed.killed_after == 3 and killed.resumed_from == 2  # the step-2 checkpoint: steps 3, 4 asked again
+        assert killed.order == (True, "steps 3-3 redone")
+    else:  # the step-2 checkpoint, if listed by the kill (once steps 3-4's groups were stored), else none
+        assert killed.killed_after == 3 and killed.resumed_from in (0, 2)
     uninterrupted = scale.rehearse(args, model, tmp_path / "uninterrupted", tokenizer_dir, data, kill=False)
-    same, detail = scale.same_calls(uninterrupted.calls, killed.calls)
+    same, detail = scale.same_calls(uninterrupted.calls, killed.calls, ahead=bool(ahead))
     assert same, detail
+    if ahead:
+        extra = dataclasses.replace(next(c for c in killed.calls if c.endpoint == "asample"), digest="0" * 24)
+        assert not scale.same_calls(uninterrupted.calls, [*killed.calls, extra], ahead=True)[0]
 
 
 def test_a_tokenizer_setting_must_be_a_folder(tmp_path):
