@@ -65,6 +65,7 @@ Usage::
     python bench/scale.py --steps 5 --max-staleness 1 --no-kill   # synchronous vs sampling one step ahead
     python bench/scale.py --steps 20 --max-staleness 1 2 --no-kill   # ... and two steps ahead, in one run
     nice -n 10 python bench/scale.py --time-scale 10   # the 200-step soak, with kill + resume
+    python bench/scale.py --time-scale 10 --train-arg=--max-staleness=6   # ... sampling 6 steps ahead
     python bench/scale.py --steps 3 --batch-size 2 --group-size 4   # a quick check
     TINKER_API_KEY=... python bench/scale.py --service tinker --steps 20 --no-kill --max-cost 30 --price-table my.toml
 
