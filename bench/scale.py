@@ -314,8 +314,11 @@ def _rehearse(args: argparse.Namespace, server: LatencyTinkerServer | None, url:
             finished = {c.step for c in first_calls if c.endpoint == "optim_step"}
             overlap = {step for step in finished if step >= (resumed_from or 0)}
             ahead = samples_ahead(run)  # then the redone steps' samples are not asked again: their training is compared
-            redone = same_calls([c for c in first_calls if c.step in overlap and (c.endpoint in TRAINING or not ahead)],
-                                [c for c in resumed if c.step in overlap and (c.endpoint in TRAINING or not ahead)])
+
+            def redone_call(c: ServiceCall) -> bool:
+                return c.step in overlap and (c.endpoint in TRAINING or not ahead)
+
+            redone = same_calls(list(filter(redone_call, first_calls)), list(filter(redone_call, resumed)))
             calls = [c for c in first_calls
                      if resumed_from is None or c.step < resumed_from or (ahead and c.endpoint not in TRAINING)] + resumed
         else:

@@ -313,8 +313,6 @@ class Trainer:
     """Rolls out later steps while this one trains (``None``: ``--max-staleness 0``)."""
     weight_version: int | None = None
     """The weight version this trainer's rollouts record (``None``: the step's own)."""
-    awaits: dict[int, int] = dataclasses.field(default_factory=dict)
-    """Each checkpoint not yet listed, and the last step whose rollout, sampled ahead of it, it waits for."""
     grading: GradeClock | None = None
     """The rollout's timed grader (``time/grade``; ``None``: not timed)."""
     writer: TrajectoryWriter = dataclasses.field(default_factory=TrajectoryWriter)
@@ -349,8 +347,6 @@ class Trainer:
         """The state a checkpoint after ``step`` saves; every trajectories file up to it is written first.
         With ``--max-staleness`` the rollouts ahead go on: :meth:`checkpoint_ready` says when they are stored."""
         self.writer.join()
-        if self.pipeline is not None:
-            self.awaits[step] = self.pipeline.submitted
         pool = self.pool.to_json() if self.pool is not None else None
         sync = self.weight_sync.state() if self.weight_sync is not None else None
         return runs.TrainerState(step, step * self.config.batch_size, dict(self.totals), pool, sync)
@@ -363,11 +359,11 @@ class Trainer:
             return True
         if wait:
             self.pipeline.drain()
-        return self.pipeline.ended(self.awaits[step])
+        ahead = self.pipeline  # steps step+1 .. step+K, submitted by the end of step: sampled with older weights
+        return ahead.ended(min(step + ahead.max_staleness, ahead.last_step))
 
     def checkpoint_listed(self, step: int) -> None:
         """The checkpoint after ``step`` is listed: drop the stored groups no resume can need (steps up to it)."""
-        self.awaits.pop(step, None)
         if self.store is not None and self.pipeline is not None:
             self.store.clear_through(step)
 
