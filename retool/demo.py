@@ -41,7 +41,9 @@ and 23, fresh and never run before, +29.7 (z 8.56), +7.8 (z 3.54), +26.6 (z 8.31
 noise: a cold start at 86.5 %); 22.5–26.9 minutes, peaks 2.39–2.74 GiB. On 2026-12-06
 seed 42 rerun fresh: +11.5 (z 3.91) in 25.9 minutes, peak 2.98 GiB (0.6 GiB of it the
 bundled model's conversion, since run in a process of its own); seed 53, new: +1.6
-(z 0.69, within the noise: a cold start at 91.1 %) in 27.3 minutes, 2.49 GiB. Here bf16
+(z 0.69, within the noise: a cold start at 91.1 %) in 27.3 minutes, 2.49 GiB; seed 42
+after that fix, in a fresh cache and folder: +11.5 (z 3.58) in 29.2 minutes, 2.49 GiB;
+seed 59, new: +22.9 (z 6.21) in 25.8 minutes, 2.42 GiB. Here bf16
 training is only 1.27x faster than fp32, so the demo takes longer than the 20 minutes its
 sizes were chosen for; on an Intel Xeon with AMX, at
 d9a2fd6 with 96 x 2 held-out, seeds 42, 1, 3 and 5 gained +9.9 to +17.2 points (z
