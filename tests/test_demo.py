@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 
 import pytest
 
 from retool.cli import main as cli_main
-from retool.config import ConfigError
+from retool.config import ConfigError, make_config
 from retool.demo import STAGES, DemoConfig, check_identity, gain_sentence
 from retool.protocol import system_prompt
 from retool.report.compare import Comparison, MetricComparison, compare
@@ -64,7 +65,13 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
                                                        for r in rl_metrics))
     sentence = f"{rollouts['informative_groups']} of {rollouts['groups']} groups informative"
     assert sentence in printed and sentence in markdown
-    assert json.loads((out / "rl" / "config.json").read_text())["curriculum"] == "difficulty"
+    rl_config = json.loads((out / "rl" / "config.json").read_text())
+    assert rl_config["curriculum"] == "difficulty"
+    # every code call of the evals and of RL runs under the demo's own memory bound
+    assert rl_config["sandbox_memory_mb"] == DemoConfig().sandbox_memory_mb == 256
+    for stage in STAGES:
+        header = json.loads((out / "eval" / f"{stage.replace(' ', '-').lower()}.jsonl").open().readline())
+        assert header["sandbox"]["memory_mb"] == 256
     assert "End of RL" not in printed  # one RL step in --quick: no first and last steps to compare
     rl_rows = (out / "rl" / "metrics.jsonl").read_text().splitlines()
 
@@ -163,7 +170,9 @@ def _gain(before: float, after: float, stderr: float | None) -> Comparison:
 
 def test_gain_sentence_gives_the_verdict():
     assert "z = +3.00 (more than 2 standard errors: RL helped" in gain_sentence(_gain(0.4, 0.7, 0.1))
-    assert "within 2 standard errors: noise" in gain_sentence(_gain(0.4, 0.5, 0.1))
+    assert "within 2 standard errors: noise; after SFT at 40.0%, the most RL could gain is +60.0 points" \
+        in gain_sentence(_gain(0.4, 0.5, 0.1))
+    assert "the most RL could gain" not in gain_sentence(_gain(0.4, 0.7, 0.1))
     assert "RL hurt" in gain_sentence(_gain(0.7, 0.4, 0.1))
     assert "no paired standard error" in gain_sentence(_gain(0.5, 0.5, 0.0))
 
@@ -232,3 +241,20 @@ def test_the_rl_stage_samples_ahead_with_rl_max_staleness(tmp_path, monkeypatch)
     for k in (0, 1):
         demo.run_rl(DemoConfig(rl_max_staleness=k), tmp_path / f"k{k}", tmp_path / "rl.jsonl", tmp_path / "sft")
     assert [cfg.max_staleness for cfg in seen] == [0, 1]
+
+
+def test_the_demo_passes_its_sandbox_memory_bound_to_the_evals_and_rl(tmp_path, monkeypatch):
+    """A runaway call the model writes (``2 ** 550 ** 782``) would hold up to retool eval's
+    and train's 2 GiB per call; the demo's peak counts the sandbox, so it sets its own bound."""
+    from retool import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "train", lambda cfg, resume: seen.append(cfg) or Path(cfg.run_dir))
+    monkeypatch.setattr(demo, "evaluate", lambda cfg: seen.append(cfg) or types.SimpleNamespace(summary=None))
+    for mb in (256, 512):
+        cfg = DemoConfig(sandbox_memory_mb=mb)
+        demo.run_rl(cfg, tmp_path / f"rl{mb}", tmp_path / "rl.jsonl", tmp_path / "sft")
+        demo.run_eval(cfg, tmp_path, tmp_path / "test.jsonl", "after SFT", None)
+    assert [c.sandbox_memory_mb for c in seen] == [256, 256, 512, 512]
+    with pytest.raises(ConfigError, match="sandbox_memory_mb must be >= 1"):
+        make_config(DemoConfig, sandbox_memory_mb=0)
