@@ -13,6 +13,7 @@ from retool.cli import main as cli_main
 from retool.config import ConfigError, make_config
 from retool.demo import STAGES, DemoConfig, check_identity, gain_sentence
 from retool.protocol import system_prompt
+from retool.report import read_eval_results
 from retool.report.compare import Comparison, MetricComparison, compare
 from tests.tiny import small_vocab_model_dir
 
@@ -70,8 +71,8 @@ def test_demo_runs_every_stage_and_resumes(tmp_path, capsys):
     # every code call of the evals and of RL runs under the demo's own memory bound
     assert rl_config["sandbox_memory_mb"] == DemoConfig().sandbox_memory_mb == 256
     for stage in STAGES:
-        header = json.loads((out / "eval" / f"{stage.replace(' ', '-').lower()}.jsonl").open().readline())
-        assert header["sandbox"]["memory_mb"] == 256
+        header = read_eval_results(out / "eval" / f"{stage.replace(' ', '-').lower()}.jsonl").header
+        assert header.sandbox is not None and header.sandbox.memory_mb == 256
     assert "End of RL" not in printed  # one RL step in --quick: no first and last steps to compare
     rl_rows = (out / "rl" / "metrics.jsonl").read_text().splitlines()
 
