@@ -27,6 +27,14 @@ changes) and their ratio.
     python bench/train_memory.py --flops       # and each variant's FLOPs
     python bench/train_memory.py --variants chunk=256+ckpt+once,chunk=256+ckpt+once+bf16,chunk=256+ckpt+once,chunk=256+ckpt+once+bf16
                                                # fp32 / bf16 autocast, alternated (bf16+head16: the head in bf16 too)
+    python bench/train_memory.py --trajectories runs/demo/rl/trajectories/step_000002.jsonl.gz \
+        --variants chunk=256+ckpt+once+bf16,chunk=256+ckpt+once+bf16+tree
+                                               # a real demo step, shared-prefix against prefix-tree
+
+Random tokens share only the prompt and a group's question; real samples of one problem
+also share openings of their answers, which ``prefix-tree`` packing runs once: measure
+that layout on a real step (``--trajectories``, a demo's RL trajectory file; the
+advantages are each group's rewards less their mean, as GRPO's).
 """
 
 from __future__ import annotations
@@ -55,22 +63,22 @@ def parse_variant(text: str) -> dict[str, int]:
     """``chunk=256+ckpt+mbt=1280`` -> engine settings (chunk = ``logprob_chunk_tokens``,
     ckpt = gradient checkpointing on, mbt = ``micro_batch_tokens``, once = ``prefix_once``
     on; mmap = glibc's ``MALLOC_MMAP_THRESHOLD_`` in bytes for the child, 0 = glibc's own
-    dynamic one; bf16 = ``train_precision='bf16'``; head16 = with bf16, the output head in
+    dynamic one; tree = ``packing='prefix-tree'`` instead of ``shared-prefix``; bf16 = ``train_precision='bf16'``; head16 = with bf16, the output head in
     bf16 too, ``trainer.HEAD_IN_BF16``; keep = no trim after each micro-batch,
     ``trainer.TRIM_EVERY_MICRO_BATCH`` off: glibc keeps what a micro-batch freed; fullhead =
     the output layer with a gradient at every target, a shared prompt's positions once per
     datum, ``trainer.HEAD_GRADIENT_WHERE_TRAINED`` off: the layout before it)."""
     out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0,
-           "prefix_once": 0, "bf16": 0, "head16": 0, "keep": 0, "fullhead": 0}
+           "prefix_once": 0, "bf16": 0, "head16": 0, "keep": 0, "fullhead": 0, "tree": 0}
     names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens",
              "mmap": "mmap", "once": "prefix_once", "bf16": "bf16", "head16": "head16", "keep": "keep",
-             "fullhead": "fullhead"}
+             "fullhead": "fullhead", "tree": "tree"}
     for part in text.split("+"):
         key, _, value = part.partition("=")
         if key not in names:
             raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N, once, bf16, head16, keep, "
                              "fullhead, "
-                             "mmap=N joined by +")
+                             "tree, mmap=N joined by +")
         out[names[key]] = int(value) if value else 1
     return out
 
@@ -99,6 +107,25 @@ def demo_batch(vocab: int, seed: int = 0, shape: str = "rl") -> list:
     return data
 
 
+def real_batch(path: str) -> list:
+    """The datums of a demo RL step's trajectory file (``rl/trajectories/step_*.jsonl.gz``):
+    each trajectory's tokens, policy mask and sampler logprobs, its advantage its reward
+    less its group's mean."""
+    import gzip
+    import json
+
+    from retool import algo
+
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line)["trajectory"] for line in f]
+    groups: dict[str, list[float]] = {}
+    for row in rows:
+        groups.setdefault(row["problem_id"], []).append(row["grade"]["reward"])
+    mean = {problem: sum(r) / len(r) for problem, r in groups.items()}
+    return [algo.make_datum(row["tokens_T"], row["mask_T"], row["logprobs_T"],
+                            advantage=row["grade"]["reward"] - mean[row["problem_id"]]) for row in rows]
+
+
 def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> int:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -110,12 +137,13 @@ def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> in
     trainer.TRIM_EVERY_MICRO_BATCH = not settings["keep"]
     trainer.HEAD_GRADIENT_WHERE_TRAINED = not settings["fullhead"]
     engine = LocalTrainingClient(LocalEngineConfig(
-        model="bundled:smollm2", packing="shared-prefix", device="cpu", dtype="float32",
+        model="bundled:smollm2", packing="prefix-tree" if settings["tree"] else "shared-prefix", device="cpu",
+        dtype="float32",
         micro_batch_tokens=settings["micro_batch_tokens"], logprob_chunk_tokens=settings["logprob_chunk_tokens"],
         gradient_checkpointing=bool(settings["gradient_checkpointing"]), prefix_once=bool(settings["prefix_once"]),
         train_precision="bf16" if settings["bf16"] else "fp32"))
-    data = demo_batch(engine.vocab_size, shape=shape)
-    loss_fn = "ppo" if shape == "rl" else "cross_entropy"
+    data = demo_batch(engine.vocab_size, shape=shape) if shape in ("rl", "sft") else real_batch(shape)
+    loss_fn = "ppo" if shape != "sft" else "cross_entropy"
     engine.forward_backward(data[:2], loss_fn)  # warm-up: first-call allocations are not the step's
     engine._discard_gradient()
     before = _status_kib("VmRSS")
@@ -168,6 +196,9 @@ def main() -> int:
                    help="comma-separated; the first is the baseline (see parse_variant)")
     p.add_argument("--shape", choices=("rl", "sft"), default="rl",
                    help="rl: the demo's RL step (16 trajectories, PPO); sft: its SFT step (4 dialogues)")
+    p.add_argument("--trajectories", metavar="FILE",
+                   help="a demo RL step's trajectory file (rl/trajectories/step_N.jsonl.gz) to train instead of "
+                        "random tokens (PPO)")
     p.add_argument("--flops", action="store_true",
                    help="also count each variant's FLOPs (torch's FlopCounterMode; one more call per variant)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -179,15 +210,21 @@ def main() -> int:
     variants = args.variants.split(",")
     for v in variants:
         parse_variant(v)
-    lengths = DEMO_LENGTHS if args.shape == "rl" else SFT_LENGTHS
-    print(f"load at start {os.getloadavg()}; {args.shape} batch: {len(lengths)} datums, {sum(lengths)} tokens")
+    shape = args.trajectories or args.shape
+    if args.trajectories:
+        if not Path(args.trajectories).is_file():
+            raise SystemExit(f"error: no trajectory file {args.trajectories}")
+        lengths = tuple(d.num_tokens for d in real_batch(args.trajectories))
+    else:
+        lengths = DEMO_LENGTHS if args.shape == "rl" else SFT_LENGTHS
+    print(f"load at start {os.getloadavg()}; {shape} batch: {len(lengths)} datums, {sum(lengths)} tokens")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
             path = Path(tmp) / f"{len(results)}.pt"
             mmap = parse_variant(v)["mmap"]
             env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(mmap)} if mmap else {})}
-            subprocess.run([sys.executable, __file__, "--child", v, str(path), args.shape,
+            subprocess.run([sys.executable, __file__, "--child", v, str(path), shape,
                             "flops" if args.flops else ""], check=True, env=env)
             results.append(torch.load(path, weights_only=False))
             _report(v, results[0], results[-1])

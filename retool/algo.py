@@ -16,7 +16,8 @@ functions, and the tests check them against hand computations.
   call, so micro-batches are each divided by the *whole* batch's token count and their
   gradients add up to the full-batch gradient exactly (up to float rounding).
 - **Micro-batching**: :func:`plan_micro_batches` splits a batch under a token budget,
-  either length-bucketed (padded rows of similar length) or packed (padding-free).
+  either length-bucketed (padded rows of similar length) or packed (padding-free), and
+  :func:`prefix_tree` merges sequences' equal prefixes for the ``prefix-tree`` packing.
 
 - **Sampler-trainer correction** (off by default): :func:`behaviour_weights` truncates
   or masks the importance ratio ``pi_old / mu`` between the trainer's and the sampler's
@@ -427,28 +428,39 @@ def behaviour_weights(old_logprobs_N: Tensor, sampler_logprobs_N: Tensor, traine
 # ---------------------------------------------------------------- micro-batching
 
 
-PACKINGS = ("bucketed", "packed", "shared-prefix")
+PACKINGS = ("bucketed", "packed", "shared-prefix", "prefix-tree")
 """``bucketed``: rows of similar length, right-padded to the longest in the micro-batch;
 ``packed``: every sequence of a micro-batch concatenated into one row (padding-free);
 ``shared-prefix``: packed, and the prompt prefix the sequences share is computed once
-(planned like ``packed`` on the lengths after that prefix)."""
+(planned like ``packed`` on the lengths after that prefix); ``prefix-tree``: packed as the
+sequences' prefix tree (:func:`prefix_tree`), so every prefix two or more sequences share
+is computed once — a group's question, and the opening its samples have in common —
+planned on the tree's size."""
 
 
-def plan_micro_batches(lengths_D: Sequence[int], token_budget: int,
-                       packing: str = "bucketed") -> list[tuple[int, ...]]:
+def plan_micro_batches(lengths_D: Sequence[int], token_budget: int, packing: str = "bucketed",
+                       sequences_D: Sequence[Sequence[int]] | None = None) -> list[tuple[int, ...]]:
     """Split datums (given by length) into micro-batches of at most ``token_budget`` tokens.
 
     Datums are taken longest first. ``bucketed`` fills one micro-batch at a time, so
     each holds neighbouring lengths, and counts its padded size ``rows * longest``;
     ``packed`` and ``shared-prefix`` put each datum into the first micro-batch with room
-    (first-fit decreasing) and count the sum of lengths. A datum longer than the budget gets a
-    micro-batch of its own. Returns datum indices per micro-batch; every index appears
-    exactly once.
+    (first-fit decreasing) and count the sum of lengths. ``prefix-tree`` given the
+    datums' token ``sequences_D`` takes them in the order of their tokens, so sequences
+    that share a prefix sit next to each other, puts each into the first micro-batch with
+    room and counts the micro-batch's prefix-tree nodes (without them, the sum of
+    lengths: the tree is never larger). A datum longer than the budget
+    gets a micro-batch of its own. Returns datum indices per micro-batch; every index
+    appears exactly once.
     """
     if packing not in PACKINGS:
         raise ValueError(f"unknown packing {packing!r}; choose one of {PACKINGS}")
     if token_budget < 1:
         raise ValueError("token_budget must be >= 1")
+    if packing == "prefix-tree" and sequences_D is not None:
+        if [len(s) for s in sequences_D] != list(lengths_D):
+            raise ValueError("packing 'prefix-tree' plans on the datums' token sequences, one per length")
+        return _plan_tree(sequences_D, token_budget)
     order = sorted(range(len(lengths_D)), key=lambda i: (-lengths_D[i], i))
     plan: list[list[int]] = []
     for i in order:
@@ -463,3 +475,87 @@ def plan_micro_batches(lengths_D: Sequence[int], token_budget: int,
 
 def _cost(lengths: list[int], packing: str) -> int:
     return sum(lengths) if packing != "bucketed" else len(lengths) * max(lengths)
+
+
+def _plan_tree(sequences_D: Sequence[Sequence[int]], token_budget: int) -> list[tuple[int, ...]]:
+    """First fit in token order, each micro-batch costed as its prefix tree's node count."""
+    order = sorted(range(len(sequences_D)), key=lambda i: (tuple(sequences_D[i]), i))
+    plan: list[tuple[list[int], _Trie]] = []
+    for i in order:
+        sequence = sequences_D[i]
+        for batch, trie in plan:
+            if trie.size + trie.new_nodes(sequence) <= token_budget:
+                batch.append(i)
+                trie.add(sequence)
+                break
+        else:
+            trie = _Trie()
+            trie.add(sequence)
+            plan.append(([i], trie))
+    return [tuple(batch) for batch, _ in plan]
+
+
+class _Trie:
+    """Node ids of token prefixes: ``children[(parent, token)]``, the root being -1."""
+
+    def __init__(self) -> None:
+        self.children: dict[tuple[int, int], int] = {}
+        self.size = 0
+
+    def new_nodes(self, sequence: Sequence[int]) -> int:
+        """How many nodes adding ``sequence`` would create."""
+        node = -1
+        for depth, token in enumerate(sequence):
+            node = self.children.get((node, token), -2)
+            if node == -2:
+                return len(sequence) - depth
+        return 0
+
+    def add(self, sequence: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Add ``sequence``; its node at each position, and the nodes it created."""
+        node, path, created = -1, [], []
+        for token in sequence:
+            child = self.children.get((node, token))
+            if child is None:
+                child = self.children[(node, token)] = self.size
+                self.size += 1
+                created.append(child)
+            path.append(child)
+            node = child
+        return path, created
+
+
+@dataclass(frozen=True)
+class PrefixTree:
+    """Sequences merged into one tree of tokens: equal prefixes become one path.
+
+    ``tokens_L``/``depths_L``/``parents_L`` describe the nodes in the order they were first
+    met (a parent always before its children; the root's parent is -1); ``paths_D[d][p]``
+    is the node of sequence ``d``'s token at position ``p``. A node's depth is its
+    position in every sequence that passes through it, and what a causal model computes
+    there depends only on its ancestors, so a packed row of the nodes in which each
+    attends to its ancestors and itself gives every sequence's results at its own
+    nodes (the local trainer's ``prefix-tree`` packing)."""
+
+    tokens_L: tuple[int, ...]
+    depths_L: tuple[int, ...]
+    parents_L: tuple[int, ...]
+    paths_D: tuple[tuple[int, ...], ...]
+
+
+def prefix_tree(sequences_D: Sequence[Sequence[int]]) -> PrefixTree:
+    """The prefix tree (trie) of token sequences (see :class:`PrefixTree`)."""
+    trie = _Trie()
+    tokens: list[int] = []
+    depths: list[int] = []
+    parents: list[int] = []
+    paths = []
+    for sequence in sequences_D:
+        path, created = trie.add(sequence)
+        for node in created:  # a sequence's new nodes are the end of its path
+            depth = len(path) - len(created) + (node - created[0])
+            tokens.append(sequence[depth])
+            depths.append(depth)
+            parents.append(path[depth - 1] if depth else -1)
+        paths.append(tuple(path))
+    return PrefixTree(tuple(tokens), tuple(depths), tuple(parents), tuple(paths))

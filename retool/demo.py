@@ -142,9 +142,10 @@ class DemoConfig:
     max_trajectory_tokens: int = option(1024, "tokens per trajectory")
     max_code_calls: int = option(2, "code executions per trajectory")
     max_assistant_turns: int = option(3, "assistant turns per trajectory")
-    packing: str = option("shared-prefix", "training micro-batch layout (see retool train --help)",
+    packing: str = option("prefix-tree", "training micro-batch layout (see retool train --help; prefix-tree: a "
+                                         "group's question and its samples' common opening run once)",
                           choices=PACKINGS)
-    micro_batch_tokens: int = option(1280, "tokens per training micro-batch (shared-prefix: one packed row)")
+    micro_batch_tokens: int = option(1280, "tokens per training micro-batch (the packed layouts: one row)")
     logprob_chunk_tokens: int = option(256, "training: output layer and log-softmax this many tokens at a time (the "
                                             "full logits of a 1,280-token micro-batch are 240 MB a copy); 0 = at once")
     gradient_checkpointing: bool = option(True, "training: recompute the layers' activations in the backward (the "

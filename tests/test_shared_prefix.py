@@ -101,7 +101,7 @@ def test_the_shared_prefix_runs_once_per_call(tiny_model):
 
 
 def test_prefix_once_needs_shared_prefix_packing(tiny_model):
-    with pytest.raises(ValueError, match="prefix_once needs packing='shared-prefix'"):
+    with pytest.raises(ValueError, match="prefix_once needs packing='shared-prefix' or 'prefix-tree'"):
         engine(tiny_model, packing="packed", prefix_once=True)
 
 

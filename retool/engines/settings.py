@@ -187,16 +187,17 @@ class ModelConfig(EngineChoice):
     gradient_checkpointing: bool = option(False, "recompute activations to save memory")
     micro_batch_tokens: int = option(4096, "token budget of one forward/backward micro-batch")
     packing: str = option("bucketed", "micro-batch layout: bucketed (padded rows, any model), packed (one "
-                          "padding-free row) or shared-prefix (packed, shared prompt prefix computed once: "
-                          "2-3x faster for short turns under a long prompt; pure-attention models only; "
-                          "a row's attention grows with its length squared, so keep micro_batch_tokens "
-                          "~1-2k on a CPU)",
+                          "padding-free row), shared-prefix (packed, shared prompt prefix computed once: "
+                          "2-3x faster for short turns under a long prompt) or prefix-tree (packed as the "
+                          "sequences' prefix tree: every prefix two or more share runs once, e.g. a group's "
+                          "question and its samples' common opening); pure-attention models only; a row's "
+                          "attention grows with its length squared, so keep micro_batch_tokens ~1-2k on a CPU",
                           choices=PACKINGS)
     logprob_chunk_tokens: int = option(0, "compute the output layer and log-softmax this many tokens at a time, "
                                           "recomputed in the backward (logits memory N x vocabulary instead of "
                                           "micro-batch x vocabulary; same values); 0 = full logits; local and "
                                           "vllm engines (services compute logprobs on their side)")
-    prefix_once: bool = option(False, "with packing shared-prefix: run the prompt prefix all sequences of a "
+    prefix_once: bool = option(False, "with packing shared-prefix or prefix-tree: run the prompt prefix all sequences of a "
                                       "training call share once per call, not once per micro-batch (same values; "
                                       "local engine only)")
     train_precision: str = option("fp32", "arithmetic of the training forward/backward: fp32; bf16 (autocast over "

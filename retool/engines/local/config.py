@@ -54,10 +54,13 @@ class LocalEngineConfig:
     """Token budget of one forward/backward micro-batch (padded size when bucketed)."""
     packing: str = "bucketed"
     """``bucketed`` (similar lengths, right-padded), ``packed`` (padding-free, one row
-    per micro-batch) or ``shared-prefix`` (packed, and the prompt prefix all sequences
+    per micro-batch), ``shared-prefix`` (packed, and the prompt prefix all sequences
     of a micro-batch share — system prompt, tool declaration, a group's question — is
-    computed once; 2-3x less compute for short RL/SFT turns under a long prompt). The
-    last two need a pure-attention model (checked at start-up)."""
+    computed once; 2-3x less compute for short RL/SFT turns under a long prompt) or
+    ``prefix-tree`` (packed as the sequences' prefix tree, ``algo.prefix_tree``: every
+    prefix that two or more of them share runs once — in RL, a group's question and the
+    opening its samples have in common too). The packed layouts need a pure-attention
+    model (checked at start-up)."""
     logprob_chunk_tokens: int = 0
     """0: build the full logits of a micro-batch at once (``tokens x vocabulary`` floats,
     and as much again for their gradient). N > 0: compute the output layer and
@@ -65,7 +68,7 @@ class LocalEngineConfig:
     ``N x vocabulary`` whatever the micro-batch (same values and gradients; one extra
     output-layer matmul). E.g. 1024 for a 150-250k vocabulary on a GPU."""
     prefix_once: bool = False
-    """With ``packing='shared-prefix'``: run the input prefix every datum of a
+    """With ``packing='shared-prefix'`` or ``'prefix-tree'``: run the input prefix every datum of a
     ``forward_backward`` call shares (the rendered system prompt) once per call, not once
     per micro-batch; the micro-batches run only what follows it, against its keys and
     values, and its gradient is the sum of theirs (``trained_prefix``). Same logprobs and

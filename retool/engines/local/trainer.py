@@ -79,6 +79,10 @@ largest gradient difference 2x, for ~20 % of the step's CPU time (``bench/train_
 variant ``head16``, ``docs/benchmarks.md``)."""
 
 
+PREFIX_PACKINGS = ("shared-prefix", "prefix-tree")
+"""The packed layouts that compute a prefix once (and so can run ``prefix_once``)."""
+
+
 TRIM_EVERY_MICRO_BATCH = True
 """Hand the memory a micro-batch's activations and logits freed back to the system before
 the next one (``memory.release_free_memory``). Without it glibc keeps those freed pages in
@@ -213,9 +217,10 @@ class LocalTrainingClient:
         total_weight = sum(sum(d.weights_N) for d in data)
         if not total_weight > 0:
             raise ValueError("no datum has a trained token (all weights are 0)")
-        shared = _shared_prefix_length(data) if self.config.packing == "shared-prefix" else 0
+        shared = _shared_prefix_length(data) if self.config.packing in PREFIX_PACKINGS else 0
         plan = algo.plan_micro_batches([d.num_tokens - shared for d in data],
-                                       max(1, self.config.micro_batch_tokens - shared), self.config.packing)
+                                       max(1, self.config.micro_batch_tokens - shared), self.config.packing,
+                                       sequences_D=[d.input_tokens_N[shared:] for d in data])
         once = usable_prefix_length(data, shared) if self.config.prefix_once else 0
         stats = _LossStats()
         logprobs_D: list[tuple[float, ...]] = [()] * len(data)
@@ -294,7 +299,7 @@ class LocalTrainingClient:
     def _target_logprobs(self, batch: list[Datum], temperature: float) -> tuple[list[Any], list[Any]]:
         """Per datum, ``log_softmax(logits / temperature)`` of each target token, and the
         policy's entropy at each position (detached), from the same forward."""
-        if self.config.packing == "shared-prefix" and len(batch) > 1:
+        if self.config.packing in PREFIX_PACKINGS and len(batch) > 1:
             return self._shared_prefix_logprobs(batch, temperature)
         if self.config.packing != "bucketed":
             return self._packed_logprobs(batch, temperature)
@@ -342,13 +347,17 @@ class LocalTrainingClient:
                                 past: TrainedPrefix | None = None) -> tuple[list[Any], list[Any]]:
         """Packed logprobs with the common input prefix of ``batch`` computed once.
 
-        One row ``[prefix, suffix_1, ..., suffix_B]``: the prefix attends causally to
-        itself, each suffix to the whole prefix and causally to itself (a custom 4D mask),
-        with the positions it has in its own sequence. Logits at a prefix position
-        depend only on the prefix, so they are the same for every datum; each datum's
-        logprobs gather its own targets from them (gradients add up through the gather).
-        With chunked logprobs the prefix's hidden states are gathered instead, so its
-        output projection runs once per datum (the layers below still run once).
+        ``shared-prefix``: one row ``[prefix, suffix_1, ..., suffix_B]``: the prefix attends
+        causally to itself, each suffix to the whole prefix and causally to itself (a
+        custom 4D mask), with the positions it has in its own sequence. ``prefix-tree``:
+        one row of the inputs' prefix tree (``algo.prefix_tree``), each node attending to
+        its ancestors and itself at its depth, so every prefix that two or more datums
+        share (not only the one all share) runs once. Logits at a shared position
+        depend only on what precedes it, so they are the same for every datum through
+        it; each datum's logprobs gather its own targets from them (gradients add up
+        through the gather). With chunked logprobs the shared positions' hidden states
+        are gathered instead, so the output projection runs once per datum there (the
+        layers below still run once).
 
         With ``past`` (the call's prefix, computed once) the row holds only what follows
         it: it attends to ``past``'s keys and values too, its positions continue after
@@ -356,23 +365,16 @@ class LocalTrainingClient:
         """
         past_length = past.length if past is not None else 0
         inputs_B = [d.input_tokens_N[past_length:] for d in batch]
-        shared = common_prefix(inputs_B) if len(batch) > 1 else 0
         lengths = [len(x) for x in inputs_B]
-        prefix = list(inputs_B[0][:shared])
-        suffixes = [list(x[shared:]) for x in inputs_B]
-        tokens = prefix + [t for s in suffixes for t in s]
-        positions = [past_length + p for p in [*range(shared), *(p for n in lengths for p in range(shared, n))]]
-        segment = [-1] * shared + [i for i, s in enumerate(suffixes) for _ in s]
-        starts, offset = [], shared
-        for s in suffixes:
-            starts.append(offset)
-            offset += len(s)
         device = self.device
-        seg = torch.tensor(segment, device=device)
-        causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril()
-        mask = causal & ((seg[None, :] == -1) | (seg[None, :] == seg[:, None]))
-        rows = torch.tensor([r for start, n in zip(starts, lengths) for r in [*range(shared), *range(start, start + n - shared)]],
-                            device=device)
+        if self.config.packing == "prefix-tree":
+            tree = algo.prefix_tree(inputs_B)
+            tokens = list(tree.tokens_L)
+            positions = [past_length + depth for depth in tree.depths_L]
+            mask = _ancestor_mask(tree, device)
+            rows = torch.tensor([node for path in tree.paths_D for node in path], device=device)
+        else:
+            tokens, positions, mask, rows = _shared_prefix_layout(inputs_B, past_length, device)
         targets = torch.tensor([t for d in batch for t in d.target_tokens_N[past_length:]], device=device)
         inputs = {"input_ids": torch.tensor([tokens], device=device),
                   "position_ids": torch.tensor([positions], device=device)}
@@ -452,17 +454,18 @@ class LocalTrainingClient:
         generator = torch.Generator().manual_seed(0)
         tokens = [torch.randint(0, self.vocab_size, (n,), generator=generator).tolist() for n in (7, 12)]
         tokens.append(tokens[1][:5] + tokens[0][:4])  # shares a 5-token prefix with the second
+        tokens.append(tokens[1][:8] + tokens[0][:3])  # and an 8-token one (a deeper branch of a prefix tree)
         batch = [Datum(tuple(t[:-1]), tuple(t[1:]), (1.0,) * (len(t) - 1)) for t in tokens]
         with torch.no_grad(), model_mode(self.model, train=False):
             alone = torch.cat([self._packed_logprobs([d], 1.0)[0][0] for d in batch])
             packed = torch.cat(self._packed_logprobs(batch, 1.0)[0])
             diffs = [(packed - alone).abs().max().item()]
-            if self.config.packing == "shared-prefix":
+            if self.config.packing in PREFIX_PACKINGS:
                 shared = torch.cat(self._shared_prefix_logprobs(batch[1:], 1.0)[0])
                 diffs.append((shared - alone[6:]).abs().max().item())
             if self.config.prefix_once:
                 prefix = self._trained_prefix(batch[1:], 5, 1.0)
-                once = prefix.prepend([0, 1], *self._shared_prefix_logprobs(batch[1:], 1.0, prefix))[0]
+                once = prefix.prepend([0, 1, 2], *self._shared_prefix_logprobs(batch[1:], 1.0, prefix))[0]
                 diffs.append((torch.cat(once) - alone[6:]).abs().max().item())
         return max(diffs)
 
@@ -710,8 +713,8 @@ def _validate_data(data: Sequence[Datum], loss_fn: str, vocab_size: int) -> None
 
 def _check_prefix_once(config: LocalEngineConfig) -> None:
     """Refuse ``prefix_once`` where it cannot run."""
-    if config.packing != "shared-prefix":
-        raise ValueError(f"prefix_once needs packing='shared-prefix', got packing={config.packing!r}")
+    if config.packing not in PREFIX_PACKINGS:
+        raise ValueError(f"prefix_once needs packing='shared-prefix' or 'prefix-tree', got packing={config.packing!r}")
     if config.gradient_checkpointing and not hf_compat.checkpointing_keeps_cache_supported():
         raise ValueError(f"prefix_once with gradient_checkpointing needs a transformers release whose "
                          f"checkpointed layers can keep a cache (this is {hf_compat.installed_version()}); "
@@ -721,6 +724,48 @@ def _check_prefix_once(config: LocalEngineConfig) -> None:
 def _trained(batch: Sequence[Datum], device: Any, start: int = 0) -> Any:
     """Whether each target of ``batch`` from position ``start`` on is trained (weight not 0), concatenated."""
     return torch.tensor([w != 0 for d in batch for w in d.weights_N[start:]], dtype=torch.bool, device=device)
+
+
+def _shared_prefix_layout(inputs_B: Sequence[Sequence[int]], past_length: int,
+                          device: Any) -> tuple[list[int], list[int], Any, Any]:
+    """The ``shared-prefix`` row of ``inputs_B``: its tokens, positions, attention mask and,
+    for each input position of each datum, the row that computes it."""
+    shared = common_prefix(inputs_B) if len(inputs_B) > 1 else 0
+    lengths = [len(x) for x in inputs_B]
+    suffixes = [list(x[shared:]) for x in inputs_B]
+    tokens = list(inputs_B[0][:shared]) + [t for s in suffixes for t in s]
+    positions = [past_length + p for p in [*range(shared), *(p for n in lengths for p in range(shared, n))]]
+    segment = [-1] * shared + [i for i, s in enumerate(suffixes) for _ in s]
+    starts, offset = [], shared
+    for s in suffixes:
+        starts.append(offset)
+        offset += len(s)
+    seg = torch.tensor(segment, device=device)
+    causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril()
+    mask = causal & ((seg[None, :] == -1) | (seg[None, :] == seg[:, None]))
+    rows = torch.tensor([r for start, n in zip(starts, lengths) for r in [*range(shared), *range(start, start + n - shared)]],
+                        device=device)
+    return tokens, positions, mask, rows
+
+
+def _ancestor_mask(tree: algo.PrefixTree, device: Any) -> Any:
+    """``mask[i, j]``: node ``j`` of ``tree`` is node ``i`` or one of its ancestors.
+
+    The nodes a datum added are the end of its path, numbered in order: their rows are
+    their parent's row plus a causal block among themselves."""
+    size = len(tree.tokens_L)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    seen = 0
+    for path in tree.paths_D:
+        first = next((k for k, node in enumerate(path) if node >= seen), None)
+        if first is None:  # the same tokens as an earlier datum (or a prefix of them)
+            continue
+        start, end = path[first], path[-1] + 1
+        if first:
+            mask[start:end] = mask[path[first - 1]]
+        mask[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+        seen = end
+    return mask.to(device)
 
 
 def _shared_prefix_length(data: Sequence[Datum]) -> int:
