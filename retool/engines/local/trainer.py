@@ -830,7 +830,9 @@ def split_logprobs(head: Any, hidden_PH: Any, rows_N: Any, targets_N: Any, train
     (position, target) pair, without a graph: one output-layer product each instead of
     three (forward, recomputation, backward), and the shared prompt's positions of a
     ``shared-prefix`` row once instead of once per datum: the demo's SFT step (4 dialogues
-    of ~550 tokens, ~120 trained each, after a shared 382-token prompt) 0.76x the FLOPs. Values and gradients
+    of ~550 tokens, ~120 trained each, after a shared 382-token prompt) 0.76x the FLOPs.
+    A trained pair that several datums share (a ``prefix-tree`` node on the path of
+    several samples) also runs once, its gradient the sum of theirs. Values and gradients
     are those of computing every target with a gradient (up to the float rounding of a
     matmul split by rows); entropies are computed at the trained targets only (the only
     ones ``train/entropy`` reads) and are 0 elsewhere.
@@ -840,18 +842,21 @@ def split_logprobs(head: Any, hidden_PH: Any, rows_N: Any, targets_N: Any, train
     other_O = (~trained_N).nonzero().squeeze(-1)
     logprobs_N = hidden_PH.new_zeros(targets_N.shape, dtype=torch.float32)
     entropy_N = torch.zeros(targets_N.shape, dtype=torch.float32, device=targets_N.device)
+    vocab = int(targets_N.max()) + 1 if targets_N.numel() else 1
     if other_O.numel():
-        vocab = int(targets_N.max()) + 1
         pairs_U, index_O = torch.unique(rows_N[other_O] * vocab + targets_N[other_O], return_inverse=True)
         with torch.no_grad():
             logprobs_U = torch.cat([_gather_logprobs(head(hidden_PH[rows_C // vocab]).float() / temperature,
                                                      rows_C % vocab) for rows_C in pairs_U.split(chunk_tokens)])
         logprobs_N = logprobs_N.index_copy(0, other_O, logprobs_U[index_O])
     if trained_T.numel():
-        logprobs_T, entropy_T = chunked_logprobs(head, hidden_PH[rows_N[trained_T]], targets_N[trained_T],
+        # a (position, target) pair several datums train (a prefix tree's shared node) runs once;
+        # the gather's backward adds their gradients
+        pairs_U, index_T = torch.unique(rows_N[trained_T] * vocab + targets_N[trained_T], return_inverse=True)
+        logprobs_U, entropy_U = chunked_logprobs(head, hidden_PH[pairs_U // vocab], pairs_U % vocab,
                                                  temperature, chunk_tokens)
-        logprobs_N = logprobs_N.index_copy(0, trained_T, logprobs_T)
-        entropy_N = entropy_N.index_copy(0, trained_T, entropy_T)
+        logprobs_N = logprobs_N.index_copy(0, trained_T, logprobs_U[index_T])
+        entropy_N = entropy_N.index_copy(0, trained_T, entropy_U[index_T])
     return logprobs_N, entropy_N
 
 
