@@ -27,33 +27,22 @@ the gain exceeds two standard errors), so the reader can judge what RL bought. I
 gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
 ones that teach — as "N of M groups informative".
 
-Measured at these defaults (192 held-out problems x 1 sample) on 2 idle cores of an AMD
-EPYC without AMX (``avx512_bf16``; bf16 chosen by ``auto``), docs/demo.md recording every
-seed run, failures included: seed 42 in a fresh folder, 24.0 minutes, after SFT 74.5 % →
-after RL 86.5 %, RL's gain +12.0 points at paired s.e. 2.9 (z 4.17, beyond two standard
-errors), 36 of 47 RL groups informative, peak memory 2.47 GiB for the process tree. Seeds
-2, 1, 3, 5, 7 and 11 at the same defaults (their data, SFT and RL stages from runs at the
-earlier 96 x 2 held-out, which do not depend on it; the evals rerun): +10.9 (z 4.05), +11.5
-(z 4.19), +11.5 (z 2.85), +13.5 (z 4.29), and for 7 and 11 +4.2 (z 1.71) and +2.1 (z 0.89):
-within the noise (seed 11's cold start was at 85 %); seeds 13, 17, 29, 31, 37, 43, 47
-and 23, fresh and never run before, +29.7 (z 8.56), +7.8 (z 3.54), +26.6 (z 8.31), +10.9
-(z 4.60), +10.4 (z 3.92), +6.2 (z 2.60), +12.0 (z 3.81) and +1.0 (z 0.43, within the
-noise: a cold start at 86.5 %); 22.5–26.9 minutes, peaks 2.39–2.74 GiB. On 2026-12-06
-seed 42 rerun fresh: +11.5 (z 3.91) in 25.9 minutes, peak 2.98 GiB (0.6 GiB of it the
-bundled model's conversion, since run in a process of its own); seed 53, new: +1.6
-(z 0.69, within the noise: a cold start at 91.1 %) in 27.3 minutes, 2.49 GiB; seed 42
-after that fix, in a fresh cache and folder: +11.5 (z 3.58) in 29.2 minutes, 2.49 GiB;
-seed 59, new: +22.9 (z 6.21) in 25.8 minutes, 2.42 GiB; seed 61, new: +5.7 (z 2.56) from a
-cold start at 85.4 % in 26.7 minutes, 3.27 GiB (a runaway code call: each call is bounded at
-256 MiB since, ``--sandbox-memory-mb``); seed 42 at these defaults after a fresh set-up:
-+11.5 (z 4.35) in 25.9 minutes, 2.67 GiB. Here bf16
-training is only 1.27x faster than fp32, so the demo takes longer than the 20 minutes its
-sizes were chosen for; on an Intel Xeon with AMX, at
-d9a2fd6 with 96 x 2 held-out, seeds 42, 1, 3 and 5 gained +9.9 to +17.2 points (z
-2.69–4.11) and seed 2 +2.1 (z 0.60, within the noise) in 16.9–18.8 minutes. On two cores
-without native bf16 (AVX2 only), where ``auto`` runs fp32, at earlier commits: 35–49
-minutes, seeds 42, 3, 1 gained +8.9, +10.4, +9.9 points and seed 2 +0.5 (within the
-noise). Measured, never guaranteed: a seed can land within the noise.
+Measured at these defaults (192 held-out problems x 1 sample, ``prefix-tree`` packing) on 2
+idle cores of an AMD EPYC without AMX (``avx512_bf16``; bf16 chosen by ``auto``), docs/demo.md
+recording every seed run, failures included: seed 42 in a fresh folder, 21.6 minutes, after
+SFT 70.8 % -> after RL 85.9 %, RL's gain +15.1 points at paired s.e. 3.1 (z 4.92, beyond two
+standard errors), 36 of 46 RL groups informative, peak memory 2.46 GiB for the process tree;
+seeds 67, 71, 73 and 79, named before they ran (79 after 73's run) and never run before:
++15.6 (z 4.66), +5.7 (z 1.82, within the noise: RL's lesson for one kind broke another),
++21.4 (z 5.89) and +14.6 (z 4.54), in 21.6-22.9 minutes, peaks 2.36-2.47 GiB. With the
+layout before (``shared-prefix``: the same computation up to bf16 rounding, the RL step
+~1.6x slower), eighteen seeds in 22.5-29.2
+minutes: fourteen gained beyond two standard errors (+5.7 to +29.7 points), seeds 7, 11, 23
+and 53 did not (cold starts at 85-91 %, or a kind the cold start never learned). The 20
+minutes the sizes were chosen for held on an Intel Xeon with AMX (16.9-18.8 minutes, at
+d9a2fd6, before this layout), not on this EPYC. On two cores without native bf16 (AVX2
+only), where ``auto`` runs fp32, at earlier commits: 35-49 minutes. Measured, never
+guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
 
