@@ -118,12 +118,12 @@ def real_batch(path: str) -> list:
 
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line)["trajectory"] for line in f]
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list[dict]] = {}
     for row in rows:
-        groups.setdefault(row["problem_id"], []).append(row["grade"]["reward"])
-    mean = {problem: sum(r) / len(r) for problem, r in groups.items()}
-    return [algo.make_datum(row["tokens_T"], row["mask_T"], row["logprobs_T"],
-                            advantage=row["grade"]["reward"] - mean[row["problem_id"]]) for row in rows]
+        groups.setdefault(row["problem_id"], []).append(row)
+    return [algo.make_datum(row["tokens_T"], row["mask_T"], row["logprobs_T"], advantage=advantage)
+            for group in groups.values()
+            for row, advantage in zip(group, algo.group_advantages([r["grade"]["reward"] for r in group]))]
 
 
 def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> int:

@@ -552,8 +552,7 @@ def prefix_tree(sequences_D: Sequence[Sequence[int]]) -> PrefixTree:
     paths = []
     for sequence in sequences_D:
         path, created = trie.add(sequence)
-        for node in created:  # a sequence's new nodes are the end of its path
-            depth = len(path) - len(created) + (node - created[0])
+        for depth in range(len(path) - len(created), len(path)):  # its new nodes end its path
             tokens.append(sequence[depth])
             depths.append(depth)
             parents.append(path[depth - 1] if depth else -1)

@@ -220,7 +220,8 @@ class LocalTrainingClient:
         shared = _shared_prefix_length(data) if self.config.packing in PREFIX_PACKINGS else 0
         plan = algo.plan_micro_batches([d.num_tokens - shared for d in data],
                                        max(1, self.config.micro_batch_tokens - shared), self.config.packing,
-                                       sequences_D=[d.input_tokens_N[shared:] for d in data])
+                                       sequences_D=[d.input_tokens_N[shared:] for d in data]
+                                       if self.config.packing == "prefix-tree" else None)
         once = usable_prefix_length(data, shared) if self.config.prefix_once else 0
         stats = _LossStats()
         logprobs_D: list[tuple[float, ...]] = [()] * len(data)
