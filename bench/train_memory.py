@@ -67,18 +67,19 @@ def parse_variant(text: str) -> dict[str, int]:
     bf16 too, ``trainer.HEAD_IN_BF16``; keep = no trim after each micro-batch,
     ``trainer.TRIM_EVERY_MICRO_BATCH`` off: glibc keeps what a micro-batch freed; fullhead =
     the output layer with a gradient at every target, a shared prompt's positions once per
-    datum, ``trainer.HEAD_GRADIENT_WHERE_TRAINED`` off: the layout before it)."""
+    datum, ``trainer.HEAD_GRADIENT_WHERE_TRAINED`` off: the layout before it; recompute = with
+    ckpt, the attention kernel run again in the backward too, ``model.SAVE_ATTENTION`` off:
+    the checkpointing before it)."""
     out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0,
-           "prefix_once": 0, "bf16": 0, "head16": 0, "keep": 0, "fullhead": 0, "tree": 0}
+           "prefix_once": 0, "bf16": 0, "head16": 0, "keep": 0, "fullhead": 0, "tree": 0, "recompute": 0}
     names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens",
              "mmap": "mmap", "once": "prefix_once", "bf16": "bf16", "head16": "head16", "keep": "keep",
-             "fullhead": "fullhead", "tree": "tree"}
+             "fullhead": "fullhead", "tree": "tree", "recompute": "recompute"}
     for part in text.split("+"):
         key, _, value = part.partition("=")
         if key not in names:
             raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N, once, bf16, head16, keep, "
-                             "fullhead, "
-                             "tree, mmap=N joined by +")
+                             "fullhead, tree, recompute, mmap=N joined by +")
         out[names[key]] = int(value) if value else 1
     return out
 
@@ -130,9 +131,10 @@ def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> in
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from retool.engines.local import LocalEngineConfig, LocalTrainingClient, trainer
+    from retool.engines.local import LocalEngineConfig, LocalTrainingClient, model, trainer
 
     settings = parse_variant(variant)
+    model.SAVE_ATTENTION = not settings["recompute"]
     trainer.HEAD_IN_BF16 = bool(settings["head16"])
     trainer.TRIM_EVERY_MICRO_BATCH = not settings["keep"]
     trainer.HEAD_GRADIENT_WHERE_TRAINED = not settings["fullhead"]

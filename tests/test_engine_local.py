@@ -393,6 +393,35 @@ def test_gradient_checkpointing_gives_the_same_gradient(make_engine):
     assert_same(grads(plain), grads(checkpointed))
 
 
+def test_checkpointing_keeps_the_attention_outputs_instead_of_running_the_kernel_again(make_engine, monkeypatch):
+    """With ``SAVE_ATTENTION`` the backward's recompute runs the layers' products again but
+    not the attention kernel (its outputs were kept): half the kernel calls of the
+    recomputing checkpointing, and the same gradients bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from retool.engines.local import model as local_model
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += "scaled_dot_product" in str(func) and "backward" not in str(func)
+            return func(*args, **(kwargs or {}))
+
+    counted, gradients = {}, {}
+    for keep in (True, False):
+        monkeypatch.setattr(local_model, "SAVE_ATTENTION", keep)
+        engine = make_engine(gradient_checkpointing=True, packing="shared-prefix")
+        perturb_lora_b(engine)
+        with Count() as count:
+            engine.forward_backward(rl_datums(3), "ppo")
+        counted[keep], gradients[keep] = count.calls, grads(engine)
+    assert counted[False] == 2 * counted[True] > 0
+    assert all(torch.equal(a, b) for a, b in zip(gradients[True], gradients[False], strict=True))
+
+
 def test_the_demos_lean_training_layout_gives_the_plain_values_and_gradients(make_engine):
     """Shared-prefix packing with chunked logprobs and checkpointed layers (the demo's
     memory-bounded training step) computes what the plain shared-prefix step does."""

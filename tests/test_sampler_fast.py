@@ -642,3 +642,74 @@ def test_a_continuous_batch_shares_only_the_prefix_every_waiting_row_has(tiny_mo
     assert [s.tokens for s in got] == [s.tokens for s in expected]
     for a, b in zip(got, expected):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_prefill_chunks_cut_rows_in_order_at_the_least_cost():
+    """Every cut covers the rows once, in order; each chunk skips exactly the columns that are
+    padding in all its rows; the cost is the least over every contiguous cut (brute force on
+    small cases); a chunk over the scores bound is a single row."""
+    import random
+
+    from retool.engines.local import lean_decode
+
+    def cost(chunks, new_R, width):
+        return sum((b - a) * max(min(width, max(1, n)) for n in new_R[a:b]) + lean_decode.PREFILL_CALL_TOKENS
+                   for a, b, _ in chunks)
+
+    def cuts(n):
+        for mask in range(2 ** (n - 1)):
+            bounds = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+            yield list(zip(bounds, bounds[1:]))
+
+    rng = random.Random(0)
+    for _ in range(200):
+        rows, width = rng.randint(1, 7), rng.randint(1, 600)
+        new_R = [min(width, rng.choice([rng.randint(0, 40), rng.randint(1, width)])) for _ in range(rows)]
+        chunks = lean_decode.prefill_chunks(new_R, width, 1)
+        assert [a for a, _, _ in chunks] == [0] + [b for _, b, _ in chunks[:-1]] and chunks[-1][1] == rows
+        for a, b, skip in chunks:
+            assert skip == width - min(width, max(max(1, n) for n in new_R[a:b]))
+        best = min(cost([(a, b, 0) for a, b in cut], new_R, width) for cut in cuts(rows))
+        assert cost(chunks, new_R, width) == best
+    # one long row among short ones gets a chunk of its own; the short ones skip its padding
+    chunks = lean_decode.prefill_chunks([28, 28, 28, 535, 28, 28, 28], 535, 1)
+    assert (3, 4, 0) in chunks and all(skip == 535 - 28 for a, b, skip in chunks if (a, b) != (3, 4))
+    # the scores bound: chunks of one row each when a row's scores alone reach it
+    assert lean_decode.prefill_chunks([10, 10, 10], 10, lean_decode.PREFILL_SCORES_BYTES // 10) == \
+        [(0, 1, 0), (1, 2, 0), (2, 3, 0)]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_lean_prefill_of_rows_of_very_different_lengths_equals_the_model_forward(kind):
+    """A long row (a long tool output) among short ones, after a shared prefix: the short
+    rows skip the long row's padding columns (zero KV, masked), and the prefill's logits and
+    the next steps' equal the model's own forward over the same padded rows."""
+    from transformers import AutoModelForCausalLM
+
+    from retool.engines.local import lean_decode
+    from retool.engines.local.kv_cache import Restored
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    weights = lean_decode.decode_weights(model)
+    prefix, width = [5, 6, 7, 8, 9], 120
+    lengths = [3, 4, width, 2, 5]
+    ids = torch.tensor([prefix + [0] * (width - n) + [10 + (r * 7 + i) % 50 for i in range(n)]
+                        for r, n in enumerate(lengths)])
+    mask = (ids != 0).long()
+    mask[:, :len(prefix)] = 1
+    steps = torch.tensor([[20 + r, 30 + r] for r in range(len(lengths))])
+    assert len(lean_decode.prefill_chunks(lengths, width, 1)) > 1  # the long row is cut apart
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        full_ids, full_mask = torch.cat([ids, steps], 1), torch.cat([mask, torch.ones_like(steps)], 1)
+        full_positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
+        expected = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
+        prefix_kv = [(k[0], v[0]) for k, v in
+                     ((layer.keys, layer.values) for layer in
+                      model(input_ids=ids[:1, :len(prefix)], use_cache=True).past_key_values.layers)]
+        cache, first = lean_decode.LeanCache.prefill(weights, Restored(tuple(prefix_kv)), ids, mask, positions, 2)
+        assert torch.allclose(first, expected[:, ids.shape[1] - 1], atol=1e-4)
+        for step in range(2):
+            got = cache.step(steps[:, step], full_positions[:, ids.shape[1] + step])
+            assert torch.allclose(got, expected[:, ids.shape[1] + step], atol=1e-4), step
