@@ -27,22 +27,22 @@ the gain exceeds two standard errors), so the reader can judge what RL bought. I
 gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
 ones that teach — as "N of M groups informative".
 
-Measured at these defaults (192 held-out problems x 1 sample, ``prefix-tree`` packing) on 2
-idle cores of an AMD EPYC without AMX (``avx512_bf16``; bf16 chosen by ``auto``), docs/demo.md
-recording every seed run, failures included: seed 42 in a fresh folder, 21.6 minutes, after
-SFT 70.8 % -> after RL 85.9 %, RL's gain +15.1 points at paired s.e. 3.1 (z 4.92, beyond two
-standard errors), 36 of 46 RL groups informative, peak memory 2.46 GiB for the process tree;
-seeds 67, 71, 73 and 79, named before they ran (79 after 73's run) and never run before:
-+15.6 (z 4.66), +5.7 (z 1.82, within the noise: RL's lesson for one kind broke another),
-+21.4 (z 5.89) and +14.6 (z 4.54), in 21.6-22.9 minutes, peaks 2.36-2.47 GiB. With the
-layout before (``shared-prefix``: the same computation up to bf16 rounding, the RL step
-~1.6x slower), eighteen seeds in 22.5-29.2
-minutes: fourteen gained beyond two standard errors (+5.7 to +29.7 points), seeds 7, 11, 23
-and 53 did not (cold starts at 85-91 %, or a kind the cold start never learned). The 20
-minutes the sizes were chosen for held on an Intel Xeon with AMX (16.9-18.8 minutes, at
-d9a2fd6, before this layout), not on this EPYC. On two cores without native bf16 (AVX2
-only), where ``auto`` runs fp32, at earlier commits: 35-49 minutes. Measured, never
-guaranteed: a seed can land within the noise.
+Measured at these defaults (192 held-out problems x 1 sample, ``prefix-tree`` packing,
+prefill chunks by new-token count, attention outputs kept through checkpointing) on 2
+cores of an AMD EPYC without AMX (``avx512_bf16``; bf16 chosen by ``auto``), docs/demo.md
+recording every seed run, failures included: seed 42 in a fresh folder, 20.8 minutes
+(beside a low-priority test run), after SFT 70.3 % -> after RL 84.4 %, RL's gain +14.1
+points at paired s.e. 2.7 (z 5.16, beyond two standard errors), 36 of 42 RL groups
+informative, peak memory 2.43 GiB for the process tree; seeds 67, 83 and 89, named with it
+before they ran: +12.5 (z 4.30, 20.7 minutes), -5.2 (z -1.15, 21.6 minutes: RL broke the
+code of a kind the cold start had solved, sums of multiples 26 -> 0 of 26, and every later
+group of that kind was all wrong, which GRPO cannot learn from); 89 stopped before its end. At the layouts
+before (the same computation up to float rounding): 18 of 23 seeds gained beyond two
+standard errors (+5.7 to +29.7 points), in 21.6-22.9 minutes with ``prefix-tree`` and
+22.5-29.2 with ``shared-prefix``. The 20 minutes the sizes were chosen for held on an Intel
+Xeon with AMX (16.9-18.8 minutes, at d9a2fd6), not yet on this EPYC. On two cores without
+native bf16 (AVX2 only), where ``auto`` runs fp32, at earlier commits: 35-49 minutes.
+Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
 
