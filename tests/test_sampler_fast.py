@@ -241,13 +241,7 @@ def test_lean_step_equals_the_model_forward_on_qwen(kind, monkeypatch):
     mask = (ids != 0).long()
     steps = torch.tensor([[20, 21, 22], [23, 24, 25], [26, 27, 28]])
     with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        full_ids, full_mask = torch.cat([ids, steps], 1), torch.cat([mask, torch.ones_like(steps)], 1)
-        full_positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
-        expected = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
-        prefix_kv = [(k[0], v[0]) for k, v in
-                     ((layer.keys, layer.values) for layer in
-                      model(input_ids=ids[:1, :len(prefix)], use_cache=True).past_key_values.layers)]
+        positions, full_positions, expected, prefix_kv = _model_reference(model, ids, mask, steps, len(prefix))
         restored_columns = 4  # each row's columns 5..8 restored, as a later turn over stored KV
         early = model(input_ids=ids[:, :9], attention_mask=mask[:, :9], position_ids=positions[:, :9],
                       use_cache=True).past_key_values
@@ -262,6 +256,19 @@ def test_lean_step_equals_the_model_forward_on_qwen(kind, monkeypatch):
             for step in range(3):  # the third step outgrows the reserved room
                 got = cache.step(steps[:, step], full_positions[:, ids.shape[1] + step])
                 assert torch.allclose(got, expected[:, ids.shape[1] + step], atol=1e-4), (name, step)
+
+
+def _model_reference(model, ids, mask, steps, prefix_len: int):
+    """What the lean path must reproduce: the rows' positions, those of the rows with
+    ``steps`` appended, the model's own logits over them, and the shared prefix's KV."""
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    full_ids, full_mask = torch.cat([ids, steps], 1), torch.cat([mask, torch.ones_like(steps)], 1)
+    full_positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
+    expected = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
+    prefix_kv = [(k[0], v[0]) for k, v in
+                 ((layer.keys, layer.values) for layer in
+                  model(input_ids=ids[:1, :prefix_len], use_cache=True).past_key_values.layers)]
+    return positions, full_positions, expected, prefix_kv
 
 
 def test_models_the_lean_step_does_not_cover_fall_back_to_the_model_forward():
@@ -701,13 +708,7 @@ def test_lean_prefill_of_rows_of_very_different_lengths_equals_the_model_forward
     steps = torch.tensor([[20 + r, 30 + r] for r in range(len(lengths))])
     assert len(lean_decode.prefill_chunks(lengths, width, 1)) > 1  # the long row is cut apart
     with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        full_ids, full_mask = torch.cat([ids, steps], 1), torch.cat([mask, torch.ones_like(steps)], 1)
-        full_positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
-        expected = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
-        prefix_kv = [(k[0], v[0]) for k, v in
-                     ((layer.keys, layer.values) for layer in
-                      model(input_ids=ids[:1, :len(prefix)], use_cache=True).past_key_values.layers)]
+        positions, full_positions, expected, prefix_kv = _model_reference(model, ids, mask, steps, len(prefix))
         cache, first = lean_decode.LeanCache.prefill(weights, Restored(tuple(prefix_kv)), ids, mask, positions, 2)
         assert torch.allclose(first, expected[:, ids.shape[1] - 1], atol=1e-4)
         for step in range(2):
