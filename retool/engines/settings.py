@@ -198,8 +198,8 @@ class ModelConfig(EngineChoice):
                                           "micro-batch x vocabulary; same values); 0 = full logits; local and "
                                           "vllm engines (services compute logprobs on their side)")
     prefix_once: bool = option(False, "with packing shared-prefix or prefix-tree: run the prompt prefix all "
-                                      "sequences of a training call share once per call, not once per micro-batch (same values; "
-                                      "local engine only)")
+                                      "sequences of a training call share once per call, not once per micro-batch "
+                                      "(same values; local engine only)")
     train_precision: str = option("fp32", "arithmetic of the training forward/backward: fp32; bf16 (autocast over "
                                           "fp32 weights, head, loss and Adam in fp32: ~2x faster on a CPU with "
                                           "native bf16, many times slower on one without); auto = bf16 on CUDA or "

@@ -650,12 +650,13 @@ def prefill_chunks(new_R: Sequence[int], width: int, bytes_per_column: int) -> l
     :data:`PREFILL_SCORES_BYTES` of scores (``bytes_per_column`` per row and computed
     column) or a single row."""
     rows = len(new_R)
+    computed_R = [min(width, max(1, n)) for n in new_R]  # at least the last column (its logits)
     best = [0.0] + [math.inf] * rows  # best[b]: the least cost of rows [0, b)
     cut = [0] * (rows + 1)
     for b in range(1, rows + 1):
         longest = 0
         for a in range(b - 1, -1, -1):
-            longest = max(longest, min(width, max(1, new_R[a])))
+            longest = max(longest, computed_R[a])
             if a < b - 1 and (b - a) * longest * bytes_per_column > PREFILL_SCORES_BYTES:
                 break
             cost = best[a] + (b - a) * longest + PREFILL_CALL_TOKENS
@@ -665,7 +666,7 @@ def prefill_chunks(new_R: Sequence[int], width: int, bytes_per_column: int) -> l
     b = rows
     while b > 0:
         a = cut[b]
-        chunks.append((a, b, width - min(width, max(1, max(new_R[a:b])))))
+        chunks.append((a, b, width - max(computed_R[a:b])))
         b = a
     return chunks[::-1]
 

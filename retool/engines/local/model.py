@@ -12,6 +12,7 @@ Not covered: multiple GPUs, quantised (QLoRA) loading, checkpoints (``trainer``)
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from retool.bundled import resolve_model_name
@@ -108,36 +110,31 @@ def apply_lora(model: Any, config: LocalEngineConfig) -> Any:
 SAVE_ATTENTION = True
 """Under activation checkpointing, keep each layer's attention output from the forward
 instead of running the attention kernel again in the backward's recompute (torch's
-selective checkpointing, the CPU flash kernel's outputs marked must-save): the same
-gradients bit for bit, ~5 % less time in the demo's RL step for ~50 MiB more at its peak
-(docs/benchmarks.md). The layers' other activations are still recomputed."""
+selective checkpointing, the attention kernels' outputs must-save): the same gradients bit
+for bit; on 2 CPU cores a real demo RL step 0.97x the time, peak within the noise, the
+demo's SFT stage 0.90-0.93x (docs/benchmarks.md). The layers' other activations are still
+recomputed."""
 
 
 def enable_checkpointing(model: Any) -> None:
     """Non-reentrant activation checkpointing (renamed in transformers 5.2x; the old name
     warns), with the attention outputs kept (:data:`SAVE_ATTENTION`)."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
-    if SAVE_ATTENTION:
-        kwargs["context_fn"] = _keep_attention_outputs
+    if SAVE_ATTENTION:  # the listed ops must-save, every other op recomputed
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _attention_ops())
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _keep_attention_outputs() -> Any:
-    """The selective-checkpoint contexts that save the attention kernels' outputs."""
-    from torch.utils.checkpoint import (  # torch.utils.checkpoint: only where checkpointing is on
-        CheckpointPolicy, create_selective_checkpoint_contexts)
-
-    saved = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default}
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+def _attention_ops() -> list[Any]:
+    """The attention kernels ``scaled_dot_product_attention`` dispatches to (CPU flash, CUDA
+    flash and memory-efficient)."""
+    aten = torch.ops.aten
+    return [aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default]
 
 
 @contextlib.contextmanager
