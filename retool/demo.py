@@ -119,6 +119,10 @@ class DemoConfig:
     rl_group_size: int = option(8, "trajectories per problem (groups of 8 split into mixed rewards far more "
                                    "often than groups of 4: more informative groups per step)")
     rl_lr: float = option(1e-4, "RL learning rate (3e-4 eroded the call format in 10 steps)")
+    rl_invalid_call_penalty: float = option(0.5, "subtracted from the reward of a rollout with a malformed tool "
+                                                 "call (retool train --invalid-call-penalty; 0: outcome only, where "
+                                                 "seed 83's RL broke one kind's calls and its all-wrong groups could "
+                                                 "not teach them back, docs/demo.md)")
     eval_problems: int = option(192, "held-out test problems (the paired s.e. of RL's gain shrinks with more; 64 "
                                          "x 2 left a +10.2-point gain at z 1.8, docs/demo.md)")
     eval_samples: int = option(1, "samples per held-out problem (k of Average@k). For a fixed number of samples "
@@ -195,6 +199,8 @@ class DemoConfig:
                      "max_assistant_turns", "sandbox_memory_mb"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
+        require(0 <= self.rl_invalid_call_penalty <= 2,
+                f"rl_invalid_call_penalty must be in [0, 2], got {self.rl_invalid_call_penalty}")
         require(self.rl_max_staleness >= 0, f"rl_max_staleness must be >= 0, got {self.rl_max_staleness}")
         require(self.logprob_chunk_tokens >= 0, f"logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}")
         require(self.rl_refill_rounds >= 0, f"rl_refill_rounds must be >= 0, got {self.rl_refill_rounds}")
@@ -323,6 +329,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         train_data=str(rl_path), batch_size=cfg.rl_batch_size, group_size=cfg.rl_group_size,
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
+        invalid_call_penalty=cfg.rl_invalid_call_penalty,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
         gradient_checkpointing=cfg.gradient_checkpointing, prefix_once=cfg.rl_prefix_once, top_p=cfg.rl_top_p,
         train_precision=cfg.train_precision,

@@ -122,6 +122,10 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
                            choices=algo.OVERLONG)
     overlong_buffer: int = option(512, "L of --overlong soft: the penalty falls from 0 to -1 over the last L "
                                        "policy tokens of the budget")
+    invalid_call_penalty: float = option(0.0, "subtracted from the reward of a trajectory with a malformed tool "
+                                              "call (bad JSON, unknown tool, a call cut off...), before centring: a "
+                                              "group all wrong still teaches against broken calls; 0 = outcome "
+                                              "reward only (ReTool's)")
     behaviour_is: str = option("off", "sampler-trainer correction: the loss ratio becomes pi_theta/pi_old "
                                       "(trainer logprobs) times w from r = pi_old/mu (sampler logprobs): "
                                       "token-tis w = min(r_t, C), sequence-tis w = min(prod r_t, C), token-mask "
@@ -204,6 +208,8 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(self.advantage != "passk" or 1 <= self.passk < self.group_size,
                 f"--passk must be in [1, group_size) = [1, {self.group_size}), got {self.passk}")
         require(self.overlong_buffer >= 1, f"overlong_buffer must be >= 1, got {self.overlong_buffer}")
+        require(0 <= self.invalid_call_penalty <= 2,
+                f"invalid_call_penalty must be in [0, 2] (rewards are +-1), got {self.invalid_call_penalty}")
         require(self.behaviour_is_cap > 1 and self.behaviour_is_threshold > 1,
                 "behaviour_is_cap and behaviour_is_threshold must be > 1")
 
@@ -407,7 +413,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Adva
         groups, refills = _roll_out(trainer, sampler, step, batch)
         t_rollout = time.monotonic() - t0
     # 3. reward: each trajectory was graded as it ended (the rollout's grader, retool.reward.agrade);
-    #    --overlong soft adds its length penalty here
+    #    --overlong soft adds its length penalty here, --invalid-call-penalty its penalty for broken calls
     rewards_BG, metrics = _shaped_rewards(cfg, groups)
     degenerate_B = [algo.is_degenerate(rewards_G) for rewards_G in rewards_BG]
     # 4. advantages: rewards centred in each group (--advantage passk: pass@k-aware rewards first)
@@ -537,7 +543,7 @@ def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[
 
     First a group for each problem of ``batch``; then, with ``refill_rounds``, up to that
     many rounds of fresh problems while fewer than ``batch_size`` groups are informative
-    (DAPO's dynamic sampling). The resume plumbing sits here too: groups an interrupted run
+    (DAPO's dynamic sampling; informative: the rewards the update sees differ, penalties included). The resume plumbing sits here too: groups an interrupted run
     of this step finished are reused (said once on stderr), and the ``after_rollout``
     failpoint may end the process (:func:`runs.failpoint`). ``on_group(round, position,
     group)`` is called as each group ends (or is reused).
@@ -546,7 +552,7 @@ def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[
     groups = _rollout_round(trainer, sampler, step, 0, batch, on_group)
     taken, rounds = list(batch), 0
     while rounds < cfg.refill_rounds:
-        missing = cfg.batch_size - len(groups) + algo.count_degenerate_groups(_rewards(groups))
+        missing = _missing_groups(cfg, groups)
         if missing <= 0:
             break
         rounds += 1
@@ -559,6 +565,12 @@ def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[
         trainer.reused_groups = 0
     runs.failpoint("after_rollout", step)
     return groups, rounds
+
+
+def _missing_groups(cfg: TrainConfig, groups: list[Group]) -> int:
+    """How many more groups a step needs for ``batch_size`` informative ones: groups whose rewards
+    differ, penalties included (the ones the update learns from)."""
+    return cfg.batch_size - len(groups) + algo.count_degenerate_groups(_shaped_rewards(cfg, groups)[0])
 
 
 def _rollout_round(trainer: Trainer, sampler: SamplingClient, step: int, round_: int,
@@ -632,22 +644,28 @@ def _rewards(groups: list[Group]) -> list[list[float]]:
 
 
 def _shaped_rewards(cfg: TrainConfig, groups: list[Group]) -> tuple[list[list[float]], dict[str, float]]:
-    """The rewards advantages are computed from (``--overlong soft`` adds its penalty), and
-    how many trajectories ``--overlong`` touched."""
+    """The rewards advantages are computed from (``--overlong soft`` and ``--invalid-call-penalty``
+    add their penalties), and how many trajectories each touched."""
     flat = [t for g in groups for t in g]
     truncated = sum(1 for t in flat if algo.is_truncated(t))
     metrics = {"rollout/truncated": float(truncated)}
     if cfg.overlong == "mask":
         metrics["train/overlong_masked"] = float(truncated)
-    if cfg.overlong != "soft":
-        return _rewards(groups), metrics
-    penalties_BG = [[algo.overlong_penalty(algo.policy_tokens(t), _policy_budget(cfg, t), cfg.overlong_buffer)
-                     for t in g] for g in groups]
-    flat_penalties = [p for penalties_G in penalties_BG for p in penalties_G]
-    metrics["train/overlong_penalised"] = float(sum(1 for p in flat_penalties if p < 0))
-    metrics["train/overlong_penalty_mean"] = sum(flat_penalties) / len(flat_penalties)
-    return [[r + p for r, p in zip(rewards_G, penalties_G)]
-            for rewards_G, penalties_G in zip(_rewards(groups), penalties_BG)], metrics
+    rewards_BG = _rewards(groups)
+    if cfg.overlong == "soft":
+        penalties_BG = [[algo.overlong_penalty(algo.policy_tokens(t), _policy_budget(cfg, t), cfg.overlong_buffer)
+                         for t in g] for g in groups]
+        flat_penalties = [p for penalties_G in penalties_BG for p in penalties_G]
+        metrics["train/overlong_penalised"] = float(sum(1 for p in flat_penalties if p < 0))
+        metrics["train/overlong_penalty_mean"] = sum(flat_penalties) / len(flat_penalties)
+        rewards_BG = [[r + p for r, p in zip(rewards_G, penalties_G)]
+                      for rewards_G, penalties_G in zip(rewards_BG, penalties_BG)]
+    if cfg.invalid_call_penalty:
+        broken_BG = [[algo.invalid_calls(t) > 0 for t in g] for g in groups]
+        metrics["train/invalid_call_penalised"] = float(sum(sum(broken_G) for broken_G in broken_BG))
+        rewards_BG = [[r - cfg.invalid_call_penalty * broken for r, broken in zip(rewards_G, broken_G)]
+                      for rewards_G, broken_G in zip(rewards_BG, broken_BG)]
+    return rewards_BG, metrics
 
 
 def _policy_budget(cfg: TrainConfig, trajectory: Trajectory | None) -> int:

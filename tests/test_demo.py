@@ -244,6 +244,19 @@ def test_the_rl_stage_samples_ahead_with_rl_max_staleness(tmp_path, monkeypatch)
     assert [cfg.max_staleness for cfg in seen] == [0, 1]
 
 
+def test_the_rl_stage_penalises_malformed_calls_unless_told_not_to(tmp_path, monkeypatch, capsys):
+    from retool import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "train", lambda cfg, resume: seen.append(cfg) or Path(cfg.run_dir))
+    for penalty in (None, 0.0):
+        cfg = DemoConfig() if penalty is None else DemoConfig(rl_invalid_call_penalty=penalty)
+        demo.run_rl(cfg, tmp_path / f"p{penalty}", tmp_path / "rl.jsonl", tmp_path / "sft")
+    assert [c.invalid_call_penalty for c in seen] == [0.5, 0.0]
+    assert cli_main(["demo", "--rl-invalid-call-penalty", "-1"]) == 2
+    assert "rl_invalid_call_penalty must be in [0, 2], got -1.0" in capsys.readouterr().err
+
+
 def test_the_demo_passes_its_sandbox_memory_bound_to_the_evals_and_rl(tmp_path, monkeypatch):
     """A runaway call the model writes (``2 ** 550 ** 782``) would hold up to retool eval's
     and train's 2 GiB per call; the demo's peak counts the sandbox, so it sets its own bound."""

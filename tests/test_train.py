@@ -3,6 +3,7 @@ checkpoints, and exact resume after SIGKILL (mid-step and mid-checkpoint)."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
@@ -501,6 +502,64 @@ def test_overlong_soft_penalises_before_centring_and_passk_reshapes_the_rewards(
         assert [line["advantage"] for line in members] == pytest.approx(expected)
     assert row["train/overlong_penalised"] == penalised > 0
     assert "train/sampler_nll" in row and "train/entropy" in row
+
+
+def _group_of_calls(codes: list[str | None]) -> list:
+    """One rollout group of the 6 x 7 problem, every answer wrong (41): trajectory K calls the
+    interpreter with ``codes[K]`` (``None``: seed 83's broken call, one ``}`` where ``))`` belonged)."""
+    from retool.render import Renderer
+    from retool.rollout import Rollout, RolloutConfig
+    from retool.reward import agrade
+    from retool.sandbox import Sandbox, SandboxConfig
+    from retool.types import Problem
+    from tests.scripted import ScriptedSampler
+    from tests.tokenizers import qwen25_tokenizer
+
+    broken = ('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(sum(x for x in range(1, 85) '
+              'if x % 6 == 0"}}}\n</tool_call>')
+    scripts = []
+    for k, code in enumerate(codes):
+        body = json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
+        call = broken if code is None else f"<tool_call>\n{body}\n</tool_call>"
+        scripts.append([f"[traj {k}] Let me compute.\n{call}", "So it is \\boxed{41}."])
+    tokenizer = qwen25_tokenizer()
+    with Sandbox(SandboxConfig(timeout_s=5.0, workers=2)) as sandbox:
+        rollout = Rollout(Renderer(tokenizer), ScriptedSampler(tokenizer, scripts), sandbox, agrade, RolloutConfig())
+        return list(asyncio.run(rollout.group(Problem(id="p", question="What is 6 times 7?", answer="42"),
+                                              len(codes))))
+
+
+def test_an_all_wrong_group_teaches_against_malformed_calls_only_with_the_penalty():
+    """Outcome rewards alone give a group of wrong answers no gradient, however broken its calls
+    (seed 83's demo lost a kind's call format this way); the penalty makes the broken calls
+    the worse ones, and the refill count and the dropped groups follow the same rewards."""
+    from retool import algo
+    from retool.train import _missing_groups, _shaped_rewards, _trained_groups
+
+    group = _group_of_calls([None, "print(6*7-1)", None, "print(41)"])
+    assert [algo.invalid_calls(t) for t in group] == [1, 0, 1, 0]
+    assert [t.grade.reward for t in group] == [-1.0] * 4
+
+    outcome = make_config(TrainConfig, drop_degenerate_groups=True)
+    (rewards,), metrics = _shaped_rewards(outcome, [group])
+    assert rewards == [-1.0] * 4 and "train/invalid_call_penalised" not in metrics
+    assert _trained_groups(outcome, [group], [algo.group_advantages(rewards)], [algo.is_degenerate(rewards)]) == []
+    assert _missing_groups(outcome, [group]) == outcome.batch_size
+
+    shaped = make_config(TrainConfig, drop_degenerate_groups=True, invalid_call_penalty=0.5)
+    (rewards,), metrics = _shaped_rewards(shaped, [group])
+    assert rewards == [-1.5, -1.0, -1.5, -1.0] and metrics["train/invalid_call_penalised"] == 2.0
+    advantages = algo.group_advantages(rewards)
+    assert advantages == pytest.approx((-0.25, 0.25, -0.25, 0.25))
+    assert _trained_groups(shaped, [group], [advantages], [algo.is_degenerate(rewards)]) == [(group, advantages)]
+    assert _missing_groups(shaped, [group]) == shaped.batch_size - 1
+
+
+def test_the_invalid_call_penalty_is_bounded(capsys):
+    with pytest.raises(ConfigError, match=r"invalid_call_penalty must be in \[0, 2\]"):
+        TrainConfig(invalid_call_penalty=-0.5).validate()
+    assert cli_main(["train", "--invalid-call-penalty", "3"]) == 2
+    assert "invalid_call_penalty must be in [0, 2] (rewards are +-1), got 3.0" in capsys.readouterr().err
 
 
 def test_services_refuse_the_sampler_trainer_correction_before_anything_loads():
