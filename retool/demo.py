@@ -113,8 +113,8 @@ class DemoConfig:
                                             "context, not trained on; stateless only; retool task-data "
                                             "--recovery-share)")
     rl_problems: int = option(400, "RL training problems")
-    rl_steps: int = option(18, "RL steps (12 left seed 2 at -4.2 points; the same run carried on to 18 gained "
-                               "+3.1, and the whole demo stays under 20 min: docs/demo.md)")
+    rl_steps: int = option(16, "RL steps (12 left seed 2 at -4.2 points; the same run carried on to 18 gained "
+                               "+3.1; 16 keeps the whole demo near 20 min on an EPYC without AMX: docs/demo.md)")
     rl_batch_size: int = option(2, "problems per RL step")
     rl_group_size: int = option(8, "trajectories per problem (groups of 8 split into mixed rewards far more "
                                    "often than groups of 4: more informative groups per step)")
@@ -123,8 +123,9 @@ class DemoConfig:
                                                  "call (retool train --invalid-call-penalty; 0: outcome only, where "
                                                  "seed 83's RL broke one kind's calls and its all-wrong groups could "
                                                  "not teach them back, docs/demo.md)")
-    eval_problems: int = option(192, "held-out test problems (the paired s.e. of RL's gain shrinks with more; 64 "
-                                         "x 2 left a +10.2-point gain at z 1.8, docs/demo.md)")
+    eval_problems: int = option(160, "held-out test problems (the paired s.e. of RL's gain shrinks with more; 64 "
+                                         "x 2 left a +10.2-point gain at z 1.8; 192 took 0.4 min more per eval, "
+                                         "docs/demo.md)")
     eval_samples: int = option(1, "samples per held-out problem (k of Average@k). For a fixed number of samples "
                                   "the paired s.e. of RL's gain is smallest at one sample each on more problems: "
                                   "192 x 1 costs what 96 x 2 did, with an s.e. 7-26 %% smaller on seven seeds "
