@@ -27,21 +27,17 @@ the gain exceeds two standard errors), so the reader can judge what RL bought. I
 gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
 ones that teach — as "N of M groups informative".
 
-Measured at these defaults (192 held-out problems x 1 sample, ``prefix-tree`` packing,
-prefill chunks by new-token count, attention outputs kept through checkpointing) on 2
-cores of an AMD EPYC without AMX (``avx512_bf16``; bf16 chosen by ``auto``), docs/demo.md
-recording every seed run, failures included: seed 42 in a fresh folder, 20.8 minutes
-(beside a low-priority test run), after SFT 70.3 % -> after RL 84.4 %, RL's gain +14.1
-points at paired s.e. 2.7 (z 5.16, beyond two standard errors), 36 of 42 RL groups
-informative, peak memory 2.43 GiB for the process tree; seeds 67, 83 and 89, named with it
-before they ran: +12.5 (z 4.30, 20.7 minutes), -5.2 (z -1.15, 21.6 minutes: RL broke the
-code of a kind the cold start had solved, sums of multiples 26 -> 0 of 26, and every later
-group of that kind was all wrong, which GRPO cannot learn from); 89 stopped before its end. At the layouts
-before (the same computation up to float rounding): 18 of 23 seeds gained beyond two
-standard errors (+5.7 to +29.7 points), in 21.6-22.9 minutes with ``prefix-tree`` and
-22.5-29.2 with ``shared-prefix``. The 20 minutes the sizes were chosen for held on an Intel
-Xeon with AMX (16.9-18.8 minutes, at d9a2fd6), not yet on this EPYC. On two cores without
-native bf16 (AVX2 only), where ``auto`` runs fp32, at earlier commits: 35-49 minutes.
+Measured at these defaults (160 held-out problems x 1 sample, 16 RL steps, a rollout with
+a malformed tool call penalised by 0.5) on 2 cores of an AMD EPYC without AMX
+(``avx512_bf16``; bf16 chosen by ``auto``), docs/demo.md recording every seed run, failures
+included: seed 42 in a fresh folder, 18.2 minutes, after SFT 69.4 % -> after RL 85.6 %,
+RL's gain +16.2 points at paired s.e. 3.2 (z 5.11, beyond two standard errors), 32 of 40
+RL groups informative, peak memory 2.48 GiB for the process tree; seeds 83, 97 and 101,
+named with it before they ran, in 17.8-19.2 minutes: 97 +12.5 (z 4.51); 83 +1.9 (z 0.49:
+teaching range sums broke the sums of multiples' brackets, 20 -> 10 of 20) and 101 +3.7
+(z 1.00: the last steps drifted out of the format) within the noise. At the defaults
+before (18 RL steps, 192 problems, no penalty): 20.7-22.9 minutes with ``prefix-tree``
+packing, 18 of 24 seeds beyond two standard errors over that and the layouts before it.
 Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
@@ -114,7 +110,7 @@ class DemoConfig:
                                             "--recovery-share)")
     rl_problems: int = option(400, "RL training problems")
     rl_steps: int = option(16, "RL steps (12 left seed 2 at -4.2 points; the same run carried on to 18 gained "
-                               "+3.1; 16 keeps the whole demo near 20 min on an EPYC without AMX: docs/demo.md)")
+                               "+3.1; at 16 the whole demo took 17.8-19.2 min on an EPYC without AMX: docs/demo.md)")
     rl_batch_size: int = option(2, "problems per RL step")
     rl_group_size: int = option(8, "trajectories per problem (groups of 8 split into mixed rewards far more "
                                    "often than groups of 4: more informative groups per step)")
