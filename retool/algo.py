@@ -24,6 +24,7 @@ functions, and the tests check them against hand computations.
   logprobs; the RL losses then use ``pi_theta / pi_old`` as their ratio.
 - **Overlong trajectories** and **pass@k rewards** (off by default):
   :func:`overlong_penalty`, :func:`is_truncated`, :func:`passk_rewards`.
+- **Learning-rate schedule** (constant by default): :func:`scheduled_lr`.
 - **Malformed tool calls** (off by default): :func:`invalid_calls` counts the attempts
   of a trajectory that could not run; ``retool train --invalid-call-penalty`` subtracts
   a penalty from such a trajectory's reward.
@@ -108,6 +109,28 @@ def is_degenerate(rewards_G: Sequence[float]) -> bool:
 def count_degenerate_groups(rewards_BG: Sequence[Sequence[float]]) -> int:
     """How many of the groups are degenerate (for ``rollout/degenerate_group_rate``)."""
     return sum(1 for rewards_G in rewards_BG if is_degenerate(rewards_G))
+
+
+# ---------------------------------------------------------------- learning-rate schedule
+
+
+LR_SCHEDULES = ("constant", "cosine")
+"""``constant``: the same learning rate every step; ``cosine``: from the full rate at the
+first step along a half cosine to ``min_ratio`` of it at the last (:func:`scheduled_lr`)."""
+
+
+def scheduled_lr(lr: float, step: int, max_steps: int, schedule: str = "constant", min_ratio: float = 0.0) -> float:
+    """The learning rate of ``step`` (1-based) of a run of ``max_steps``.
+
+    A function of the step alone, so a resumed run applies the rates the uninterrupted run
+    would have; steps past ``max_steps`` (a run extended) keep the last step's rate.
+    """
+    if schedule == "constant":
+        return lr
+    if schedule != "cosine":
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; expected one of {', '.join(LR_SCHEDULES)}")
+    progress = min(1.0, (step - 1) / (max_steps - 1)) if max_steps > 1 else 0.0
+    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 # ---------------------------------------------------------------- overlong trajectories

@@ -59,7 +59,7 @@ from rich.console import Console
 from rich.table import Table
 
 from retool import tasks
-from retool.algo import PACKINGS
+from retool.algo import LR_SCHEDULES, PACKINGS
 from retool.atomic import atomic_write_text
 from retool.bundled import BundledModelMissing, resolve_model_name
 from retool.config import ConfigError, add_config_args, config_from_args, make_config, option, require
@@ -115,6 +115,8 @@ class DemoConfig:
     rl_group_size: int = option(8, "trajectories per problem (groups of 8 split into mixed rewards far more "
                                    "often than groups of 4: more informative groups per step)")
     rl_lr: float = option(1e-4, "RL learning rate (3e-4 eroded the call format in 10 steps)")
+    rl_lr_schedule: str = option("constant", "RL learning rate over the steps (retool train --lr-schedule; cosine "
+                                             "falls to 0.1 of --rl-lr at the last step)", choices=LR_SCHEDULES)
     rl_invalid_call_penalty: float = option(0.5, "subtracted from the reward of a rollout with a malformed tool "
                                                  "call (retool train --invalid-call-penalty; 0: outcome only, where "
                                                  "seed 83's RL broke one kind's calls and its all-wrong groups could "
@@ -326,7 +328,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         train_data=str(rl_path), batch_size=cfg.rl_batch_size, group_size=cfg.rl_group_size,
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
-        invalid_call_penalty=cfg.rl_invalid_call_penalty,
+        invalid_call_penalty=cfg.rl_invalid_call_penalty, lr_schedule=cfg.rl_lr_schedule,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
         gradient_checkpointing=cfg.gradient_checkpointing, prefix_once=cfg.rl_prefix_once, top_p=cfg.rl_top_p,
         train_precision=cfg.train_precision,

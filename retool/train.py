@@ -142,6 +142,10 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     curriculum_floor: float = option(0.1, "difficulty curriculum: the lowest draw weight of a problem (a fresh "
                                           "one weighs 1), so none starves")
     lr: float = option(4e-5, "Adam learning rate")
+    lr_schedule: str = option("constant", "learning rate over the run: constant = --lr every step; cosine = --lr "
+                                          "at step 1 falling along a half cosine to --lr-min-ratio x --lr at "
+                                          "--max-steps", choices=algo.LR_SCHEDULES)
+    lr_min_ratio: float = option(0.1, "the last step's share of --lr under --lr-schedule cosine (0 to 1)")
     beta1: float = option(0.9, "Adam beta1")
     beta2: float = option(0.95, "Adam beta2")
     weight_decay: float = option(0.0, "decoupled weight decay")
@@ -208,6 +212,7 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(self.advantage != "passk" or 1 <= self.passk < self.group_size,
                 f"--passk must be in [1, group_size) = [1, {self.group_size}), got {self.passk}")
         require(self.overlong_buffer >= 1, f"overlong_buffer must be >= 1, got {self.overlong_buffer}")
+        require(0 <= self.lr_min_ratio <= 1, f"lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         require(0 <= self.invalid_call_penalty <= 2,
                 f"invalid_call_penalty must be in [0, 2] (rewards are +-1), got {self.invalid_call_penalty}")
         require(self.behaviour_is_cap > 1 and self.behaviour_is_threshold > 1,
@@ -447,7 +452,7 @@ def _streamed_step(trainer: Trainer, sampler: SamplingClient, step: int, batch: 
         groups, refills = _roll_out(trainer, sampler, step, batch, on_group=stream.add)
         t_rollout = time.monotonic() - t0
         try:
-            update = stream.finish(_adam(cfg))
+            update = stream.finish(_adam(cfg, step))
         except (FloatingPointError, RuntimeError, ValueError) as err:  # non-finite loss/inputs, OOM
             raise _update_failed(step, err) from err
     t_train = time.monotonic() - t0 - t_rollout
@@ -704,7 +709,7 @@ def _update(trainer: Trainer, step: int, datums: list[Datum]) -> dict[str, float
         return {}
     cfg = trainer.config
     fb_future = trainer.engine.submit_forward_backward(datums, cfg.loss, _loss_config(cfg))
-    opt_future = trainer.engine.submit_optim_step(_adam(cfg))  # taken before the first is done, as services allow
+    opt_future = trainer.engine.submit_optim_step(_adam(cfg, step))  # taken before the first is done, as services allow
     try:
         fb, opt = fb_future.result(), opt_future.result()
     except (FloatingPointError, RuntimeError, ValueError) as err:  # non-finite loss/inputs, OOM
@@ -712,8 +717,10 @@ def _update(trainer: Trainer, step: int, datums: list[Datum]) -> dict[str, float
     return {**fb.metrics, **opt.metrics, "train/sampler_nll": algo.sampler_nll(datums)}
 
 
-def _adam(cfg: TrainConfig) -> AdamParams:
-    return AdamParams(learning_rate=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
+def _adam(cfg: TrainConfig, step: int) -> AdamParams:
+    """Step ``step``'s optimiser settings (the learning rate by ``--lr-schedule``)."""
+    lr = algo.scheduled_lr(cfg.lr, step, cfg.max_steps, cfg.lr_schedule, cfg.lr_min_ratio)
+    return AdamParams(learning_rate=lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
                       grad_clip_norm=cfg.grad_clip_norm)
 
 

@@ -253,6 +253,9 @@ def test_the_rl_stage_penalises_malformed_calls_unless_told_not_to(tmp_path, mon
         cfg = DemoConfig() if penalty is None else DemoConfig(rl_invalid_call_penalty=penalty)
         demo.run_rl(cfg, tmp_path / f"p{penalty}", tmp_path / "rl.jsonl", tmp_path / "sft")
     assert [c.invalid_call_penalty for c in seen] == [0.5, 0.0]
+    assert [c.lr_schedule for c in seen] == ["constant", "constant"]
+    demo.run_rl(DemoConfig(rl_lr_schedule="cosine"), tmp_path / "cosine", tmp_path / "rl.jsonl", tmp_path / "sft")
+    assert seen[-1].lr_schedule == "cosine" and seen[-1].lr == DemoConfig().rl_lr
     assert cli_main(["demo", "--rl-invalid-call-penalty", "-1"]) == 2
     assert "rl_invalid_call_penalty must be in [0, 2], got -1.0" in capsys.readouterr().err
 

@@ -555,6 +555,23 @@ def test_an_all_wrong_group_teaches_against_malformed_calls_only_with_the_penalt
     assert _missing_groups(shaped, [group]) == shaped.batch_size - 1
 
 
+def test_a_cosine_schedule_sets_each_steps_rate_from_the_step_alone(tmp_path):
+    """The rate each optimiser step gets, as the engine logs it, follows the half cosine from
+    --lr to --lr-min-ratio x --lr; an interrupted run resumes with the rates it would have had."""
+    from retool import algo
+
+    assert [algo.scheduled_lr(1.0, s, 5, "cosine", 0.1) for s in (1, 3, 5, 9)] == pytest.approx([1.0, 0.55, 0.1, 0.1])
+    assert algo.scheduled_lr(2e-3, 4, 1, "cosine") == 2e-3 and algo.scheduled_lr(2e-3, 4, 9) == 2e-3
+    with pytest.raises(ValueError, match="unknown learning-rate schedule 'linear'"):
+        algo.scheduled_lr(1.0, 1, 3, "linear")
+    with pytest.raises(ConfigError, match=r"lr_min_ratio must be in \[0, 1\], got 1.5"):
+        TrainConfig(lr_min_ratio=1.5).validate()
+
+    cfg = tiny_config(tmp_path, lr_schedule="cosine", lr_min_ratio=0.25)
+    rates = [row["train/lr"] for row in read_metrics(train(cfg) / "metrics.jsonl")]
+    assert rates == pytest.approx([2e-3, 2e-3 * 0.625, 2e-3 * 0.25])
+
+
 def test_the_invalid_call_penalty_is_bounded(capsys):
     with pytest.raises(ConfigError, match=r"invalid_call_penalty must be in \[0, 2\]"):
         TrainConfig(invalid_call_penalty=-0.5).validate()
