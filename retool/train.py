@@ -548,7 +548,8 @@ def _roll_out(trainer: Trainer, sampler: SamplingClient, step: int, batch: list[
 
     First a group for each problem of ``batch``; then, with ``refill_rounds``, up to that
     many rounds of fresh problems while fewer than ``batch_size`` groups are informative
-    (DAPO's dynamic sampling; informative: the rewards the update sees differ, penalties included). The resume plumbing sits here too: groups an interrupted run
+    (DAPO's dynamic sampling; informative: the rewards the update sees differ, penalties
+    included). The resume plumbing sits here too: groups an interrupted run
     of this step finished are reused (said once on stderr), and the ``after_rollout``
     failpoint may end the process (:func:`runs.failpoint`). ``on_group(round, position,
     group)`` is called as each group ends (or is reused).
