@@ -25,9 +25,6 @@ functions, and the tests check them against hand computations.
 - **Overlong trajectories** and **pass@k rewards** (off by default):
   :func:`overlong_penalty`, :func:`is_truncated`, :func:`passk_rewards`.
 - **Learning-rate schedule** (constant by default): :func:`scheduled_lr`.
-- **Malformed tool calls** (off by default): :func:`invalid_calls` counts the attempts
-  of a trajectory that could not run; ``retool train --invalid-call-penalty`` subtracts
-  a penalty from such a trajectory's reward.
 
 Deliberately left out: a KL penalty against a reference model (the seed and ReTool's
 reproduction train without one), entropy bonuses, sequence-level aggregation, value
@@ -43,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from retool.types import Datum, InvalidToolCall, StopReason, Trajectory
+from retool.types import Datum, StopReason, Trajectory
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -146,12 +143,6 @@ def is_truncated(trajectory: Trajectory) -> bool:
     """True when a budget, not the policy, ended the trajectory (turn or trajectory tokens,
     turns or code calls ran out; or the prompt alone filled the budget)."""
     return trajectory.stop_reason is not StopReason.STOP
-
-
-def invalid_calls(trajectory: Trajectory) -> int:
-    """Tool-call attempts in ``trajectory`` that could not run (malformed JSON, an unknown
-    tool, a call cut off by the turn budget...: :class:`~retool.types.InvalidToolCall`)."""
-    return sum(1 for t in trajectory.turns if t.exchange is not None and isinstance(t.exchange.call, InvalidToolCall))
 
 
 def policy_tokens(trajectory: Trajectory) -> int:

@@ -667,7 +667,7 @@ def _shaped_rewards(cfg: TrainConfig, groups: list[Group]) -> tuple[list[list[fl
         rewards_BG = [[r + p for r, p in zip(rewards_G, penalties_G)]
                       for rewards_G, penalties_G in zip(rewards_BG, penalties_BG)]
     if cfg.invalid_call_penalty:
-        broken_BG = [[algo.invalid_calls(t) > 0 for t in g] for g in groups]
+        broken_BG = [[t.num_invalid_calls > 0 for t in g] for g in groups]
         metrics["train/invalid_call_penalised"] = float(sum(sum(broken_G) for broken_G in broken_BG))
         rewards_BG = [[r - cfg.invalid_call_penalty * broken for r, broken in zip(rewards_G, broken_G)]
                       for rewards_G, broken_G in zip(rewards_BG, broken_BG)]

@@ -215,6 +215,12 @@ class Trajectory:
         """Calls that actually ran in the sandbox (not invalid or over-budget attempts)."""
         return sum(1 for t in self.turns if t.exchange is not None and t.exchange.result is not None)
 
+    @property
+    def num_invalid_calls(self) -> int:
+        """Call attempts that could not run (malformed JSON, an unknown tool, a call cut off by
+        the turn budget...: :class:`InvalidToolCall`), answered with an error message."""
+        return sum(1 for t in self.turns if t.exchange is not None and isinstance(t.exchange.call, InvalidToolCall))
+
 
 @dataclass(frozen=True)
 class TrajectoryGroup:

@@ -537,7 +537,7 @@ def test_an_all_wrong_group_teaches_against_malformed_calls_only_with_the_penalt
     from retool.train import _missing_groups, _shaped_rewards, _trained_groups
 
     group = _group_of_calls([None, "print(6*7-1)", None, "print(41)"])
-    assert [algo.invalid_calls(t) for t in group] == [1, 0, 1, 0]
+    assert [t.num_invalid_calls for t in group] == [1, 0, 1, 0]
     assert [t.grade.reward for t in group] == [-1.0] * 4
 
     outcome = make_config(TrainConfig, drop_degenerate_groups=True)

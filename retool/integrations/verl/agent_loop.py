@@ -51,7 +51,7 @@ from retool.render import Renderer
 from retool.reward import agrade
 from retool.rollout import Rollout, RolloutBudgets, RolloutConfig, rollout_metrics
 from retool.sandbox import Sandbox
-from retool.types import ExecStatus, Grade, InvalidToolCall, Problem, Trajectory
+from retool.types import ExecStatus, Grade, Problem, Trajectory
 
 AGENT_NAME = "retool"
 
@@ -193,7 +193,7 @@ def trajectory_metrics(trajectory: Trajectory) -> dict[str, float]:
     """
     metrics = {k: v for k, v in rollout_metrics([trajectory]).items() if not k.startswith("rollout/invalid_calls/")}
     exchanges = [t.exchange for t in trajectory.turns if t.exchange is not None]
-    metrics["rollout/invalid_calls"] = float(sum(1 for e in exchanges if isinstance(e.call, InvalidToolCall)))
+    metrics["rollout/invalid_calls"] = float(trajectory.num_invalid_calls)
     ran = [e for e in exchanges if e.result is not None]
     metrics["sandbox/calls"] = float(len(ran))
     metrics["sandbox/latency_mean"] = sum(e.latency_s for e in ran) / len(ran) if ran else 0.0
