@@ -494,6 +494,9 @@ def run_steps(loop: StepLoop, *, resume: bool) -> None:
         for step in range(start + 1, loop.last_step + 1):
             metrics = loop.step(step)
             logger.log(step, metrics)
+            # The step has consumed its own rollout: the checkpoints waiting for it are listed
+            # before this step's is written, so a crash while writing it resumes from them.
+            saved = _list_ready(loop, saved, wait=False)
             reason = loop.stop(metrics) if loop.stop is not None else None
             if step % cfg.save_every == 0 or step == loop.last_step or reason:
                 save_checkpoint(run_dir, loop.engine, loop.checkpoint_state(step), listed=False)

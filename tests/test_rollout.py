@@ -304,8 +304,10 @@ def test_a_cancelled_stateful_group_leaves_no_process(sandbox):
 
     async def main():
         task = asyncio.create_task(rollout.group(PROBLEM, 4))
-        await asyncio.sleep(1.2)  # after the first calls, while the second turns are sampled
-        assert len(_sandbox_uid_processes()) == 4
+        deadline = time.monotonic() + 10  # after the first calls, while the second turns are sampled
+        while len(_sandbox_uid_processes()) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(_sandbox_uid_processes()) == 4 and not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

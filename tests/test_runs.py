@@ -320,6 +320,24 @@ def test_a_checkpoint_is_listed_only_once_it_can_be_resumed_from(tmp_path, capsy
     assert capsys.readouterr().err.count("not listed") == 1
 
 
+def test_a_checkpoint_ready_after_a_step_is_listed_before_that_steps_own_is_written(tmp_path):
+    """With one step sampled ahead (lag 1), checkpoint ``c`` can be resumed from once step
+    ``c + 1`` has run: it is listed before checkpoint ``c + 1`` is written, so a crash while
+    writing that one resumes from ``c`` whatever the timing of the rollouts ahead."""
+    run = tmp_path / "run"
+    trainer = LaggingTrainer(lag=1)
+    listed_when_written = []
+
+    def save_state(path: Path) -> Path:
+        listed_when_written.append([e.step for e in runs.read_manifest(run)])
+        return FakeEngine.save_state(trainer.engine, path)
+
+    trainer.engine.save_state = save_state
+    loop = dataclasses.replace(trainer.loop(run, 4), config=Config(save_every=1))
+    runs.run_steps(loop, resume=False)
+    assert listed_when_written == [[], [1], [1, 2], [1, 2, 3]]
+    assert [e.step for e in runs.read_manifest(run)] == [1, 2, 3, 4]
+
 def test_data_order_is_the_step_number():
     assert runs.batch_indices(3, 2, 5, seed=1) == runs.batch_indices(3, 2, 5, seed=1)
     assert sorted(i for s in (1, 2) for i in runs.batch_indices(s, 2, 4, seed=0)) == [0, 1, 2, 3]

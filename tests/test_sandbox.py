@@ -69,6 +69,8 @@ def _sandbox_uid_processes(base: int = SandboxConfig().uid_base) -> list[int]:
             fields = dict(line.split(":", 1) for line in open(status) if ":" in line)
         except OSError:
             continue
+        if "Uid" not in fields or "PPid" not in fields:  # it exited while read
+            continue
         pid = int(status.split("/")[2])
         uids[pid], parents[pid] = int(fields["Uid"].split()[1]), int(fields["PPid"])
 
