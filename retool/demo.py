@@ -27,17 +27,16 @@ the gain exceeds two standard errors), so the reader can judge what RL bought. I
 gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
 ones that teach — as "N of M groups informative".
 
-Measured at these defaults (160 held-out problems x 1 sample, 16 RL steps, a rollout with
-a malformed tool call penalised by 0.5) on 2 cores of an AMD EPYC without AMX
+Measured at these defaults (160 held-out problems x 1 sample, 8 RL steps x 4 problems, a
+rollout with a malformed tool call penalised by 0.5) on 2 cores of an AMD EPYC without AMX
 (``avx512_bf16``; bf16 chosen by ``auto``), docs/demo.md recording every seed run, failures
-included: seed 42 in a fresh folder, 18.2 minutes, after SFT 69.4 % -> after RL 85.6 %,
-RL's gain +16.2 points at paired s.e. 3.2 (z 5.11, beyond two standard errors), 32 of 40
-RL groups informative, peak memory 2.48 GiB for the process tree; seeds 83, 97 and 101,
-named with it before they ran, in 17.8-19.2 minutes: 97 +12.5 (z 4.51); 83 +1.9 (z 0.49:
-teaching range sums broke the sums of multiples' brackets, 20 -> 10 of 20) and 101 +3.7
-(z 1.00: the last steps drifted out of the format) within the noise. At the defaults
-before (18 RL steps, 192 problems, no penalty): 20.7-22.9 minutes with ``prefix-tree``
-packing, 18 of 24 seeds beyond two standard errors over that and the layouts before it.
+included: seed 42 in a fresh folder, 16.2 minutes, after SFT 70.6 % -> after RL 85.6 %,
+RL's gain +15.0 points at paired s.e. 3.3 (z 4.49, beyond two standard errors), 32 of 35
+RL groups informative, peak memory 2.45 GiB for the process tree; seeds 7, 23 and 58,
+named with it before they ran, in 17.0-18.9 minutes: 7 +11.9 (z 4.37), 58 +27.5 (z 6.78),
+23 +1.9 (z 1.13: its cold start was already at 87.5 %, within the noise). On the SFT
+folders of seeds 42, 83, 97 and 101, RL at 8 x 4 gained +20.0, +6.9, +10.0 and +4.4 (z
+5.67, 2.72, 3.53, 1.61) where 16 x 2 (the defaults before) gained +16.2, +1.9, +12.5, +3.7.
 Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
