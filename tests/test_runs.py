@@ -338,6 +338,7 @@ def test_a_checkpoint_ready_after_a_step_is_listed_before_that_steps_own_is_writ
     assert listed_when_written == [[], [1], [1, 2], [1, 2, 3]]
     assert [e.step for e in runs.read_manifest(run)] == [1, 2, 3, 4]
 
+
 def test_data_order_is_the_step_number():
     assert runs.batch_indices(3, 2, 5, seed=1) == runs.batch_indices(3, 2, 5, seed=1)
     assert sorted(i for s in (1, 2) for i in runs.batch_indices(s, 2, 4, seed=0)) == [0, 1, 2, 3]
