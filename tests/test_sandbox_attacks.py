@@ -237,7 +237,8 @@ for obj in gc.get_objects():  # the session loop's module: switch its stray kill
 '''
 
 FORK_STRAYS = DISABLE_STRAY_KILLER + '''
-import os, resource, time
+import os, resource, select, time
+held_pipe, held_signal = os.pipe()
 for _ in range({n}):
     if os.fork() == 0:
         try:
@@ -247,10 +248,13 @@ for _ in range({n}):
             block = bytearray({mib} << 20)
             block[::4096] = b"x" * len(block[::4096])  # touch every page
             os.write(1, b"held\\n")
+            os.write(held_signal, b"h")
             time.sleep(60)
         finally:
             os._exit(0)
-time.sleep(1.0)
+os.close(held_signal)
+# wait until a child holds its memory (on a loaded machine that can take seconds), or all died
+select.select([held_pipe], [], [], 15.0)
 print("processes now:", len([p for p in os.listdir("/proc") if p.isdigit()]))
 '''
 
