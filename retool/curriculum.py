@@ -11,7 +11,8 @@ The rule (pure functions over :class:`PoolState`, which checkpoints hold):
 - a group is *informative* when its rewards are not all equal (``x = 1``), else ``x = 0``;
 - every problem has a score, an exponential moving average of its groups' ``x`` with
   weight :data:`RATE` for the newest: ``s ← (1 − RATE)·s + RATE·x``; so does every
-  *family* of problems (their ``data_source``, e.g. one arithmetic kind), starting at 1;
+  *family* of problems (their ``data_source``, e.g. one arithmetic kind or one
+  word-problem story), starting at 1;
 - a problem's draw weight is ``max(floor, s)`` where ``s`` is its own score, or its
   family's score while it has never been rolled out (an unseen problem is as
   promising as its family has lately been);

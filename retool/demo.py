@@ -9,8 +9,8 @@ Stages (each one resumes if the demo is re-run with the same output folder):
 3. cold-start SFT (:mod:`retool.sft`) — LoRA on the tool dialogues;
 4. eval *after SFT*;
 5. RL (:mod:`retool.train`) — GRPO/PPO from the SFT adapter, code calls in the sandbox,
-   problems drawn from the difficulty pool (``--curriculum difficulty``: fewer of the kinds
-   and problems whose recent groups were all right or all wrong);
+   problems drawn from the difficulty pool (``--curriculum difficulty``: fewer of the kinds,
+   word-problem stories and problems whose recent groups were all right or all wrong);
 6. eval *after RL*;
 7. report — checkpoint comparison and training-curve plots (PNG + SVG), an HTML page of
    the after-RL trajectories, ``summary.json``/``summary.md`` and a printed table.
@@ -156,9 +156,10 @@ class DemoConfig:
                                   "the evals' 0.7, docs/demo.md)")
     rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
                                       "have mixed rewards (see retool train --help)")
-    rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = fewer of the kinds and "
-                                              "problems whose recent groups were all right or all wrong; none = "
-                                              "a seeded shuffle (see retool train --curriculum)",
+    rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = fewer of the kinds, "
+                                              "word-problem stories and problems whose recent groups were all "
+                                              "right or all wrong; none = a seeded shuffle (see retool train "
+                                              "--curriculum)",
                                 choices=CURRICULA)
     rl_difficulty: str = option("", "harder RL problems per kind, kind=level,... or one level for all (0-2, each "
                                     "adds a digit to the operands; empty: level 0, the calibrated task; see "

@@ -195,23 +195,27 @@ def _multiples_sum(rng: random.Random, level: int = 0) -> Draw:
 
 
 _STORIES = (
-    ("A warehouse holds {a} crates with {b} bottles in each crate. During a move, {c} bottles break. "
+    ("warehouse", "A warehouse holds {a} crates with {b} bottles in each crate. During a move, {c} bottles break. "
      "How many bottles are left?", "{a} * {b} - {c}", lambda a, b, c: a * b - c),
-    ("A printer prints {a} pages per minute for {b} minutes, then another {c} pages. "
+    ("printer", "A printer prints {a} pages per minute for {b} minutes, then another {c} pages. "
      "How many pages does it print in total?", "{a} * {b} + {c}", lambda a, b, c: a * b + c),
-    ("A farm packs {a} eggs into cartons of {b}, and sells each full carton for {c} cents. "
+    ("cartons", "A farm packs {a} eggs into cartons of {b}, and sells each full carton for {c} cents. "
      "How many cents does it earn from the full cartons?", "({a} // {b}) * {c}", lambda a, b, c: (a // b) * c),
-    ("A school orders {a} boxes of pencils with {b} pencils per box and shares them equally among {c} classes. "
-     "How many pencils does each class get (whole pencils only)?", "({a} * {b}) // {c}",
+    ("pencils", "A school orders {a} boxes of pencils with {b} pencils per box and shares them equally among "
+     "{c} classes. How many pencils does each class get (whole pencils only)?", "({a} * {b}) // {c}",
      lambda a, b, c: (a * b) // c),
-    ("A cyclist rides {a} metres every day for {b} days and has {c} metres still to go. "
+    ("route", "A cyclist rides {a} metres every day for {b} days and has {c} metres still to go. "
      "How long is the whole route in metres?", "{a} * {b} + {c}", lambda a, b, c: a * b + c),
 )
+"""The word problems' stories: (name, question template, the snippet's expression, the answer).
+Each story is its own ``data_source`` (``synthetic-arithmetic/word_problem/cartons``): the
+stories differ in difficulty — a cold start can learn four and get one systematically wrong —
+so a difficulty curriculum keeps drawing the story whose groups still come back mixed."""
 
 
 def _word_problem(rng: random.Random, level: int = 0) -> Draw:
     index = rng.randrange(len(_STORIES))
-    template, expression, solve = _STORIES[index]
+    _, template, expression, solve = _STORIES[index]
     a, b, c = rng.randint(100, _up(9_999, level)), rng.randint(12, _up(999, level)), rng.randint(13, _up(999, level))
     answer = solve(a, b, c)
     formula = expression.format(a=a, b=b, c=c)
@@ -260,7 +264,7 @@ def stateful_steps(draw: Draw) -> tuple[str, str, str]:
     second snippet fails alone (``NameError``)."""
     key = draw.key
     if draw.kind == "word_problem":
-        _, expression, _ = _STORIES[key[0]]
+        _, _, expression, _ = _STORIES[key[0]]
         setup = f"a, b, c = {key[1]}, {key[2]}, {key[3]}\nprint(a, b, c)"
         what = expression.format(a="a", b="b", c="c")
         second = f"print({what})"
@@ -379,15 +383,23 @@ def make_problems(n: int, seed: int = 0, split: str = "test", kinds: Sequence[st
     at its ``difficulty`` level (default 0, see :data:`MAX_LEVEL`).
 
     Ids are ``arith-<kind>-<hash>``: stable across calls and unique within a split. The
-    ``data_source`` names the kind (``synthetic-arithmetic/product``), so a difficulty
-    curriculum (``retool train --curriculum difficulty``) learns per kind.
+    ``data_source`` names the kind (``synthetic-arithmetic/product``), and a word problem's
+    also its story (``synthetic-arithmetic/word_problem/cartons``), so a difficulty
+    curriculum (``retool train --curriculum difficulty``) learns per kind and per story.
     """
     return [_problem(d) for d in draw_problems(n, seed, split, kinds, difficulty)]
 
 
 def _problem(draw: Draw) -> Problem:
     digest = hashlib.sha256(f"{draw.kind}:{draw.key}".encode()).hexdigest()[:10]
-    return Problem(f"arith-{draw.kind}-{digest}", draw.question, str(draw.answer), f"{DATA_SOURCE}/{draw.kind}")
+    return Problem(f"arith-{draw.kind}-{digest}", draw.question, str(draw.answer), data_source(draw))
+
+
+def data_source(draw: Draw) -> str:
+    """The problem's family: ``synthetic-arithmetic/<kind>``, and ``/<story>`` for a word problem."""
+    if draw.kind == "word_problem":
+        return f"{DATA_SOURCE}/{draw.kind}/{_STORIES[draw.key[0]][0]}"
+    return f"{DATA_SOURCE}/{draw.kind}"
 
 
 # ---------------------------------------------------------------- SFT dialogues

@@ -14,6 +14,7 @@ from retool import curriculum, runs
 from retool.config import ConfigError, make_config
 from retool.curriculum import PoolState, draw, pool_metrics, record, weights
 from retool.log import read_metrics
+from retool.tasks import make_problems
 from retool.train import TrainConfig, Trainer
 from retool.types import Problem
 from tests.test_train import TIMING_METRICS, final_state, problem_order, run_cli
@@ -88,6 +89,20 @@ def test_problems_that_teach_nothing_are_drawn_less_but_still_drawn():
     easy_share = sum(i < 50 for i in picked) / len(picked)
     # expected share 50·0.125 / (50·0.125 + 50·1) ≈ 0.11
     assert 0.05 < easy_share < 0.2, easy_share
+
+
+def test_a_word_problem_story_that_still_comes_back_mixed_outdraws_the_stories_already_learnt():
+    problems = [p for p in make_problems(400, 0, "rl") if "/word_problem/" in p.data_source]
+    cartons = [p for p in problems if p.data_source.endswith("/cartons")]
+    others = [p for p in problems if not p.data_source.endswith("/cartons")]
+    state = PoolState()
+    for i in range(3):  # three groups of each learnt story all right, one cartons group mixed
+        state = record(state, others[4 * i:4 * i + 4] + cartons[i:i + 1], [ALL_RIGHT] * 4 + [MIXED])
+    picked = [problems[i] for step in range(1, 201)
+              for i in draw(state, problems, 1, seed=0, step=step, round_=0, floor=0.1)]
+    share = sum(p in cartons for p in picked) / len(picked)
+    # about a fifth of the stories' problems are cartons; their story scores 1, the others 0.125
+    assert share > 0.5, (share, len(cartons), len(problems))
 
 
 def test_no_curriculum_keeps_the_seeded_epoch_order():

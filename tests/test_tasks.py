@@ -285,9 +285,18 @@ def test_hard_snippets_print_their_answers_in_the_sandbox(sandbox):
         assert result.observation.strip() == str(d.answer), d
 
 
-def test_problems_name_their_kind_as_data_source():
-    assert {p.data_source for p in tasks.make_problems(60, 0, "rl")} == {
-        f"{tasks.DATA_SOURCE}/{kind}" for kind in tasks.KINDS}
+def test_problems_name_their_kind_and_a_word_problem_its_story_as_data_source():
+    problems = tasks.make_problems(120, 0, "rl")
+    stories = {"warehouse": "crates", "printer": "printer", "cartons": "eggs", "pencils": "pencils", "route": "cyclist"}
+    assert {p.data_source for p in problems} == {
+        f"{tasks.DATA_SOURCE}/{kind}" for kind in tasks.KINDS if kind != "word_problem"} | {
+        f"{tasks.DATA_SOURCE}/word_problem/{story}" for story in stories}
+    for p in problems:
+        kind = p.id.split("-")[1]
+        if kind == "word_problem":
+            assert stories[p.data_source.rsplit("/", 1)[1]] in p.question, (p.data_source, p.question)
+        else:
+            assert p.data_source == f"{tasks.DATA_SOURCE}/{kind}"
 
 
 @pytest.mark.parametrize("text, message", [
