@@ -136,18 +136,25 @@ def test_bf16_logprobs_are_its_own_models_and_near_the_fp32_trainers(tiny_model)
     assert 0 < max(trainer_diffs) <= TINY_BF16_VS_FP32
 
 
-def test_bf16_next_turn_from_the_kv_store_samples_what_a_full_re_prefill_samples(tiny_model):
-    params = base.SamplingParams(max_tokens=6, temperature=0.9, stop_token_ids=STOPS, seed=11)
+def test_bf16_next_turn_from_the_kv_store_scores_what_a_full_re_prefill_scores(tiny_model):
+    """The next turn's shared prefix comes from the KV store (bf16 keys and values written by
+    decode steps); each token it samples has the logprob a fresh engine's full prefill of the
+    whole context gives it, within bf16's own tolerance. The tokens themselves are not compared:
+    decode steps and one prefill round in different orders (on a CPU without native bf16, whose
+    decode steps fall back to plain products, by enough to flip a draw at 0.9)."""
+    params = base.SamplingParams(max_tokens=6, temperature=1.0, stop_token_ids=STOPS, seed=11)
     client = engine(tiny_model, "lean", precision="bf16")
     first = sample(client, SYSTEM + [7, 8, 9], 3, params).sequences
     contexts = [SYSTEM + [7, 8, 9] + list(s.tokens) + [40 + i, 41, 42] for i, s in enumerate(first)]
     second = flat(batch(client, contexts, 1, params))
     assert client.sampler.kv_reused_tokens == sum(len(SYSTEM) + 3 + len(s.tokens) - 1 for s in first)
-    fresh = flat(batch(engine(tiny_model, "lean", precision="bf16", kv_cache_mb=0), contexts, 1, params))
-    assert [s.tokens for s in second] == [s.tokens for s in fresh]
-    worst = max(abs(x - y) for a, b in zip(second, fresh) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+    fresh = engine(tiny_model, "lean", precision="bf16", kv_cache_mb=0).sampler
+    rescored = [asyncio.run(fresh.compute_logprobs(context + list(s.tokens), len(context)))
+                for context, s in zip(contexts, second, strict=True)]
+    assert fresh.kv_reused_tokens == 0  # the reference really re-prefilled every context
+    worst = max(abs(x - y) for s, r in zip(second, rescored) for x, y in zip(s.logprobs, r, strict=True))
     print(f"bf16 stored vs re-prefilled KV: max logprob difference {worst:.4f}")
-    assert worst <= BF16_SELF  # stored KV came from decode steps, re-prefilled KV from one prefill
+    assert worst <= BF16_SELF
 
 
 def test_a_bf16_batch_holds_twice_the_rows_of_an_fp32_one_in_the_same_kv_budget(tiny_model):
