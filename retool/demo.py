@@ -27,16 +27,16 @@ the gain exceeds two standard errors), so the reader can judge what RL bought. I
 gives the RL stage's informative share — the rolled-out groups with mixed rewards, the only
 ones that teach — as "N of M groups informative".
 
-Measured at these defaults (160 held-out problems x 1 sample, 8 RL steps x 4 problems, a
-rollout with a malformed tool call penalised by 0.5) on 2 cores of an AMD EPYC without AMX
-(``avx512_bf16``; bf16 chosen by ``auto``), docs/demo.md recording every seed run, failures
-included: seed 42 in a fresh folder, 16.2 minutes, after SFT 70.6 % -> after RL 85.6 %,
-RL's gain +15.0 points at paired s.e. 3.3 (z 4.49, beyond two standard errors), 32 of 35
-RL groups informative, peak memory 2.45 GiB for the process tree; seeds 7, 23 and 58,
-named with it before they ran, in 17.0-18.9 minutes: 7 +11.9 (z 4.37), 58 +27.5 (z 6.78),
-23 +1.9 (z 1.13: its cold start was already at 87.5 %, within the noise). On the SFT
-folders of seeds 42, 83, 97 and 101, RL at 8 x 4 gained +20.0, +6.9, +10.0 and +4.4 (z
-5.67, 2.72, 3.53, 1.61) where 16 x 2 (the defaults before) gained +16.2, +1.9, +12.5, +3.7.
+Measured at these defaults (160 held-out problems x 1 sample, 8 RL steps x 4 problems, each
+word-problem story a family of the difficulty pool) on 2 cores of an AMD EPYC with AVX2 only
+(no native bf16: fp32 chosen by ``auto``), docs/demo.md recording every seed run, failures
+included: seed 42 in a fresh folder, 25.6 minutes, after SFT 74.4 % -> after RL 85.0 %,
+RL's gain +10.6 points at paired s.e. 2.6 (z 4.09, beyond two standard errors), 32 of 36
+RL groups informative, peak memory 2.71 GiB for the process tree; seeds 23, 11, 64 and 90,
+named with it before they ran, in 23.8-26.1 minutes: 23 +11.2 (z 4.23), 64 +8.7 (z 3.63),
+90 +16.2 (z 5.11), 11 +5.6 (z 1.98, just within the noise: its cold start never got one word-problem
+story right, so RL had no right sample of it to learn from). On a CPU with native bf16 (a
+Zen 4, the code before the story families) the demo took 16.2-18.9 minutes.
 Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
