@@ -141,7 +141,7 @@ def test_bf16_next_turn_from_the_kv_store_scores_what_a_full_re_prefill_scores(t
     decode steps); each token it samples has the logprob a fresh engine's full prefill of the
     whole context gives it, within bf16's own tolerance. The tokens themselves are not compared:
     decode steps and one prefill round in different orders (on a CPU without native bf16, whose
-    decode steps fall back to plain products, by enough to flip a draw at 0.9)."""
+    decode steps fall back to plain products, by enough to flip a sampled token)."""
     params = base.SamplingParams(max_tokens=6, temperature=1.0, stop_token_ids=STOPS, seed=11)
     client = engine(tiny_model, "lean", precision="bf16")
     first = sample(client, SYSTEM + [7, 8, 9], 3, params).sequences
