@@ -49,7 +49,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from retool.atomic import atomic_write_jsonl
 from retool.flag_checks import UnwritableOutputError, output_file
@@ -194,32 +194,41 @@ def _multiples_sum(rng: random.Random, level: int = 0) -> Draw:
                 _plan(f"the sum of the multiples of {k} below {n}"), f"The sum is {answer}.")
 
 
+class _Story(NamedTuple):
+    """A word problem's story: its question and the snippet's expression over ``a, b, c``."""
+
+    name: str
+    template: str
+    expression: str
+    solve: Callable[[int, int, int], int]
+
+
 _STORIES = (
-    ("warehouse", "A warehouse holds {a} crates with {b} bottles in each crate. During a move, {c} bottles break. "
-     "How many bottles are left?", "{a} * {b} - {c}", lambda a, b, c: a * b - c),
-    ("printer", "A printer prints {a} pages per minute for {b} minutes, then another {c} pages. "
-     "How many pages does it print in total?", "{a} * {b} + {c}", lambda a, b, c: a * b + c),
-    ("cartons", "A farm packs {a} eggs into cartons of {b}, and sells each full carton for {c} cents. "
-     "How many cents does it earn from the full cartons?", "({a} // {b}) * {c}", lambda a, b, c: (a // b) * c),
-    ("pencils", "A school orders {a} boxes of pencils with {b} pencils per box and shares them equally among "
-     "{c} classes. How many pencils does each class get (whole pencils only)?", "({a} * {b}) // {c}",
-     lambda a, b, c: (a * b) // c),
-    ("route", "A cyclist rides {a} metres every day for {b} days and has {c} metres still to go. "
-     "How long is the whole route in metres?", "{a} * {b} + {c}", lambda a, b, c: a * b + c),
+    _Story("warehouse", "A warehouse holds {a} crates with {b} bottles in each crate. During a move, {c} bottles "
+           "break. How many bottles are left?", "{a} * {b} - {c}", lambda a, b, c: a * b - c),
+    _Story("printer", "A printer prints {a} pages per minute for {b} minutes, then another {c} pages. "
+           "How many pages does it print in total?", "{a} * {b} + {c}", lambda a, b, c: a * b + c),
+    _Story("cartons", "A farm packs {a} eggs into cartons of {b}, and sells each full carton for {c} cents. "
+           "How many cents does it earn from the full cartons?", "({a} // {b}) * {c}", lambda a, b, c: (a // b) * c),
+    _Story("pencils", "A school orders {a} boxes of pencils with {b} pencils per box and shares them equally among "
+           "{c} classes. How many pencils does each class get (whole pencils only)?", "({a} * {b}) // {c}",
+           lambda a, b, c: (a * b) // c),
+    _Story("route", "A cyclist rides {a} metres every day for {b} days and has {c} metres still to go. "
+           "How long is the whole route in metres?", "{a} * {b} + {c}", lambda a, b, c: a * b + c),
 )
-"""The word problems' stories: (name, question template, the snippet's expression, the answer).
-Each story is its own ``data_source`` (``synthetic-arithmetic/word_problem/cartons``): the
-stories differ in difficulty — a cold start can learn four and get one systematically wrong —
-so a difficulty curriculum keeps drawing the story whose groups still come back mixed."""
+"""The word problems' stories. Each story is its own ``data_source``
+(``synthetic-arithmetic/word_problem/cartons``): the stories differ in difficulty — a cold
+start can learn four and get one systematically wrong — so a difficulty curriculum keeps
+drawing the story whose groups still come back mixed."""
 
 
 def _word_problem(rng: random.Random, level: int = 0) -> Draw:
     index = rng.randrange(len(_STORIES))
-    _, template, expression, solve = _STORIES[index]
+    story = _STORIES[index]
     a, b, c = rng.randint(100, _up(9_999, level)), rng.randint(12, _up(999, level)), rng.randint(13, _up(999, level))
-    answer = solve(a, b, c)
-    formula = expression.format(a=a, b=b, c=c)
-    return Draw("word_problem", (index, a, b, c), template.format(a=a, b=b, c=c), _snippet(f"print({formula})"), answer,
+    answer = story.solve(a, b, c)
+    formula = story.expression.format(a=a, b=b, c=c)
+    return Draw("word_problem", (index, a, b, c), story.template.format(a=a, b=b, c=c), _snippet(f"print({formula})"), answer,
                 _plan(formula), f"The answer is {answer}.")
 
 
@@ -264,9 +273,8 @@ def stateful_steps(draw: Draw) -> tuple[str, str, str]:
     second snippet fails alone (``NameError``)."""
     key = draw.key
     if draw.kind == "word_problem":
-        _, _, expression, _ = _STORIES[key[0]]
         setup = f"a, b, c = {key[1]}, {key[2]}, {key[3]}\nprint(a, b, c)"
-        what = expression.format(a="a", b="b", c="c")
+        what = _STORIES[key[0]].expression.format(a="a", b="b", c="c")
         second = f"print({what})"
     else:
         setup, what, second = _STATEFUL_STEPS[draw.kind](*key)
@@ -392,13 +400,13 @@ def make_problems(n: int, seed: int = 0, split: str = "test", kinds: Sequence[st
 
 def _problem(draw: Draw) -> Problem:
     digest = hashlib.sha256(f"{draw.kind}:{draw.key}".encode()).hexdigest()[:10]
-    return Problem(f"arith-{draw.kind}-{digest}", draw.question, str(draw.answer), data_source(draw))
+    return Problem(f"arith-{draw.kind}-{digest}", draw.question, str(draw.answer), _data_source(draw))
 
 
-def data_source(draw: Draw) -> str:
+def _data_source(draw: Draw) -> str:
     """The problem's family: ``synthetic-arithmetic/<kind>``, and ``/<story>`` for a word problem."""
     if draw.kind == "word_problem":
-        return f"{DATA_SOURCE}/{draw.kind}/{_STORIES[draw.key[0]][0]}"
+        return f"{DATA_SOURCE}/{draw.kind}/{_STORIES[draw.key[0]].name}"
     return f"{DATA_SOURCE}/{draw.kind}"
 
 
