@@ -72,6 +72,14 @@ and the new default (the lean loop at ``--sampler-precision``, one team): tokens
 the ratios, and the machine bound of the new path's tokens at its precision.
 
     python bench/sampling.py --requests 2 --samples 8 --max-tokens 256 --as-filed
+
+``--products`` is one lean decode step's matrix products alone (every layer's fused q/k/v,
+o, fused gate/up and down, and the output layer, fp32) at 1-64 rows, with the weights in
+oneDNN's packed layout (the lean step's) and in the plain one: milliseconds, GFLOP/s and
+their share of the machine's matmul rate measured in the same run — how far the
+products, most of a decode step, are from this CPU's arithmetic.
+
+    python bench/sampling.py --products
 """
 
 from __future__ import annotations
@@ -158,6 +166,8 @@ def main() -> None:
     parser.add_argument("--as-filed", action="store_true",
                         help="the demo's rollout: the sampler as the demo ran it when filed vs today's old loop vs "
                              "the new default")
+    parser.add_argument("--products", action="store_true",
+                        help="one decode step's matrix products alone at 1-64 rows against the machine's matmul rate")
     parser.add_argument("--sampler-precision", default="auto", choices=("fp32", "bf16", "auto"),
                         help="--attention's lean loop precision (auto: bf16 where the CPU computes it natively)")
     args = parser.parse_args()
@@ -167,6 +177,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     grouped = args.distinct or args.attention or args.as_filed
+    if args.products:
+        return products(args)
     engine = LocalTrainingClient(LocalEngineConfig(model=args.model, device=args.device,
                                                    sampler=LocalSettings(max_sample_rows=args.requests * (
                                                        args.samples if grouped else 1))))
@@ -510,6 +522,46 @@ def _mismatch(model, prompts_P, sequences_P, probe) -> tuple[float, float]:
         trainer = probe.model_logprobs(model, list(prompt) + list(seq.tokens), len(prompt))
         diffs += [abs(a - b) for a, b in zip(seq.logprobs, trainer, strict=True)]
     return sum(diffs) / len(diffs), max(diffs)
+
+
+def products(args) -> None:
+    """One lean decode step's matrix products alone (every layer's fused q/k/v, o, fused
+    gate/up and down, then the output layer; the model's own weights, fp32) at 1-64 rows:
+    milliseconds, GFLOP/s and the share of this machine's matmul rate, with the weights in
+    oneDNN's packed layout (what the lean step runs) and in the plain one."""
+    import torch
+
+    from retool.engines.local import lean_decode
+    from retool.engines.local.model import load_model
+
+    model, _ = load_model(args.model, device="cpu", dtype="float32")
+    weights = lean_decode.decode_weights(model)
+    plain = []  # (out, in) matrices in the lean step's order, plain layout
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        plain += [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+                  attn.o_proj.weight.detach(), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                  mlp.down_proj.weight.detach()]
+    plain.append(model.get_output_embeddings().weight.detach())
+    packed = [m for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [weights.head]
+    flops_per_row = 2 * sum(w.numel() for w in plain)
+    rate, _ = machine_rates()
+    print(f"one decode step's products of {args.model} (fp32, {len(weights.layers)} layers and the output layer, "
+          f"{flops_per_row / 1e6:.0f} MFLOP a row); matmul rate now {rate / 1e9:.0f} GFLOP/s; torch threads "
+          f"{_threads()}")
+    for rows in (1, 4, 8, 16, 32, 64):
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in plain}
+        steps = {"packed": lambda: [lean_decode._linear(inputs[p.shape[1]], w) for p, w in zip(plain, packed)],
+                 "plain": lambda: [torch.nn.functional.linear(inputs[p.shape[1]], p) for p in plain]}
+        line = [f"{rows:2d} rows:"]
+        for label, step in steps.items():
+            step()
+            seconds = min(_timed_once(step) for _ in range(max(3, args.repeats)))
+            achieved = flops_per_row * rows / seconds
+            line.append(f"{label} {seconds * 1e3:6.1f} ms, {achieved / 1e9:4.0f} GFLOP/s "
+                        f"({achieved / rate:.2f} of the matmul rate)")
+        print("  ".join(line))
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def _threads() -> int:
