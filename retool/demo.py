@@ -35,7 +35,9 @@ RL's gain +10.6 points at paired s.e. 2.6 (z 4.09, beyond two standard errors), 
 RL groups informative, peak memory 2.71 GiB for the process tree; seeds 23, 11, 64 and 90,
 named with it before they ran, in 23.8-26.1 minutes: 23 +11.2 (z 4.23), 64 +8.7 (z 3.63),
 90 +16.2 (z 5.11), 11 +5.6 (z 1.98, just within the noise: its cold start never got one word-problem
-story right, so RL had no right sample of it to learn from). On a CPU with native bf16 (a
+story right, so RL had no right sample of it to learn from); seeds 19 and 109, named the next
+day, in 28.7 and 29.9 minutes: 19 +19.4 (z 5.55), 109 +5.6 (z 1.89: its cold start at 88.1 %
+left RL little room). On a CPU with native bf16 (a
 Zen 4, the code before the story families) the demo took 16.2-18.9 minutes.
 Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
