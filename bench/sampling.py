@@ -537,11 +537,9 @@ def products(args) -> None:
     model, _ = load_model(args.model, device="cpu", dtype="float32")
     weights = lean_decode.decode_weights(model)
     plain = []  # (out, in) matrices in the lean step's order, plain layout
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        plain += [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-                  attn.o_proj.weight.detach(), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                  mlp.down_proj.weight.detach()]
+    for layer in lean_decode.decoder_of(model).layers:
+        q, k, v, o, gate, up, down = (m.weight.detach() for m in lean_decode._layer_linears(layer))
+        plain += [torch.cat([q, k, v]), o, torch.cat([gate, up]), down]
     plain.append(model.get_output_embeddings().weight.detach())
     packed = [m for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [weights.head]
     flops_per_row = 2 * sum(w.numel() for w in plain)

@@ -228,8 +228,8 @@ def _word_problem(rng: random.Random, level: int = 0) -> Draw:
     a, b, c = rng.randint(100, _up(9_999, level)), rng.randint(12, _up(999, level)), rng.randint(13, _up(999, level))
     answer = story.solve(a, b, c)
     formula = story.expression.format(a=a, b=b, c=c)
-    return Draw("word_problem", (index, a, b, c), story.template.format(a=a, b=b, c=c), _snippet(f"print({formula})"), answer,
-                _plan(formula), f"The answer is {answer}.")
+    return Draw("word_problem", (index, a, b, c), story.template.format(a=a, b=b, c=c), _snippet(f"print({formula})"),
+                answer, _plan(formula), f"The answer is {answer}.")
 
 
 KINDS: dict[str, Callable[[random.Random, int], Draw]] = {
