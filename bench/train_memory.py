@@ -65,21 +65,23 @@ def parse_variant(text: str) -> dict[str, int]:
     on; mmap = glibc's ``MALLOC_MMAP_THRESHOLD_`` in bytes for the child, 0 = glibc's own
     dynamic one; tree = ``packing='prefix-tree'`` instead of ``shared-prefix``; bf16 = ``train_precision='bf16'``; head16 = with bf16, the output head in
     bf16 too, ``trainer.HEAD_IN_BF16``; keep = no trim after each micro-batch,
-    ``trainer.TRIM_EVERY_MICRO_BATCH`` off: glibc keeps what a micro-batch freed; fullhead =
+    ``trainer.TRIM_EVERY_MICRO_BATCH`` off: glibc keeps what a micro-batch freed; nolayertrim = no
+    trim after each decoder layer's forward, ``trainer.TRIM_EVERY_LAYER`` off; fullhead =
     the output layer with a gradient at every target, a shared prompt's positions once per
     datum, ``trainer.HEAD_GRADIENT_WHERE_TRAINED`` off: the layout before it; recompute = with
     ckpt, the attention kernel run again in the backward too, ``model.SAVE_ATTENTION`` off:
     the checkpointing before it)."""
     out = {"logprob_chunk_tokens": 0, "gradient_checkpointing": 0, "micro_batch_tokens": 1280, "mmap": 0,
-           "prefix_once": 0, "bf16": 0, "head16": 0, "keep": 0, "fullhead": 0, "tree": 0, "recompute": 0}
+           "prefix_once": 0, "bf16": 0, "head16": 0, "keep": 0, "nolayertrim": 0, "fullhead": 0, "tree": 0,
+           "recompute": 0}
     names = {"chunk": "logprob_chunk_tokens", "ckpt": "gradient_checkpointing", "mbt": "micro_batch_tokens",
              "mmap": "mmap", "once": "prefix_once", "bf16": "bf16", "head16": "head16", "keep": "keep",
-             "fullhead": "fullhead", "tree": "tree", "recompute": "recompute"}
+             "nolayertrim": "nolayertrim", "fullhead": "fullhead", "tree": "tree", "recompute": "recompute"}
     for part in text.split("+"):
         key, _, value = part.partition("=")
         if key not in names:
             raise SystemExit(f"unknown variant part {part!r}: use chunk=N, ckpt, mbt=N, once, bf16, head16, keep, "
-                             "fullhead, tree, recompute, mmap=N joined by +")
+                             "nolayertrim, fullhead, tree, recompute, mmap=N joined by +")
         out[names[key]] = int(value) if value else 1
     return out
 
@@ -137,6 +139,7 @@ def child(variant: str, out_file: str, shape: str = "rl", flops: str = "") -> in
     model.SAVE_ATTENTION = not settings["recompute"]
     trainer.HEAD_IN_BF16 = bool(settings["head16"])
     trainer.TRIM_EVERY_MICRO_BATCH = not settings["keep"]
+    trainer.TRIM_EVERY_LAYER = not settings["nolayertrim"]
     trainer.HEAD_GRADIENT_WHERE_TRAINED = not settings["fullhead"]
     engine = LocalTrainingClient(LocalEngineConfig(
         model="bundled:smollm2", packing="prefix-tree" if settings["tree"] else "shared-prefix", device="cpu",

@@ -422,6 +422,36 @@ def test_checkpointing_keeps_the_attention_outputs_instead_of_running_the_kernel
     assert all(torch.equal(a, b) for a, b in zip(gradients[True], gradients[False], strict=True))
 
 
+def test_training_hands_memory_back_after_every_layer_and_leaves_no_hook(make_engine, monkeypatch):
+    """On a CPU a training call trims glibc's free memory after each decoder layer's
+    forward (``TRIM_EVERY_LAYER``), to the same logprobs and gradients bit for bit; the hooks are gone after the call (the sampler's
+    forwards between calls do not trim per layer), also when it fails."""
+    from retool.engines.local import memory, trainer
+
+    trims = []
+    real_trim = memory.release_free_memory
+    monkeypatch.setattr(memory, "release_free_memory", lambda: trims.append(1) or real_trim())
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(trainer, "TRIM_EVERY_LAYER", on)
+        engine = make_engine(gradient_checkpointing=True, packing="shared-prefix", micro_batch_tokens=24)
+        perturb_lora_b(engine)
+        trims.clear()
+        out = engine.forward_backward(prompt_sharing_datums(), "ppo")
+        results[on] = (len(trims), out.logprobs_D, grads(engine))
+    layers = engine.model.get_base_model().get_decoder().layers
+    micro_batches = int(out.metrics["train/micro_batches"])
+    assert micro_batches >= 2
+    assert results[True][0] - results[False][0] == len(layers) * micro_batches
+    assert results[True][1] == results[False][1]
+    assert all(torch.equal(a, b) for a, b in zip(results[True][2], results[False][2], strict=True))
+    assert not any(layer._forward_hooks for layer in layers)
+    huge = [dataclasses.replace(d, advantages_N=tuple(3e38 * w for w in d.weights_N)) for d in rl_datums(2)]
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        engine.forward_backward(huge, "importance_sampling")
+    assert not any(layer._forward_hooks for layer in layers)
+
+
 def test_the_demos_lean_training_layout_gives_the_plain_values_and_gradients(make_engine):
     """Shared-prefix packing with chunked logprobs and checkpointed layers (the demo's
     memory-bounded training step) computes what the plain shared-prefix step does."""
