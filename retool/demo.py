@@ -38,8 +38,10 @@ named with it before they ran, in 23.8-26.1 minutes: 23 +11.2 (z 4.23), 64 +8.7 
 story right, so RL had no right sample of it to learn from); seeds 19 and 109, named the next
 day, in 28.7 and 29.9 minutes: 19 +19.4 (z 5.55), 109 +5.6 (z 1.89: its cold start at 88.1 %
 left RL little room); seed 131, named the same way, in 26.8 minutes: +11.9 (z 4.37), but peak
-memory 2.94 GiB, over 3 GB (the RL stage's training micro-batches swing 0.25 GiB from run to
-run). On a CPU with native bf16 (a Zen 4, the code before the story families) the demo took
+memory 2.94 GiB, over 3 GB, in the RL stage's training steps; since the trainer hands freed
+memory back after every layer (its RL stage re-run: 2.70 GiB), seeds 151 and 157, named before
+they ran, in 25.3 and 27.5 minutes: +10.0 (z 2.99) and +5.6 (z 3.08), peak 2.66 and 2.67 GiB
+(set by the evals). On a CPU with native bf16 (a Zen 4, the code before the story families) the demo took
 16.2-18.9 minutes.
 Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
