@@ -103,7 +103,7 @@ and gradients to the bit, the call 0.95-1.02x the time (``bench/train_memory.py 
 runs/demo/rl/trajectories/step_000001.jsonl.gz --variants
 chunk=256+ckpt+once+tree,chunk=256+ckpt+once+tree+nolayertrim``). Trimming before each layer
 too bought 10-30 MiB more for more time; trims inside the backward (a gradient hook on each
-layer's output) 1.60 against 2.15-2.46 GiB, but at 1.25x the time: not taken."""
+layer's output) 1.60 against 2.15-2.46 GiB, but at 1.25-1.28x the time: not taken."""
 
 
 HEAD_GRADIENT_WHERE_TRAINED = True
