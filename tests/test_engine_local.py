@@ -424,8 +424,9 @@ def test_checkpointing_keeps_the_attention_outputs_instead_of_running_the_kernel
 
 def test_training_hands_memory_back_after_every_layer_and_leaves_no_hook(make_engine, monkeypatch):
     """On a CPU a training call trims glibc's free memory after each decoder layer's
-    forward (``TRIM_EVERY_LAYER``), to the same logprobs and gradients bit for bit; the hooks are gone after the call (the sampler's
-    forwards between calls do not trim per layer), also when it fails."""
+    forward (``TRIM_EVERY_LAYER``), to the same logprobs and gradients bit for bit; the
+    hooks are gone after the call (the sampler's forwards between calls do not trim per
+    layer), also when it fails."""
     from retool.engines.local import memory, trainer
 
     trims = []

@@ -246,9 +246,10 @@ class LocalTrainingClient:
             self.sampler.clear_kv_cache()
             memory.release_free_memory()
             self.sampler.restore_base()
-            layers = getattr(decoder_and_head(self.model)[0], "layers", ()) if TRIM_EVERY_LAYER else ()
+            trimmed = TRIM_EVERY_LAYER and self.device.type == "cpu"  # glibc's heap: a CPU's tensors only
+            layers = getattr(decoder_and_head(self.model)[0], "layers", ()) if trimmed else ()
             try:
-                with memory.trim_after_each(layers if self.device.type == "cpu" else ()):
+                with memory.trim_after_each(layers):
                     self._micro_batches(data, plan, once, loss_fn, config, total_weight, stats, logprobs_D)
             except BaseException:  # no partial gradient may reach a later optim_step
                 self._discard_gradient()
