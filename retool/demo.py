@@ -30,19 +30,17 @@ ones that teach — as "N of M groups informative".
 Measured at these defaults (160 held-out problems x 1 sample, 8 RL steps x 4 problems, each
 word-problem story a family of the difficulty pool) on 2 cores of an AMD EPYC with AVX2 only
 (no native bf16: fp32 chosen by ``auto``), docs/demo.md recording every seed run, failures
-included: seed 42 in a fresh folder, 25.6 minutes, after SFT 74.4 % -> after RL 85.0 %,
-RL's gain +10.6 points at paired s.e. 2.6 (z 4.09, beyond two standard errors), 32 of 36
-RL groups informative, peak memory 2.71 GiB for the process tree; seeds 23, 11, 64 and 90,
-named with it before they ran, in 23.8-26.1 minutes: 23 +11.2 (z 4.23), 64 +8.7 (z 3.63),
-90 +16.2 (z 5.11), 11 +5.6 (z 1.98, just within the noise: its cold start never got one word-problem
-story right, so RL had no right sample of it to learn from); seeds 19 and 109, named the next
-day, in 28.7 and 29.9 minutes: 19 +19.4 (z 5.55), 109 +5.6 (z 1.89: its cold start at 88.1 %
-left RL little room); seed 131, named the same way, in 26.8 minutes: +11.9 (z 4.37), but peak
-memory 2.94 GiB, over 3 GB, in the RL stage's training steps; since the trainer hands freed
-memory back after every layer (its RL stage re-run: 2.70 GiB), seeds 151 and 157, named before
-they ran, in 25.3 and 27.5 minutes: +10.0 (z 2.99) and +5.6 (z 3.08), peak 2.66 and 2.67 GiB
-(set by the evals). On a CPU with native bf16 (a Zen 4, the code before the story families) the demo took
-16.2-18.9 minutes.
+included: seed 42 in a fresh folder, twice (25.6 and 29.9 minutes, the machine slower the
+second time), the same result both times: after SFT 74.4 % -> after RL 85.0 %, RL's gain
++10.6 points at paired s.e. 2.6 (z 4.09, beyond two standard errors), 32 of 36 RL groups
+informative, peak memory 2.55 GiB for the process tree at the latest. Of eleven other seeds
+named before they ran (23.8-30.3 minutes each), nine gained beyond two standard errors (z
+2.99-9.00) and two did not (11 and 109, +5.6 at z 1.98 and 1.89: seed 11's cold start never
+got one word-problem story right, so RL had no right sample of it to learn from; 109's at
+88.1 % left RL little room). Peak memory 2.55-2.67 GiB since the trainer hands freed memory
+back after every layer, but seed 167's eval after SFT peaked at 2.81 GiB (3.02 GB). On a
+CPU with native bf16 (a Zen 4, the code before the story families) the demo took 16.2-18.9
+minutes.
 Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
@@ -106,7 +104,7 @@ class DemoConfig:
     seed: int = option(42, "seed of data, adapter init and sampling")
     sft_dialogues: int = option(400, "synthetic SFT dialogues")
     sft_steps: int = option(32, "SFT steps (16 left one seed's cold start too weak for RL to show a gain; "
-                                "docs/demo.md)")
+                                "docs/demo-history.md)")
     sft_batch_size: int = option(4, "dialogues per SFT step")
     sft_lr: float = option(1e-3, "SFT learning rate (calibrated in docs/sft.md)")
     sft_recovery_share: float = option(0.0, "share of the SFT dialogues whose first call is a mistake (a real "
@@ -116,7 +114,7 @@ class DemoConfig:
     rl_problems: int = option(400, "RL training problems")
     rl_steps: int = option(8, "RL steps (8 x 4 problems: the 32 groups of 16 x 2 in half the updates; on the "
                               "SFT folders of four seeds it gained +20.0/+6.9/+10.0/+4.4 where 16 x 2 gained "
-                              "+16.2/+1.9/+12.5/+3.7, drifting less: docs/demo.md)")
+                              "+16.2/+1.9/+12.5/+3.7, drifting less: docs/demo-history.md)")
     rl_batch_size: int = option(4, "problems per RL step")
     rl_group_size: int = option(8, "trajectories per problem (groups of 8 split into mixed rewards far more "
                                    "often than groups of 4: more informative groups per step)")
@@ -126,14 +124,14 @@ class DemoConfig:
     rl_invalid_call_penalty: float = option(0.5, "subtracted from the reward of a rollout with a malformed tool "
                                                  "call (retool train --invalid-call-penalty; 0: outcome only, where "
                                                  "seed 83's RL broke one kind's calls and its all-wrong groups could "
-                                                 "not teach them back, docs/demo.md)")
+                                                 "not teach them back, docs/demo-history.md)")
     eval_problems: int = option(160, "held-out test problems (the paired s.e. of RL's gain shrinks with more; 64 "
                                          "x 2 left a +10.2-point gain at z 1.8; 192 took 0.4 min more per eval, "
-                                         "docs/demo.md)")
+                                         "docs/demo-history.md)")
     eval_samples: int = option(1, "samples per held-out problem (k of Average@k). For a fixed number of samples "
                                   "the paired s.e. of RL's gain is smallest at one sample each on more problems: "
                                   "192 x 1 costs what 96 x 2 did, with an s.e. 7-26 %% smaller on seven seeds "
-                                  "(docs/demo.md)")
+                                  "(docs/demo-history.md)")
     base_eval_problems: int = option(32, "of those, how many the base model is evaluated on before SFT (it never "
                                          "calls the tool, so a few show it; the paired RL-vs-SFT comparison uses all)")
     max_turn_tokens: int = option(128, "tokens per assistant turn")
@@ -159,7 +157,7 @@ class DemoConfig:
                                         "FLOPs and time at the same peak; SFT gains nothing: docs/benchmarks.md)")
     rl_top_p: float = option(1.0, "nucleus sampling of the RL rollouts (1: the whole distribution; from one SFT "
                                   "adapter, groups of 8 were mixed for 14 of 16 problems at 1.0 against 8 of 16 at "
-                                  "the evals' 0.7, docs/demo.md)")
+                                  "the evals' 0.7, docs/demo-history.md)")
     rl_refill_rounds: int = option(2, "dynamic sampling: extra rounds of fresh problems until a step's groups "
                                       "have mixed rewards (see retool train --help)")
     rl_curriculum: str = option("difficulty", "which RL problems a step draws: difficulty = fewer of the kinds, "
@@ -187,13 +185,13 @@ class DemoConfig:
     eval_batch_kv_mb: int = option(256, "most memory the evals' running decode loop may hold in KV "
                                         "(--local-batch-kv-mb of retool eval; 0 = no bound): the peak of the demo's "
                                         "evals follows it; 256 instead of retool eval's 512 took the eval after SFT "
-                                        "from 2.95 to 2.41 GiB, about a tenth slower (docs/demo.md)")
+                                        "from 2.95 to 2.41 GiB, about a tenth slower (docs/demo-history.md)")
     sandbox_memory_mb: int = option(256, "memory one code call may allocate in the sandbox, MiB on top of the warm "
                                          "interpreter's (--sandbox-memory-mb of retool eval/train, 2048 there): "
                                          "the demo's peak counts the sandbox, and a runaway call the model wrote "
                                          "(2 ** 550 ** 782) held 1.5 GiB under 2048, taking one eval to 3.27 GiB; "
                                          "every call that ran to its end in the demo's recorded runs peaked at 78 "
-                                         "MiB resident or less (docs/demo.md)")
+                                         "MiB resident or less (docs/demo-history.md)")
     rl_spill_base: bool = option(True, "during RL rollouts, move the trainer's frozen layer matrices to a "
                                        "temporary file while the sampler decodes from its merged copy, and read "
                                        "them back for training (--local-spill-base of retool train: the same "

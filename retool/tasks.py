@@ -102,7 +102,7 @@ PRELUDE = "import math\n"
 With the import only where a kind needs it (gcd, lcm) and a ``n = …`` line only in the
 divisor snippets, RL on seed 11 of the demo taught the model to start every snippet with
 ``print(`` — the first token of most kinds — and those kinds then failed with ``NameError``
-(docs/demo.md). One shared first line, and operands written inline, leave no kind with a
+(docs/demo-history.md). One shared first line, and operands written inline, leave no kind with a
 setup line of its own to drop.
 """
 
@@ -471,7 +471,7 @@ def mistakes(code: str) -> list[str]:
     """Mistaken versions of a stateless snippet, each raising in the sandbox: the last
     parenthesis left out or doubled (``SyntaxError``), ``math.`` left out before
     ``gcd``/``lcm`` (``NameError``), digits summed without ``int`` (``TypeError``) — the
-    kinds of mistake the demo's model makes in its RL rollouts (``docs/demo.md``)."""
+    kinds of mistake the demo's model makes in its RL rollouts (``docs/demo-history.md``)."""
     line = code.removeprefix(PRELUDE)
     out = [PRELUDE + line[:-1], PRELUDE + line + ")"]
     if "math." in line:
@@ -493,7 +493,7 @@ def _stateful_calls(draw: Draw) -> list[tuple[str, str]]:
     as the stateless plan does: the first repeats the stateless plan (the expression with the
     question's numbers), the second names the expression over the variables. With a generic
     first plan ("I will put the numbers into variables") the cold start chose the wrong
-    kind's setup for many questions: 23 % held-out after SFT on demo seed 7 (docs/demo.md)."""
+    kind's setup for many questions: 23 % held-out after SFT on demo seed 7 (docs/demo-history.md)."""
     setup, what, compute = stateful_steps(draw)
     return [(f"{draw.plan} Its numbers go into Python variables first; they stay defined for the next call.",
              setup),
