@@ -450,6 +450,61 @@ def test_a_continuous_loop_hands_memory_back_after_every_admission(tiny_model, m
         assert "trim" in following and ("step" not in following or following.index("trim") < following.index("step"))
 
 
+_COPY_PROBE = """
+import resource, sys, torch
+from retool.engines.local import lean_decode, memory
+lean_decode.TRIM_BYTES = int(sys.argv[1])
+memory.limit_arenas()
+torch.empty(30 * 2**20, dtype=torch.uint8).fill_(1)  # as in a long run: glibc's mmap threshold raised to ~30 MB
+pins = []
+
+def cache(rows, width, capacity):
+    c = object.__new__(lean_decode.LeanCache)
+    c.own, c.bias, c.width = [], torch.zeros(rows, capacity), width
+    for _ in range(30):  # each buffer between small live tensors, as in a long loop's heap: freed ones never merge
+        layer = []
+        for _ in range(2):
+            layer.append(torch.empty(3, rows, capacity, 64).fill_(1.0))
+            pins.append(torch.ones(2**16))
+        c.own.append(tuple(layer))
+    return c
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+running, joining = cache(16, 200, 256), cache(4, 260, 300)
+memory.release_free_memory()
+before, old = rss(), sum(t.nbytes for c in (running, joining) for layer in c.own for t in layer)
+running.admit(joining)
+new = sum(t.nbytes for layer in running.own for t in layer)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, old, new, new // 30)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap: Linux only")
+def test_a_cache_copied_into_new_buffers_hands_the_old_ones_back_as_it_goes():
+    """Admitting rows copies every layer's KV buffers into new, larger ones, one layer at a
+    time. glibc keeps each freed buffer in its heap, where the next layer's larger one does
+    not fit, so without trims the process grows by the whole new cache though only a layer
+    of old and new is alive at once; with them it grows by the cache's growth, a layer and
+    at most ``TRIM_BYTES``. The probe (a fresh process, its peak RSS) sees the first case."""
+    import subprocess
+
+    from retool.engines.local import lean_decode, memory
+    if memory._glibc() is None:
+        pytest.skip("not glibc")
+
+    def growth(trim_bytes: int) -> tuple[int, int, int, int]:
+        out = subprocess.run([sys.executable, "-c", _COPY_PROBE, str(trim_bytes)], capture_output=True, text=True,
+                             check=True, timeout=120).stdout
+        peak, old, new, layer = map(int, out.split())
+        return peak, old, new, layer
+
+    peak, old, new, layer = growth(0)
+    assert peak > 0.8 * new  # untrimmed: the heap took the whole new cache beside the freed old one
+    peak, old, new, layer = growth(lean_decode.TRIM_BYTES)
+    assert peak < new - old + 2 * layer + lean_decode.TRIM_BYTES + 16 * 2**20
+
+
 def test_two_event_loops_sampling_at_once_each_get_their_own_answers(tiny_model):
     """Rollouts of two steps on their own threads share one sampler (``--max-staleness``):
     each loop's requests are batched and answered on that loop, none is left waiting for
