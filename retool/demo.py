@@ -33,12 +33,13 @@ word-problem story a family of the difficulty pool) on 2 cores of an AMD EPYC wi
 included: seed 42 in a fresh folder, twice (25.6 and 29.9 minutes, the machine slower the
 second time), the same result both times: after SFT 74.4 % -> after RL 85.0 %, RL's gain
 +10.6 points at paired s.e. 2.6 (z 4.09, beyond two standard errors), 32 of 36 RL groups
-informative, peak memory 2.55 GiB for the process tree at the latest. Of twelve other seeds
-named before they ran (23.8-30.3 minutes each), ten gained beyond two standard errors (z
+informative, peak memory 2.55 GiB for the process tree. Of thirteen other seeds named
+before they ran (23.8-34.3 minutes each), eleven gained beyond two standard errors (z
 2.99-9.00) and two did not (11 and 109, +5.6 at z 1.98 and 1.89: seed 11's cold start never
 got one word-problem story right, so RL had no right sample of it to learn from; 109's at
 88.1 % left RL little room). Peak memory 2.54-2.67 GiB since the trainer hands freed memory
-back after every layer, but seed 167's eval after SFT peaked at 2.81 GiB (3.02 GB). On a
+back after every layer, but seed 167's eval after SFT peaked at 2.81 GiB (3.02 GB); since the
+sampler's KV copies hand it back too, 2.39 (seed 167 again, the same result) and 2.46 GiB. On a
 CPU with native bf16 (a Zen 4, the code before the story families) the demo took 16.2-18.9
 minutes.
 Measured, never guaranteed: a seed can land within the noise.
