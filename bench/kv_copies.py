@@ -11,7 +11,8 @@ This replays one sequence of copies of the demo eval's shape (SmolLM2-135M's 30 
 KV heads of 64, fp32; ``--rows`` running rows of ~``--width`` columns, ``--rounds`` times
 ``--join`` rows admitted, then as many dropped), with small live tensors allocated between
 buffers and a logits-sized tensor freed after every copy, as a long-running loop's heap
-has. Each setting runs in a fresh process: the peak RSS above the start (``ru_maxrss``),
+has. Each setting runs in a fresh process: the peak of its anonymous resident memory (the
+heap; read before every trim, where the heap is largest) above the start,
 the KV at the end, the copies' time, the trims made. Prints each against ``TRIM_BYTES=0``
 (no trims, the path before) from the same run, and the load.
 
@@ -31,19 +32,29 @@ import subprocess
 import sys
 
 _REPLAY = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
 from retool.engines.local import lean_decode, memory
 trim_bytes, rows, width, rounds, join = map(int, sys.argv[1:6])
 lean_decode.TRIM_BYTES = trim_bytes
 memory.limit_arenas()  # as the sampler does
 torch.set_num_threads(1)
 torch.empty(30 * 2**20, dtype=torch.uint8).fill_(1)  # glibc's mmap threshold raised, as in a long run
-trims = 0
+trims, most = 0, 0
 real_trim = memory.release_free_memory
+
+def anonymous():  # anonymous resident memory (the heap), not the pages of the libraries mapped
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+def trimmed():  # the most the heap holds comes just before a trim
+    global most
+    most = max(most, anonymous())
+    return real_trim()
+
 def counted():
     global trims
     trims += 1
-    return real_trim()
+    return trimmed()
 memory.release_free_memory = counted
 pins = []
 
@@ -59,11 +70,9 @@ def cache(n, w, reserve=128):
         c.own.append(tuple(layer))
     return c
 
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 running = cache(rows, width)
 real_trim()
-start, copies = rss(), 0.0
+start, copies = anonymous(), 0.0
 for r in range(rounds):
     joining = cache(join, width + 37 * (r % 5) - 60)
     t = time.perf_counter(); running.admit(joining); copies += time.perf_counter() - t
@@ -71,9 +80,9 @@ for r in range(rounds):
     keep = torch.arange(join, running.rows)
     t = time.perf_counter(); running.keep_rows(keep, trim_front=True); copies += time.perf_counter() - t
     torch.empty(rows * 49152).fill_(0.0)
-    real_trim()  # the decode loop trims once per iteration after a copy (decode_loop.TRIM_IN_DECODE)
+    trimmed()  # the decode loop trims once per iteration after a copy (decode_loop.TRIM_IN_DECODE)
 kv = sum(t.nbytes for layer in running.own for t in layer)
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start, "kv": kv,
+print(json.dumps({"peak": most - start, "kv": kv,
                   "copies_s": copies, "trims": trims}))
 """
 
@@ -102,7 +111,7 @@ def main() -> None:
     results = {name: replay(trim_bytes, args) for name, trim_bytes in settings}
     base = results[settings[0][0]]
     for name, r in results.items():
-        print(f"{name:24s} peak above start {r['peak'] / mib:7.1f} MiB ({r['peak'] / base['peak']:.2f}x)  "
+        print(f"{name:24s} heap peak above start {r['peak'] / mib:7.1f} MiB ({r['peak'] / base['peak']:.2f}x)  "
               f"KV at the end {r['kv'] / mib:6.1f} MiB  copies {r['copies_s']:.2f} s "
               f"({r['copies_s'] / base['copies_s']:.2f}x)  trims {r['trims']}")
     print(f"load average after: {os.getloadavg()}")
