@@ -12,7 +12,7 @@ KV heads of 64, fp32; ``--rows`` running rows of ~``--width`` columns, ``--round
 ``--join`` rows admitted, then as many dropped), with small live tensors allocated between
 buffers and a logits-sized tensor freed after every copy, as a long-running loop's heap
 has. Each setting runs in a fresh process: the peak of its anonymous resident memory (the
-heap; read before every trim, where the heap is largest) above the start,
+heap; read after every new layer buffer and before every trim) above the start,
 the KV at the end, the copies' time, the trims made. Prints each against ``TRIM_BYTES=0``
 (no trims, the path before) from the same run, and the load.
 
@@ -34,21 +34,29 @@ import sys
 _REPLAY = r"""
 import json, sys, time, torch
 from retool.engines.local import lean_decode, memory
-trim_bytes, rows, width, rounds, join = map(int, sys.argv[1:6])
+trim_bytes, rows, width, rounds, join, drop = map(int, sys.argv[1:7])
 lean_decode.TRIM_BYTES = trim_bytes
 memory.limit_arenas()  # as the sampler does
 torch.set_num_threads(1)
 torch.empty(30 * 2**20, dtype=torch.uint8).fill_(1)  # glibc's mmap threshold raised, as in a long run
 trims, most = 0, 0
-real_trim = memory.release_free_memory
+real_trim, real_stacked = memory.release_free_memory, lean_decode._stacked
 
 def anonymous():  # anonymous resident memory (the heap), not the pages of the libraries mapped
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
 
-def trimmed():  # the most the heap holds comes just before a trim
+def seen():
     global most
     most = max(most, anonymous())
+
+def stacked(*args):  # after each new layer buffer, when the old ones of the layers before are freed or kept
+    out = real_stacked(*args)
+    seen()
+    return out
+
+def trimmed():  # and just before each trim, where the heap is largest
+    seen()
     return real_trim()
 
 def counted():
@@ -56,6 +64,7 @@ def counted():
     trims += 1
     return trimmed()
 memory.release_free_memory = counted
+lean_decode._stacked = stacked
 pins = []
 
 def cache(n, w, reserve=128):
@@ -70,26 +79,36 @@ def cache(n, w, reserve=128):
         c.own.append(tuple(layer))
     return c
 
+def kv(*caches):
+    return sum(t.nbytes for c in caches for layer in c.own for t in layer)
+
 running = cache(rows, width)
 real_trim()
-start, copies = anonymous(), 0.0
+start, copies, first, joined = anonymous(), 0.0, None, None
 for r in range(rounds):
     joining = cache(join, width + 37 * (r % 5) - 60)
+    first, joined = first or kv(running, joining), joined or kv(joining)
     t = time.perf_counter(); running.admit(joining); copies += time.perf_counter() - t
     torch.empty(rows * 49152).fill_(0.0)  # a step's logits, freed
-    keep = torch.arange(join, running.rows)
-    t = time.perf_counter(); running.keep_rows(keep, trim_front=True); copies += time.perf_counter() - t
-    torch.empty(rows * 49152).fill_(0.0)
+    if drop:
+        keep = torch.arange(join, running.rows)
+        t = time.perf_counter(); running.keep_rows(keep, trim_front=True); copies += time.perf_counter() - t
+        torch.empty(rows * 49152).fill_(0.0)
     trimmed()  # the decode loop trims once per iteration after a copy (decode_loop.TRIM_IN_DECODE)
-kv = sum(t.nbytes for layer in running.own for t in layer)
-print(json.dumps({"peak": most - start, "kv": kv,
-                  "copies_s": copies, "trims": trims}))
+print(json.dumps({"peak": most - start, "kv": kv(running), "kv_before": first, "joined": joined, "copies_s": copies,
+                  "trims": trims}))
 """
 
 
-def replay(trim_bytes: int, args: argparse.Namespace) -> dict:
-    out = subprocess.run([sys.executable, "-c", _REPLAY, str(trim_bytes), str(args.rows), str(args.width),
-                          str(args.rounds), str(args.join)], capture_output=True, text=True, check=True)
+def replay(trim_bytes: int, rows: int, width: int, rounds: int, join: int, drop: bool = True) -> dict:
+    """One replay in a fresh process: ``rounds`` admissions of ``join`` rows into ``rows`` running
+    rows of ~``width`` columns (each followed by as many rows dropped when ``drop``), the
+    loop handing freed memory back every ``trim_bytes`` (0: never). Returns the heap's peak
+    above the start (``peak``; the start holds the running rows' cache, not the first joining one),
+    the KV at the end (``kv``), before the first admission (``kv_before``, both caches) and of the
+    first joining rows (``joined``), the copies' time (``copies_s``) and the trims made."""
+    out = subprocess.run([sys.executable, "-c", _REPLAY, str(trim_bytes), str(rows), str(width), str(rounds),
+                          str(join), str(int(drop))], capture_output=True, text=True, check=True, timeout=600)
     return json.loads(out.stdout)
 
 
@@ -108,7 +127,7 @@ def main() -> None:
     mib = 2**20
     settings = [("no trims (before)", 0), (f"every {lean_decode.TRIM_BYTES // mib} MiB (default)",
                                           lean_decode.TRIM_BYTES), ("after every layer", 1)]
-    results = {name: replay(trim_bytes, args) for name, trim_bytes in settings}
+    results = {name: replay(trim_bytes, args.rows, args.width, args.rounds, args.join) for name, trim_bytes in settings}
     base = results[settings[0][0]]
     for name, r in results.items():
         print(f"{name:24s} heap peak above start {r['peak'] / mib:7.1f} MiB ({r['peak'] / base['peak']:.2f}x)  "

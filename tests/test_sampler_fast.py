@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import itertools
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -450,45 +452,7 @@ def test_a_continuous_loop_hands_memory_back_after_every_admission(tiny_model, m
         assert "trim" in following and ("step" not in following or following.index("trim") < following.index("step"))
 
 
-_COPY_PROBE = """
-import sys, torch
-from retool.engines.local import lean_decode, memory
-lean_decode.TRIM_BYTES = int(sys.argv[1])
-torch.set_num_threads(1)
-memory.limit_arenas()
-torch.empty(30 * 2**20, dtype=torch.uint8).fill_(1)  # as in a long run: glibc's mmap threshold raised to ~30 MB
-pins = []
-
-def cache(rows, width, capacity):
-    c = object.__new__(lean_decode.LeanCache)
-    c.own, c.bias, c.width = [], torch.zeros(rows, capacity), width
-    for _ in range(30):  # each buffer between small live tensors, as in a long loop's heap: freed ones never merge
-        layer = []
-        for _ in range(2):
-            layer.append(torch.empty(3, rows, capacity, 64).fill_(1.0))
-            pins.append(torch.ones(2**16))
-        c.own.append(tuple(layer))
-    return c
-
-def anonymous():  # the process's anonymous resident memory (its heap): not the library pages it maps
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
-most = 0
-real_stacked = lean_decode._stacked
-
-def stacked(*args):  # each new layer buffer, when the old ones of the layers before are freed (or kept)
-    global most
-    out = real_stacked(*args)
-    most = max(most, anonymous())
-    return out
-lean_decode._stacked = stacked
-running, joining = cache(16, 200, 256), cache(4, 260, 300)
-memory.release_free_memory()
-before, old = anonymous(), sum(t.nbytes for c in (running, joining) for layer in c.own for t in layer)
-running.admit(joining)
-new = sum(t.nbytes for layer in running.own for t in layer)
-print(most - before, old, new, new // 30)
-"""
+KV_COPIES_BENCH = Path(__file__).resolve().parents[1] / "bench" / "kv_copies.py"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap: Linux only")
@@ -498,18 +462,18 @@ def test_a_cache_copied_into_new_buffers_hands_the_old_ones_back_as_it_goes():
     not fit, so without trims the process grows by the whole new cache though only a layer
     of old and new is alive at once; with them it grows by the cache's growth, a layer and
     at most ``TRIM_BYTES``. The probe (a fresh process, its anonymous resident memory after
-    each new buffer) sees the first case."""
-    import subprocess
-
+    each new buffer and before each trim: ``bench/kv_copies.py``'s replay, one admission)
+    sees the first case."""
     from retool.engines.local import lean_decode, memory
     if memory._glibc() is None:
         pytest.skip("not glibc")
+    spec = importlib.util.spec_from_file_location("kv_copies", KV_COPIES_BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
 
     def growth(trim_bytes: int) -> tuple[int, int, int, int]:
-        out = subprocess.run([sys.executable, "-c", _COPY_PROBE, str(trim_bytes)], capture_output=True, text=True,
-                             check=True, timeout=120).stdout
-        peak, old, new, layer = map(int, out.split())
-        return peak, old, new, layer
+        r = bench.replay(trim_bytes, rows=16, width=200, rounds=1, join=4, drop=False)
+        return r["peak"] - r["joined"], r["kv_before"], r["kv"], r["kv"] // 30  # growth with both caches built
 
     peak, old, new, layer = growth(0)
     assert peak > 0.8 * new  # untrimmed: the heap took the whole new cache beside the freed old one
