@@ -183,10 +183,11 @@ class DemoConfig:
                                             "sampler's weight and KV memory, faster on a CPU with native bf16; "
                                             "auto = bf16 where the CPU has it (avx512_bf16/AMX); training has "
                                             "its own --train-precision", choices=("fp32", "bf16", "auto"))
-    eval_batch_kv_mb: int = option(256, "most memory the evals' running decode loop may hold in KV "
+    eval_batch_kv_mb: int = option(384, "most memory the evals' running decode loop may hold in KV "
                                         "(--local-batch-kv-mb of retool eval; 0 = no bound): the peak of the demo's "
-                                        "evals follows it; 256 instead of retool eval's 512 took the eval after SFT "
-                                        "from 2.95 to 2.41 GiB, about a tenth slower (docs/demo-history.md)")
+                                        "evals follows it, ~0.19 GiB per 128 MB; 384 against 256: the eval after "
+                                        "SFT 0.92x the time, the same tokens; 512 0.84x, but its peak left no room "
+                                        "under 3 GB for a runaway code call's 256 MiB (docs/demo.md)")
     sandbox_memory_mb: int = option(256, "memory one code call may allocate in the sandbox, MiB on top of the warm "
                                          "interpreter's (--sandbox-memory-mb of retool eval/train, 2048 there): "
                                          "the demo's peak counts the sandbox, and a runaway call the model wrote "
