@@ -30,16 +30,18 @@ ones that teach — as "N of M groups informative".
 Measured at these defaults (160 held-out problems x 1 sample, 8 RL steps x 4 problems, each
 word-problem story a family of the difficulty pool) on 2 cores of an AMD EPYC with AVX2 only
 (no native bf16: fp32 chosen by ``auto``), docs/demo.md recording every seed run, failures
-included: seed 42 in a fresh folder, twice (25.6 and 29.9 minutes, the machine slower the
-second time), the same result both times: after SFT 74.4 % -> after RL 85.0 %, RL's gain
+included: seed 42 in a fresh folder, three times (25.6, 29.9 and 28.6 minutes, the machine's
+pace differing between sessions), the same result each time: after SFT 74.4 % -> after RL 85.0 %, RL's gain
 +10.6 points at paired s.e. 2.6 (z 4.09, beyond two standard errors), 32 of 36 RL groups
-informative, peak memory 2.55 GiB for the process tree. Of thirteen other seeds named
-before they ran (23.8-34.3 minutes each), eleven gained beyond two standard errors (z
-2.99-9.00) and two did not (11 and 109, +5.6 at z 1.98 and 1.89: seed 11's cold start never
+informative, peak memory 2.58 GiB for the process tree. Of fourteen other seeds named
+before they ran (23.8-34.3 minutes each), twelve gained beyond two standard errors (z
+2.34-9.00) and two did not (11 and 109, +5.6 at z 1.98 and 1.89: seed 11's cold start never
 got one word-problem story right, so RL had no right sample of it to learn from; 109's at
 88.1 % left RL little room). Peak memory 2.54-2.67 GiB since the trainer hands freed memory
 back after every layer, but seed 167's eval after SFT peaked at 2.81 GiB (3.02 GB); since the
-sampler's KV copies hand it back too, 2.39 (seed 167 again, the same result) and 2.46 GiB. On a
+sampler's KV copies hand it back too, 2.39 (seed 167 again, the same result) and 2.46 GiB; with
+the evals' decode loop at 384 MB of KV (each eval ~0.5 minutes shorter), 2.56-2.58 GiB, set
+by the RL stage. On a
 CPU with native bf16 (a Zen 4, the code before the story families) the demo took 16.2-18.9
 minutes.
 Measured, never guaranteed: a seed can land within the noise.
