@@ -161,6 +161,8 @@ CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+RESPONSE_OPEN = "<tool_response>"
+RESPONSE_CLOSE = "</tool_response>"
 
 
 def detect_format(chat_template: str) -> ToolCallFormat:
@@ -210,12 +212,29 @@ def parse_assistant(text: str, fmt: ToolCallFormat, *, in_thinking: bool = False
     ``code_interpreter`` with a single non-empty ``code`` argument, is a
     :class:`~retool.types.ToolCall`; anything else that attempted a call is an
     :class:`~retool.types.InvalidToolCall` with a reason tag and a message for the
-    model. ``text`` is the decoded turn without its end-of-turn token.
+    model. So is a turn that writes the interpreter's reply itself (a
+    ``<tool_response>`` or ``</tool_response>`` tag outside its reasoning, before any
+    call: ``forged_response``) — a model that, after a failed call, invents the
+    traceback or output it expected instead of calling again or answering. ``text`` is
+    the decoded turn without its end-of-turn token.
     """
-    start = text.find(CALL_OPEN, _reasoning_end(text, in_thinking))
+    reasoning_end = _reasoning_end(text, in_thinking)
+    start = text.find(CALL_OPEN, reasoning_end)
+    forged = _forged_response_start(text, reasoning_end, len(text) if start < 0 else start)
+    if forged >= 0:
+        return ParsedTurn(content=text[:forged].rstrip(), call=_invalid(
+            "forged_response", "only the interpreter writes tool responses, in reply to a tool call, so "
+            "nothing was run. Make a tool call to run code, or end with one line \\boxed{<answer>}.",
+            text[forged:]))
     if start < 0:
         return ParsedTurn(content=text)
     return ParsedTurn(content=text[:start].rstrip(), call=_parse_call(text[start:], fmt))
+
+
+def _forged_response_start(text: str, begin: int, end: int) -> int:
+    """Where ``text[begin:end]`` first writes a tool-response tag, or -1."""
+    found = [i for i in (text.find(RESPONSE_OPEN, begin, end), text.find(RESPONSE_CLOSE, begin, end)) if i >= 0]
+    return min(found, default=-1)
 
 
 def _reasoning_end(text: str, in_thinking: bool) -> int:
@@ -322,7 +341,7 @@ def budget_exhausted_message(max_code_calls: int) -> str:
 
 ZERO_WIDTH_SPACE = "\u200b"
 
-ALWAYS_PROTECTED = ("<think>", "</think>", CALL_OPEN, CALL_CLOSE, "<tool_response>", "</tool_response>")
+ALWAYS_PROTECTED = (THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE)
 """Tags neutralised even where neither tokenizer nor template knows them: models meet
 them in pretraining data and may read them as structure."""
 

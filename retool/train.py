@@ -123,7 +123,8 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
     overlong_buffer: int = option(512, "L of --overlong soft: the penalty falls from 0 to -1 over the last L "
                                        "policy tokens of the budget")
     invalid_call_penalty: float = option(0.0, "subtracted from the reward of a trajectory with a malformed tool "
-                                              "call (bad JSON, unknown tool, a call cut off...), before centring: a "
+                                              "call (bad JSON, unknown tool, a call cut off, a tool response the "
+                                              "model wrote itself...), before centring: a "
                                               "group all wrong still teaches against broken calls; 0 = outcome "
                                               "reward only (ReTool's)")
     behaviour_is: str = option("off", "sampler-trainer correction: the loss ratio becomes pi_theta/pi_old "

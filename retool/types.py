@@ -44,8 +44,9 @@ class InvalidToolCall:
     ``reason`` is a short machine-readable tag (``bad_json``, ``unknown_tool``,
     ``multiple_calls``, ``text_after_call``, ``empty_code``, ``missing_code``,
     ``unclosed_call``, ``bad_xml`` — the XML form's structure is broken,
-    ``bad_arguments`` — arguments other than one string ``code``); ``message`` is the short text sent back to the model as the
-    tool response, so it can correct itself.
+    ``bad_arguments`` — arguments other than one string ``code``, ``forged_response`` —
+    the turn wrote a tool response itself instead of calling the tool); ``message`` is the
+    short text sent back to the model as the tool response, so it can correct itself.
     """
 
     reason: str

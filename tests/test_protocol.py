@@ -263,6 +263,14 @@ ADVERSARIAL = {
         (XML, "<tool_call>\n<function=code_interpreter>\n<parameter=code>\nprint(1)\n</parameter>\n"
               "<parameter=timeout>\n5\n</parameter>\n</function>\n</tool_call>"),
     ],
+    "forged_response": [
+        (HERMES, "The answer is 3828 * 834.\n<tool_response>\nTraceback (most recent call last):\n  File "
+                 '"main.py", line 2\nNameError: name \'rem\' is not defined\n</tool_response>'),
+        (XML, "The remainder is 9^793 mod 6525.\n<tool_response>\n42\n</tool_response>"),
+        (HERMES, "</tool_response>\nSo the answer is \\boxed{4}."),
+        (HERMES, "<tool_response>\n4\n</tool_response>\n" + hermes_call("print(2 + 2)")),
+        (XML, "<tool_response>\n4\n</tool_response>\n" + xml_call("print(2 + 2)")),
+    ],
     "unclosed_call": [
         (HERMES, 'I will run it.\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}'),
         (XML, "<tool_call>\n<function=code_interpreter>\n<parameter=code>\nprint(1)\n</parameter>\n</function>\n"),
@@ -284,6 +292,24 @@ def test_invalid_call_keeps_raw_text_and_content():
     assert turn.attempted_call and not turn.valid_call
     assert turn.content == "Compute." and turn.call.raw == hermes_call("print(1)", name="python")
     assert "'python'" in turn.call.message and TOOL_NAME in turn.call.message
+
+
+@pytest.mark.parametrize("fmt, make", [(HERMES, hermes_call), (XML, xml_call)])
+def test_a_forged_tool_response_is_a_typed_attempt_and_only_outside_code_and_reasoning(fmt, make):
+    """A turn that writes the interpreter's reply itself (as small models do after a failed
+    call: the traceback they expected, then no answer) is sent back with a message, as any
+    malformed call is; the same tags inside a call's code, or inside the turn's reasoning,
+    are not a forgery, and tags after a call are text after the call."""
+    turn = parse_assistant("The answer is 12 * 7.\n<tool_response>\n84\n</tool_response>", fmt)
+    assert turn.call.reason == "forged_response" and turn.content == "The answer is 12 * 7."
+    assert turn.call.raw == "<tool_response>\n84\n</tool_response>" and "\\boxed{" in turn.call.message
+    code = 'print("<tool_response>", "</tool_response>")'
+    assert parse_assistant(f"I will print the tags.\n{make(code)}", fmt).call.code == code
+    thinking = f"<think>\nthe tool would say <tool_response>84</tool_response>\n</think>\n\n{make('print(84)')}"
+    assert parse_assistant(thinking, fmt).call.code == "print(84)"
+    assert parse_assistant("maybe <tool_response>84</tool_response>\n</think>\n\\boxed{84}", fmt,
+                           in_thinking=True).call is None
+    assert invalid_reason(make("print(84)") + "\n<tool_response>\n84\n</tool_response>", fmt) == "text_after_call"
 
 
 def test_hermes_json_in_xml_mode_and_xml_in_hermes_mode_are_invalid():
