@@ -28,22 +28,18 @@ gives the RL stage's informative share — the rolled-out groups with mixed rewa
 ones that teach — as "N of M groups informative".
 
 Measured at these defaults (160 held-out problems x 1 sample, 8 RL steps x 4 problems, each
-word-problem story a family of the difficulty pool) on 2 cores of an AMD EPYC with AVX2 only
-(no native bf16: fp32 chosen by ``auto``), docs/demo.md recording every seed run, failures
-included: seed 42 in a fresh folder, three times (25.6, 29.9 and 28.6 minutes, the machine's
-pace differing between sessions), the same result each time: after SFT 74.4 % -> after RL 85.0 %, RL's gain
-+10.6 points at paired s.e. 2.6 (z 4.09, beyond two standard errors), 32 of 36 RL groups
-informative, peak memory 2.58 GiB for the process tree. Of fourteen other seeds named
-before they ran (23.8-34.3 minutes each), twelve gained beyond two standard errors (z
-2.34-9.00) and two did not (11 and 109, +5.6 at z 1.98 and 1.89: seed 11's cold start never
-got one word-problem story right, so RL had no right sample of it to learn from; 109's at
-88.1 % left RL little room). Peak memory 2.54-2.67 GiB since the trainer hands freed memory
-back after every layer, but seed 167's eval after SFT peaked at 2.81 GiB (3.02 GB); since the
-sampler's KV copies hand it back too, 2.39 (seed 167 again, the same result) and 2.46 GiB; with
-the evals' decode loop at 384 MB of KV (each eval ~0.5 minutes shorter), 2.56-2.58 GiB, set
-by the RL stage. On a
-CPU with native bf16 (a Zen 4, the code before the story families) the demo took 16.2-18.9
-minutes.
+word-problem story a family of the difficulty pool, a tool response the model writes itself
+sent back as an invalid call) on 2 cores of an AMD EPYC with AVX2 only (no native bf16: fp32
+chosen by ``auto``), docs/demo.md recording every seed run, failures included, each named
+before it ran: seed 42 in a fresh folder in 36.2 minutes, after SFT 75.0 % -> after RL
+80.6 %, RL's gain +5.6 points at paired s.e. 2.4 (z 2.36, beyond two standard errors), 32 of
+37 RL groups informative, peak memory 2.47 GiB for the process tree; seed 181 +5.0 (z 2.34);
+seeds 191 and 193 within the noise (+1.9 and +4.4, z 0.69 and 1.53: each lost a problem kind
+RL did not train while gaining on others). Every run's format and valid-call rate in its last
+two RL steps no lower than in its first two, or within the noise; 28.4-36.2 minutes, peak
+2.46-2.51 GiB. Before forged tool responses were sent back (a change in what is sampled),
+13 of 15 seeds gained beyond two standard errors (docs/demo-history.md). On a CPU with native
+bf16 (a Zen 4, an earlier version of the demo) it took 16.2-18.9 minutes.
 Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
 """
