@@ -463,7 +463,7 @@ def test_a_cache_copied_into_new_buffers_hands_the_old_ones_back_as_it_goes():
     of old and new is alive at once; with them it grows by the cache's growth, a layer and
     at most ``TRIM_BYTES``. The probe (a fresh process, its anonymous resident memory after
     each new buffer and before each trim: ``bench/kv_copies.py``'s replay, one admission)
-    sees the first case."""
+    sees the first case well above the bound the second must keep."""
     from retool.engines.local import lean_decode, memory
     if memory._glibc() is None:
         pytest.skip("not glibc")
@@ -475,10 +475,13 @@ def test_a_cache_copied_into_new_buffers_hands_the_old_ones_back_as_it_goes():
         r = bench.replay(trim_bytes, rows=16, width=200, rounds=1, join=4, drop=False)
         return r["peak"] - r["joined"], r["kv_before"], r["kv"], r["kv"] // 30  # growth with both caches built
 
-    peak, old, new, layer = growth(0)
-    assert peak > 0.8 * new  # untrimmed: the heap took the whole new cache beside the freed old one
-    peak, old, new, layer = growth(lean_decode.TRIM_BYTES)
-    assert peak < new - old + 2 * layer + lean_decode.TRIM_BYTES + 48 * 2**20
+    untrimmed, old, new, layer = growth(0)
+    bound = new - old + 2 * layer + lean_decode.TRIM_BYTES + 48 * 2**20  # what the trimmed loop may grow by
+    # Untrimmed, the heap took most of the new cache beside the freed old one: 0.80-0.88 of it in
+    # runs on one machine (how many freed buffers coalesce into a reusable gap varies), > 2x the bound.
+    assert untrimmed > max(0.6 * new, 1.5 * bound)
+    trimmed, *_ = growth(lean_decode.TRIM_BYTES)
+    assert trimmed < bound
 
 
 def test_two_event_loops_sampling_at_once_each_get_their_own_answers(tiny_model):
