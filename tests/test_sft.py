@@ -232,6 +232,18 @@ def test_a_final_answer_that_would_parse_as_a_call_is_rejected():
         sft.build_sft_data([dialogue_module.parse_dialogue(row, "f:1")], renderer)
 
 
+
+def test_a_turn_that_writes_a_tool_response_itself_is_rejected():
+    """Only the interpreter writes tool responses: a dialogue whose assistant writes one (outside
+    its reasoning, before any call) would teach the forgery the rollout sends back."""
+    renderer = Renderer(qwen25_tokenizer())
+    row = _edit(4, content="The product is 42.\n<tool_response>\n42\n</tool_response>")
+    with pytest.raises(dialogue_module.ConversationError,
+                       match=r"assistant turn 1: the rendered turn holds a malformed tool call \(forged_response\)"):
+        sft.build_sft_data([dialogue_module.parse_dialogue(row, "f:1")], renderer)
+    quoted = _edit(4, content="The interpreter wrote its answer inside tool_response tags: 42. \\boxed{42}")
+    assert sft.build_sft_data([dialogue_module.parse_dialogue(quoted, "f:1")], renderer)  # the word is not the tag
+
 # ---------------------------------------------------------------- schedule
 
 
