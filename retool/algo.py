@@ -25,10 +25,13 @@ functions, and the tests check them against hand computations.
 - **Overlong trajectories** and **pass@k rewards** (off by default):
   :func:`overlong_penalty`, :func:`is_truncated`, :func:`passk_rewards`.
 - **Learning-rate schedule** (constant by default): :func:`scheduled_lr`.
+- **An anchor to the starting policy** (off by default, ``--kl-coef``): :func:`kl_anchored`
+  lowers each trained token's advantage by ``coef x (sampler - reference logprob)``, a
+  per-token KL penalty folded into the advantages (the seed and ReTool's reproduction
+  train without one).
 
-Deliberately left out: a KL penalty against a reference model (the seed and ReTool's
-reproduction train without one), entropy bonuses, sequence-level aggregation, value
-functions. torch is not imported here (the losses only call tensor methods), so the
+Deliberately left out: entropy bonuses, sequence-level aggregation, value functions.
+torch is not imported here (the losses only call tensor methods), so the
 command line stays fast to start.
 """
 
@@ -37,7 +40,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from retool.types import Datum, StopReason, Trajectory
@@ -226,6 +229,27 @@ def group_datums(group: Sequence[Trajectory], normalize_std: bool = False) -> tu
     """The datums of one group of trajectories of the same problem, GRPO-weighted."""
     advantages_G = group_advantages([t.grade.reward for t in group], normalize_std)
     return tuple(trajectory_datum(t, a) for t, a in zip(group, advantages_G))
+
+
+def kl_anchored(datum: Datum, reference_logprobs_N: Sequence[float], coef: float) -> tuple[Datum, float, int]:
+    """``datum`` with each trained token's advantage lowered by ``coef x (sampler logprob -
+    reference logprob)``, and that log-ratio's sum and count over the trained tokens.
+
+    A token the policy now samples more readily than the reference did is pushed back in
+    proportion; the log-ratio's mean over sampled tokens estimates KL(sampler || reference)
+    (the k1 estimator). Folding the penalty into the advantages, as Tinker's cookbook does,
+    leaves every loss and engine as it is. Tokens of weight 0 keep advantage 0.
+    """
+    if len(reference_logprobs_N) != datum.num_tokens:
+        raise ValueError(f"reference logprobs: {len(reference_logprobs_N)} entries for a datum of "
+                         f"{datum.num_tokens} tokens")
+    advantages_N, gap_sum, count = list(datum.advantages_N), 0.0, 0
+    for i, weight in enumerate(datum.weights_N):
+        if weight:
+            gap = datum.sampler_logprobs_N[i] - reference_logprobs_N[i]
+            advantages_N[i] -= coef * gap
+            gap_sum, count = gap_sum + gap, count + 1
+    return replace(datum, advantages_N=tuple(advantages_N)), gap_sum, count
 
 
 # ---------------------------------------------------------------- losses

@@ -124,6 +124,8 @@ class DemoConfig:
                                                  "call (retool train --invalid-call-penalty; 0: outcome only, where "
                                                  "seed 83's RL broke one kind's calls and its all-wrong groups could "
                                                  "not teach them back, docs/demo-history.md)")
+    rl_kl_coef: float = option(0.0, "anchor of the RL stage to the SFT policy (retool train --kl-coef): each trained "
+                                    "token's advantage minus this x (sampler - SFT logprob); 0 = off")
     eval_problems: int = option(160, "held-out test problems (the paired s.e. of RL's gain shrinks with more; 64 "
                                          "x 2 left a +10.2-point gain at z 1.8; 192 took 0.4 min more per eval, "
                                          "docs/demo-history.md)")
@@ -203,6 +205,7 @@ class DemoConfig:
                      "max_assistant_turns", "sandbox_memory_mb"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.rl_group_size >= 2, "rl_group_size must be >= 2")
+        require(self.rl_kl_coef >= 0, f"rl_kl_coef must be >= 0, got {self.rl_kl_coef}")
         require(0 <= self.rl_invalid_call_penalty <= 2,
                 f"rl_invalid_call_penalty must be in [0, 2], got {self.rl_invalid_call_penalty}")
         require(self.rl_max_staleness >= 0, f"rl_max_staleness must be >= 0, got {self.rl_max_staleness}")
@@ -333,7 +336,7 @@ def run_rl(cfg: DemoConfig, out: Path, rl_path: Path, sft_dir: Path) -> Path:
         train_data=str(rl_path), batch_size=cfg.rl_batch_size, group_size=cfg.rl_group_size,
         max_steps=cfg.rl_steps, max_turn_tokens=cfg.max_turn_tokens, max_trajectory_tokens=cfg.max_trajectory_tokens,
         max_code_calls=cfg.max_code_calls, max_assistant_turns=cfg.max_assistant_turns, lr=cfg.rl_lr,
-        invalid_call_penalty=cfg.rl_invalid_call_penalty, lr_schedule=cfg.rl_lr_schedule,
+        invalid_call_penalty=cfg.rl_invalid_call_penalty, kl_coef=cfg.rl_kl_coef, lr_schedule=cfg.rl_lr_schedule,
         packing=cfg.packing, micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
         gradient_checkpointing=cfg.gradient_checkpointing, prefix_once=cfg.rl_prefix_once, top_p=cfg.rl_top_p,
         train_precision=cfg.train_precision,

@@ -127,6 +127,10 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
                                               "model wrote itself...), before centring: a "
                                               "group all wrong still teaches against broken calls; 0 = outcome "
                                               "reward only (ReTool's)")
+    kl_coef: float = option(0.0, "anchor to the starting policy (the weights the run starts from: --init-from, or "
+                                 "the base model): each trained token's advantage minus kl_coef x (sampler - "
+                                 "reference logprob), a per-token KL penalty; 0 = off (ReTool's); train/kl_reference "
+                                 "logs the mean log-ratio")
     behaviour_is: str = option("off", "sampler-trainer correction: the loss ratio becomes pi_theta/pi_old "
                                       "(trainer logprobs) times w from r = pi_old/mu (sampler logprobs): "
                                       "token-tis w = min(r_t, C), sequence-tis w = min(prod r_t, C), token-mask "
@@ -216,6 +220,7 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
         require(0 <= self.lr_min_ratio <= 1, f"lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         require(0 <= self.invalid_call_penalty <= 2,
                 f"invalid_call_penalty must be in [0, 2] (rewards are +-1), got {self.invalid_call_penalty}")
+        require(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         require(self.behaviour_is_cap > 1 and self.behaviour_is_threshold > 1,
                 "behaviour_is_cap and behaviour_is_threshold must be > 1")
 
@@ -225,7 +230,8 @@ class TrainConfig(CostOptions, RolloutBudgets, ModelConfig):
                             behaviour_is=self.behaviour_is != "off",
                             packing=self.packing, train_top_p=self.top_p, train_temperature=self.temperature,
                             resume=True, weight_sync=self.weight_sync_check_every > 0,
-                            stream_groups=self.stream_groups, max_staleness=self.max_staleness > 0)
+                            stream_groups=self.stream_groups, max_staleness=self.max_staleness > 0,
+                            kl_anchor=self.kl_coef > 0)
 
 
 class StepError(RuntimeError):
@@ -428,6 +434,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Adva
     #    tokens; groups of equal rewards dropped with --drop-degenerate-groups or refills
     trained = _trained_groups(cfg, groups, advantages_BG, degenerate_B)
     datums = _datums(cfg, trained)
+    datums = _anchored(trainer, datums, metrics)  # --kl-coef: the penalty toward the starting policy
     # 6. update: forward_backward with the policy loss, then one Adam step
     t1 = time.monotonic()
     metrics.update(_update(trainer, step, datums))
@@ -449,7 +456,7 @@ def _streamed_step(trainer: Trainer, sampler: SamplingClient, step: int, batch: 
     cfg = trainer.config
     divisor = streaming.token_divisor(cfg.batch_size, cfg.group_size, _policy_budget(cfg, None))
     with streaming.StreamedUpdate(trainer.engine, cfg.loss, _loss_config(cfg), divisor,
-                                  lambda group: _group_datums(cfg, group)) as stream:
+                                  lambda group: _group_datums(trainer, group)) as stream:
         groups, refills = _roll_out(trainer, sampler, step, batch, on_group=stream.add)
         t_rollout = time.monotonic() - t0
         try:
@@ -515,11 +522,13 @@ def _roll_out_ahead(before: Trainer, sampler: SamplingClient, step: int, version
     return Ahead(view, groups, refills, time.monotonic() - t0)
 
 
-def _group_datums(cfg: TrainConfig, group: Group) -> list[Datum]:
+def _group_datums(trainer: Trainer, group: Group) -> list[Datum]:
     """Stages 3-5 for one group: the datums it adds to the update (none when dropped)."""
+    cfg = trainer.config
     (rewards_G,), _ = _shaped_rewards(cfg, [group])
     advantages_G = _advantages(cfg, rewards_G)
-    return _datums(cfg, _trained_groups(cfg, [group], [advantages_G], [algo.is_degenerate(rewards_G)]))
+    datums = _datums(cfg, _trained_groups(cfg, [group], [advantages_G], [algo.is_degenerate(rewards_G)]))
+    return _anchored(trainer, datums, {})
 
 
 # ---------------------------------------------------------------- the stages' details
@@ -702,6 +711,21 @@ def _datums(cfg: TrainConfig, trained: list[Advantaged]) -> list[Datum]:
     return [d for d in datums if d.num_trained > 0]
 
 
+def _anchored(trainer: Trainer, datums: list[Datum], metrics: dict[str, float]) -> list[Datum]:
+    """``--kl-coef``: ``datums`` with the penalty toward the starting policy in their advantages
+    (:func:`algo.kl_anchored`; the engine scores them under the weights it kept at the start),
+    and ``train/kl_reference`` (the mean sampler - reference log-ratio of the trained tokens, an
+    estimate of KL(sampler || reference)) into ``metrics``. ``datums`` as they are without it."""
+    coef = trainer.config.kl_coef
+    if not coef or not datums:
+        return datums
+    reference_D = trainer.engine.reference_logprobs(datums, trainer.config.temperature)
+    anchored = [algo.kl_anchored(d, reference_N, coef) for d, reference_N in zip(datums, reference_D)]
+    tokens = sum(count for _, _, count in anchored)
+    metrics["train/kl_reference"] = sum(gap for _, gap, _ in anchored) / max(tokens, 1)
+    return [d for d, _, _ in anchored]
+
+
 def _update(trainer: Trainer, step: int, datums: list[Datum]) -> dict[str, float]:
     """forward_backward and optim_step on ``datums`` (nothing without any); their metrics.
 
@@ -830,6 +854,8 @@ def build_trainer(cfg: TrainConfig, problems: list[Problem] | None = None) -> Tr
         if sandbox is not None:
             sandbox.close()
         raise
+    if cfg.kl_coef:  # the starting weights, before a resume loads its checkpoint: the same reference either way
+        engine.keep_reference()
     renderer = Renderer(engine.get_tokenizer(), chat_template=cfg.chat_template, tools=tools, model_name=cfg.model,
                         interpreter=cfg.interpreter)
     # no sampler of its own: every step hands the rollout one on its current weights

@@ -298,3 +298,16 @@ def test_behaviour_weights_make_the_ratio_pi_theta_over_pi_old(loss_fn):
     assert logprobs.grad.tolist() == pytest.approx([-2.0, 1.0])
     if loss_fn == "ppo":
         assert not terms.clipped_N.any()
+
+
+def test_the_kl_anchor_lowers_each_trained_tokens_advantage_by_its_log_ratio():
+    datum = Datum(input_tokens_N=(1, 2, 3, 4), target_tokens_N=(2, 3, 4, 5), weights_N=(0.0, 1.0, 1.0, 0.0),
+                  sampler_logprobs_N=(0.0, -0.5, -2.0, 0.0), advantages_N=(0.0, 1.0, 1.0, 0.0))
+    anchored, gap_sum, count = algo.kl_anchored(datum, (-9.0, -1.0, -1.5, -9.0), 0.2)
+    # log-ratios 0.5 (now likelier than at the start: pushed back) and -0.5 (less likely: pushed up)
+    assert anchored.advantages_N == pytest.approx((0.0, 0.9, 1.1, 0.0))
+    assert (gap_sum, count) == (pytest.approx(0.0), 2)
+    assert anchored.sampler_logprobs_N == datum.sampler_logprobs_N and anchored.weights_N == datum.weights_N
+    assert algo.kl_anchored(datum, (-9.0, -0.5, -2.0, -9.0), 0.2)[0] == datum  # the start's policy: no penalty
+    with pytest.raises(ValueError, match="3 entries for a datum of 4 tokens"):
+        algo.kl_anchored(datum, (0.0, 0.0, 0.0), 0.2)

@@ -956,6 +956,36 @@ def test_save_and_load_state_resume_exactly(make_engine, tmp_path):
         assert torch.allclose(x, y, atol=1e-6)
 
 
+@pytest.mark.parametrize("packing", ["bucketed", "prefix-tree"])
+def test_reference_logprobs_score_the_kept_weights_and_leave_the_current_ones(make_engine, packing):
+    """``--kl-coef``'s reference: the weights ``keep_reference`` copied, scored in the trainer's own
+    layout; training after it is what it would have been without the call, and after updates
+    the reference still gives the logprobs of the start."""
+    engine, twin = make_engine(packing=packing), make_engine(packing=packing)
+    for e in (engine, twin):
+        perturb_lora_b(e)
+    with pytest.raises(RuntimeError, match="keep_reference"):
+        engine.reference_logprobs(rl_datums(2))
+    engine.keep_reference()
+    data = rl_datums(4) + prompt_sharing_datums()
+    start = engine.reference_logprobs(data)
+    adam = base.AdamParams(learning_rate=5e-2)
+    for e in (engine, twin):
+        first = e.forward_backward(data, "ppo")
+        for lp_ref, lp_trainer in zip(start, first.logprobs_D, strict=True):
+            assert lp_ref == pytest.approx(lp_trainer, abs=1e-5)  # before any update: the trainer's own
+        e.optim_step(adam)
+    assert_same(trainable(engine), trainable(twin), rel=1e-6)  # the call left the weights and gradients alone
+    moved = engine.forward_backward(data, "ppo").logprobs_D
+    engine._discard_gradient()
+    later = engine.reference_logprobs(data)
+    assert max(abs(a - b) for lp_a, lp_b in zip(moved, start) for a, b in zip(lp_a, lp_b)) > 1e-3  # it learned
+    for lp_later, lp_start in zip(later, start, strict=True):
+        assert lp_later == pytest.approx(lp_start, abs=1e-5)  # the reference did not move with it
+    sampled = sample(engine, [2, 3], 2, base.SamplingParams(max_tokens=4, seed=1))
+    assert sampled == sample(twin, [2, 3], 2, base.SamplingParams(max_tokens=4, seed=1))  # nor the sampler
+
+
 def test_load_state_rejects_foreign_folders(make_engine, tmp_path):
     a = make_engine()
     a.forward_backward(rl_datums(1), "ppo")

@@ -611,3 +611,36 @@ def test_trajectory_files_are_written_in_the_background_in_step_order_and_a_fail
     with pytest.raises(OSError):
         writer.close()
     writer.join()  # the failure was reported once; nothing is pending
+
+
+def test_the_kl_anchor_is_refused_where_it_cannot_run(capsys):
+    for engine in ("tinker", "pytrio"):
+        with pytest.raises(ConfigError, match=f"engine {engine} does not support --kl-coef > 0"):
+            TrainConfig(engine=engine, kl_coef=0.1).validate()
+    assert cli_main(["train", "--kl-coef", "-0.1"]) == 2
+    assert "kl_coef must be >= 0, got -0.1" in capsys.readouterr().err
+
+
+def test_a_kl_anchored_run_resumes_exactly_against_the_weights_it_started_from(tmp_path):
+    """``--kl-coef``: the reference is the run's starting weights, kept before a resume loads its
+    checkpoint, so a run stopped after step 1 and resumed scores, penalises and trains exactly as
+    one that ran through; the penalty is logged (0 at step 1, where the sampler is the reference)."""
+    from retool.config import config_from_dict
+
+    through = tiny_config(tmp_path, kl_coef=0.5, lr=5e-3, run_dir=str(tmp_path / "through"))
+    train(through)
+    train(tiny_config(tmp_path, kl_coef=0.5, lr=5e-3, run_dir=str(tmp_path / "stopped"), max_steps=1))
+    saved = json.loads((tmp_path / "stopped" / "config.json").read_text())
+    train(config_from_dict(TrainConfig, {**saved, "max_steps": 3}), resume=True)
+    rows, ref_rows = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("stopped", "through"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for ref, row in zip(ref_rows, rows):
+        for name in ref.keys() - set(TIMING_METRICS):
+            tolerance = 1e-5 if name in ROUNDING_METRICS else 1e-7
+            assert row[name] == pytest.approx(ref[name], rel=1e-5, abs=tolerance), (row["step"], name)
+    weights = [load_file(tmp_path / run / "checkpoints" / "step_000003" / "engine" / "adapter" /
+                         "adapter_model.safetensors") for run in ("stopped", "through")]
+    for name in weights[1]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], atol=1e-6, rtol=0)
+    kl = [row["train/kl_reference"] for row in ref_rows if "train/kl_reference" in row]
+    assert len(kl) >= 2 and abs(kl[0]) < 1e-5 and max(abs(x) for x in kl[1:]) > 1e-4  # a step with no datums logs none

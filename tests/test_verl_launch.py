@@ -65,6 +65,7 @@ def test_command_writes_the_launch_folder(tmp_path, capsys):
     (["--overlong", "soft"], "not mapped to verl"),
     (["--behaviour-is", "token-tis"], "not mapped to verl"),
     (["--advantage", "passk"], "not mapped to verl"),
+    (["--kl-coef", "0.05"], "--kl-coef is not mapped to verl"),
     (["--gpus-per-node", "8", "--tensor-parallel", "3"], "divide"),
     (["--val-top-p", "0"], "val_top_p"),
     (["--temperature", "0"], "temperature must be > 0"),

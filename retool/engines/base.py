@@ -103,6 +103,9 @@ class Capabilities:
     max_staleness: bool = True
     """Hands out a sampler that keeps its weights while the trainer updates (``--max-staleness``
     > 0: sampling ahead of training, ``retool.pipeline``)."""
+    kl_anchor: bool = True
+    """Keeps its starting weights and scores datums under them (``keep_reference`` and
+    ``reference_logprobs``: ``--kl-coef`` > 0)."""
 
 
 ENGINE_STATE_FILE = "engine.json"

@@ -29,6 +29,7 @@ class Requirements:
     weight_sync: bool = False
     stream_groups: bool = False
     max_staleness: bool = False
+    kl_anchor: bool = False
 
 
 def reads_checkpoint(engine: str, written_by: str) -> bool:
@@ -57,6 +58,8 @@ def check_supported(engine: str, needs: Requirements) -> None:
          "--stream-groups (it cannot train while it samples; leave --stream-groups off)"),
         (caps.max_staleness or not needs.max_staleness,
          "--max-staleness > 0 (its sampler cannot keep older weights while it trains; use --max-staleness 0)"),
+        (caps.kl_anchor or not needs.kl_anchor,
+         "--kl-coef > 0 (retool does not score rollouts under the starting weights on it; use --kl-coef 0)"),
     ) if not ok]
     if problems:
         raise ConfigError(f"engine {engine} does not support {problems[0]}")
@@ -76,6 +79,7 @@ CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[Capabilities], str]], ...] = (
      f"{c.weight_sync_tolerance:g}" + ("" if c.weight_sync_repeatable else " (not repeatable: stale rule only)")),
     ("streaming (`--stream-groups`)", lambda c: _yes(c.stream_groups)),
     ("sampling ahead (`--max-staleness`)", lambda c: _yes(c.max_staleness)),
+    ("KL anchor (`--kl-coef`)", lambda c: _yes(c.kl_anchor)),
 )
 
 

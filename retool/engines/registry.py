@@ -32,14 +32,15 @@ class EngineSpec:
 
 SERVICE_CAPABILITIES = Capabilities(full_finetune=False, dual_clip=False, behaviour_is=False, train_top_p=False,
                                     train_temperature=False, weight_sync_tolerance=0.25,
-                                    weight_sync_repeatable=False)
+                                    weight_sync_repeatable=False, kl_anchor=False)
 """A Tinker-style service: LoRA only, no dual-clip, no temperature input, and logprobs it
 does not document as taken before top-p, so no top-p < 1 in training. No sampler-trainer
 correction: its losses are ``-A * exp(logprob - sampler_logprob)`` (PPO: clipped) with
 per-token advantages fixed before the call, so a weight ``min(pi_old / mu, C)`` that
 needs the trainer's logprobs of the same call cannot be expressed. Its sampler and trainer are separate inference stacks whose
 numerics the services do not document, hence the weight-sync guard's loose 0.25 (not
-measured against either service)."""
+measured against either service). No KL anchor (``--kl-coef``): retool keeps no sampler of the
+starting weights on a service to score the rollouts with."""
 
 ENGINES: dict[str, EngineSpec] = {
     "local": EngineSpec(

@@ -626,6 +626,42 @@ class LocalTrainingClient:
         """
         return self.sampler
 
+    def keep_reference(self) -> None:
+        """Copy the trainable weights as they are now: the reference policy that
+        :meth:`reference_logprobs` scores with (``retool train --kl-coef``). A LoRA adapter
+        is a few MB; with ``--full-finetune`` the copy is the whole model."""
+        with self._lock:
+            self._reference = [p.detach().clone() for p in self.params]
+
+    def reference_logprobs(self, data: Sequence[Datum], temperature: float = 1.0) -> tuple[tuple[float, ...], ...]:
+        """Each datum's target logprobs (``log_softmax(logits / temperature)``) under the weights
+        :meth:`keep_reference` copied: forward only, in eval mode, micro-batched and packed as
+        ``forward_backward`` is. The current weights are swapped back in before the lock is
+        released, so training and sampling never see the reference."""
+        reference = getattr(self, "_reference", None)
+        if reference is None:
+            raise RuntimeError("reference_logprobs needs keep_reference() first")
+        _validate_data(data, "cross_entropy", self.vocab_size)
+        plan = algo.plan_micro_batches([d.num_tokens for d in data], self.config.micro_batch_tokens,
+                                       self.config.packing, sequences_D=[d.input_tokens_N for d in data]
+                                       if self.config.packing == "prefix-tree" else None)
+        out: list[tuple[float, ...]] = [()] * len(data)
+        with self._lock, torch.no_grad(), model_mode(self.model, train=False):
+            self.sampler.restore_base()
+            current = [p.detach().clone() for p in self.params]
+            try:
+                for p, r in zip(self.params, reference):
+                    p.copy_(r)
+                for indices in plan:
+                    logprobs_B, _ = self._target_logprobs([data[i] for i in indices], temperature)
+                    for i, logprobs_N in zip(indices, logprobs_B):
+                        out[i] = tuple(logprobs_N.float().cpu().tolist())
+            finally:
+                for p, c in zip(self.params, current):
+                    p.copy_(c)
+        memory.release_free_memory()
+        return tuple(out)
+
     def frozen_sampler(self) -> LocalSamplingClient:
         """A sampler on a copy of the current weights that later updates leave alone
         (``retool train --max-staleness``): the frozen base weights are shared with the live

@@ -174,6 +174,14 @@ class VLLMTrainingClient:
         self.trainer.load_state(path)
         self._retire()  # the weights changed: the next sampler loads them
 
+    def keep_reference(self) -> None:
+        """The local trainer's copy of the weights as they are now (``--kl-coef``)."""
+        self.trainer.keep_reference()
+
+    def reference_logprobs(self, data: Sequence[Datum], temperature: float = 1.0) -> tuple[tuple[float, ...], ...]:
+        """The local trainer's logprobs of ``data`` under the kept reference weights."""
+        return self.trainer.reference_logprobs(data, temperature)
+
     def compute_logprobs(self, tokens: Sequence[int], start: int) -> tuple[float, ...]:
         """The local trainer's teacher-forced logprobs (the weight-sync guard's probe)."""
         return self.trainer.compute_logprobs(tokens, start)

@@ -21,7 +21,7 @@ config and checks each value.
 Refused, because the verl run would silently differ: text mode (the agent loop always
 declares the tool), the ``importance_sampling`` loss, dynamic sampling
 (``refill_rounds``), dropping degenerate groups, the difficulty curriculum, and retool's ``--advantage passk``,
-``--overlong`` and ``--behaviour-is`` (not mapped to verl's own options).
+``--overlong``, ``--behaviour-is`` and ``--kl-coef`` (not mapped to verl's own options).
 
 ``--max-staleness 1`` writes verl's own one-step-off trainer instead of the synchronous
 one (``verl.experimental.one_step_off_policy.main_ppo``, shipped by the pinned verl
@@ -128,6 +128,8 @@ class VerlConfig(VerlSettings, TrainConfig):
         require(self.advantage == "grpo" and self.overlong == "none" and self.behaviour_is == "off",
                 "--advantage passk, --overlong and --behaviour-is are not mapped to verl's settings here; "
                 "leave them at grpo / none / off")
+        require(self.kl_coef == 0, "--kl-coef is not mapped to verl's settings here (its KL in the reward and "
+                "KL loss are not retool's per-token advantage penalty); leave it at 0")
 
 
     def one_step_off_rollout_gpus(self) -> int:
