@@ -714,15 +714,18 @@ def _datums(cfg: TrainConfig, trained: list[Advantaged]) -> list[Datum]:
 def _anchored(trainer: Trainer, datums: list[Datum], metrics: dict[str, float]) -> list[Datum]:
     """``--kl-coef``: ``datums`` with the penalty toward the starting policy in their advantages
     (:func:`algo.kl_anchored`; the engine scores them under the weights it kept at the start),
-    and ``train/kl_reference`` (the mean sampler - reference log-ratio of the trained tokens, an
-    estimate of KL(sampler || reference)) into ``metrics``. ``datums`` as they are without it."""
+    and into ``metrics`` ``train/kl_reference`` (the mean sampler - reference log-ratio of the
+    trained tokens, an estimate of KL(sampler || reference)) and ``time/reference`` (that
+    scoring's seconds). ``datums`` as they are without it."""
     coef = trainer.config.kl_coef
     if not coef or not datums:
         return datums
+    t0 = time.monotonic()
     reference_D = trainer.engine.reference_logprobs(datums, trainer.config.temperature)
     anchored = [algo.kl_anchored(d, reference_N, coef) for d, reference_N in zip(datums, reference_D)]
     tokens = sum(count for _, _, count in anchored)
     metrics["train/kl_reference"] = sum(gap for _, gap, _ in anchored) / max(tokens, 1)
+    metrics["time/reference"] = time.monotonic() - t0
     return [d for d, _, _ in anchored]
 
 

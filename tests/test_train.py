@@ -289,6 +289,7 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_exact(tmp_path):
 
 
 TIMING_METRICS = ("time/rollout", "time/train", "time/step", "time/weight_sync", "time/grade", "time/grade_max",
+                  "time/reference",
                   "sandbox/latency_mean", "sandbox/latency_p50", "sandbox/latency_p95", "sandbox/cpu_s",
                   "sandbox/cpu_s_total")
 """Metrics that measure wall or CPU time; every other metric of a resumed run equals the uninterrupted one's."""
