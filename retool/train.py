@@ -434,7 +434,9 @@ def train_step(trainer: Trainer, step: int) -> tuple[dict[str, float], list[Adva
     #    tokens; groups of equal rewards dropped with --drop-degenerate-groups or refills
     trained = _trained_groups(cfg, groups, advantages_BG, degenerate_B)
     datums = _datums(cfg, trained)
-    datums = _anchored(trainer, datums, metrics)  # --kl-coef: the penalty toward the starting policy
+    anchor_tally: list[tuple[float, int, float]] = []
+    datums = _anchored(trainer, datums, anchor_tally)  # --kl-coef: the penalty toward the starting policy
+    metrics.update(_anchor_metrics(anchor_tally))
     # 6. update: forward_backward with the policy loss, then one Adam step
     t1 = time.monotonic()
     metrics.update(_update(trainer, step, datums))
@@ -455,8 +457,9 @@ def _streamed_step(trainer: Trainer, sampler: SamplingClient, step: int, batch: 
     for the log (the same datums, unscaled) and stage 7 as in the synchronous step."""
     cfg = trainer.config
     divisor = streaming.token_divisor(cfg.batch_size, cfg.group_size, _policy_budget(cfg, None))
+    anchor_tally: list[tuple[float, int, float]] = []
     with streaming.StreamedUpdate(trainer.engine, cfg.loss, _loss_config(cfg), divisor,
-                                  lambda group: _group_datums(trainer, group)) as stream:
+                                  lambda group: _group_datums(trainer, group, anchor_tally)) as stream:
         groups, refills = _roll_out(trainer, sampler, step, batch, on_group=stream.add)
         t_rollout = time.monotonic() - t0
         try:
@@ -470,7 +473,7 @@ def _streamed_step(trainer: Trainer, sampler: SamplingClient, step: int, batch: 
     trained = _trained_groups(cfg, groups, advantages_BG, degenerate_B)
     datums = _datums(cfg, trained)
     if update:
-        metrics.update({**update, "train/sampler_nll": algo.sampler_nll(datums)})
+        metrics.update({**update, "train/sampler_nll": algo.sampler_nll(datums), **_anchor_metrics(anchor_tally)})
     metrics.update(_step_metrics(trainer, groups, degenerate_B, datums, len(trained), refills))
     metrics.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": time.monotonic() - t0})
     return metrics, list(zip(groups, advantages_BG))
@@ -522,13 +525,14 @@ def _roll_out_ahead(before: Trainer, sampler: SamplingClient, step: int, version
     return Ahead(view, groups, refills, time.monotonic() - t0)
 
 
-def _group_datums(trainer: Trainer, group: Group) -> list[Datum]:
-    """Stages 3-5 for one group: the datums it adds to the update (none when dropped)."""
+def _group_datums(trainer: Trainer, group: Group, anchor_tally: list[tuple[float, int, float]]) -> list[Datum]:
+    """Stages 3-5 for one group: the datums it adds to the update (none when dropped);
+    ``--kl-coef``'s figures of them appended to ``anchor_tally``."""
     cfg = trainer.config
     (rewards_G,), _ = _shaped_rewards(cfg, [group])
     advantages_G = _advantages(cfg, rewards_G)
     datums = _datums(cfg, _trained_groups(cfg, [group], [advantages_G], [algo.is_degenerate(rewards_G)]))
-    return _anchored(trainer, datums, {})
+    return _anchored(trainer, datums, anchor_tally)
 
 
 # ---------------------------------------------------------------- the stages' details
@@ -711,22 +715,30 @@ def _datums(cfg: TrainConfig, trained: list[Advantaged]) -> list[Datum]:
     return [d for d in datums if d.num_trained > 0]
 
 
-def _anchored(trainer: Trainer, datums: list[Datum], metrics: dict[str, float]) -> list[Datum]:
+def _anchored(trainer: Trainer, datums: list[Datum], tally: list[tuple[float, int, float]]) -> list[Datum]:
     """``--kl-coef``: ``datums`` with the penalty toward the starting policy in their advantages
-    (:func:`algo.kl_anchored`; the engine scores them under the weights it kept at the start),
-    and into ``metrics`` ``train/kl_reference`` (the mean sampler - reference log-ratio of the
-    trained tokens, an estimate of KL(sampler || reference)) and ``time/reference`` (that
-    scoring's seconds). ``datums`` as they are without it."""
+    (:func:`algo.kl_anchored`; the engine scores them under the weights it kept at the start);
+    ``(log-ratio sum, trained tokens, seconds)`` of that appended to ``tally`` for
+    :func:`_anchor_metrics`. ``datums`` as they are without it."""
     coef = trainer.config.kl_coef
     if not coef or not datums:
         return datums
     t0 = time.monotonic()
     reference_D = trainer.engine.reference_logprobs(datums, trainer.config.temperature)
     anchored = [algo.kl_anchored(d, reference_N, coef) for d, reference_N in zip(datums, reference_D)]
-    tokens = sum(count for _, _, count in anchored)
-    metrics["train/kl_reference"] = sum(gap for _, gap, _ in anchored) / max(tokens, 1)
-    metrics["time/reference"] = time.monotonic() - t0
+    tally.append((sum(gap for _, gap, _ in anchored), sum(count for _, _, count in anchored), time.monotonic() - t0))
     return [d for d, _, _ in anchored]
+
+
+def _anchor_metrics(tally: list[tuple[float, int, float]]) -> dict[str, float]:
+    """``train/kl_reference`` (the trained tokens' mean sampler - reference log-ratio, an estimate
+    of KL(sampler || reference)) and ``time/reference`` (the scoring's seconds); ``{}`` when
+    nothing was scored."""
+    if not tally:
+        return {}
+    tokens = sum(count for _, count, _ in tally)
+    return {"train/kl_reference": sum(gap for gap, _, _ in tally) / max(tokens, 1),
+            "time/reference": sum(seconds for _, _, seconds in tally)}
 
 
 def _update(trainer: Trainer, step: int, datums: list[Datum]) -> dict[str, float]:

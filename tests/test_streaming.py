@@ -95,17 +95,19 @@ def recorded_grads(trainer, monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("engine", ["local", "tinker", "pytrio"])
-def test_a_streamed_step_is_the_synchronous_gradient_times_its_logged_scale(engine, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine, kl_coef", [("local", 0.0), ("local", 0.5), ("tinker", 0.0), ("pytrio", 0.0)])
+def test_a_streamed_step_is_the_synchronous_gradient_times_its_logged_scale(engine, kl_coef, tmp_path, monkeypatch):
     """Two trainers on one engine are fed the same trajectories (groups that end in reverse order, rewards
     that make every group informative, sampler logprobs moved so PPO clips); step 1 runs
     synchronously on both, step 2 streamed on one: its gradient is the synchronous one times N / D, and its
-    loss, clip fraction, KL and token count are the synchronous step's."""
+    loss, clip fraction, KL and token count are the synchronous step's — with ``--kl-coef`` too, each
+    group's penalty toward the starting weights taken as it ends."""
     service = None
     if engine != "local":
         service = FakeService(tmp_path / "service", engine)
         install(service, monkeypatch)
-    common = dict(lora_rank=4, lora_alpha=FAKE_LORA_ALPHA, seed=3, max_steps=2, lr=1e-2, batch_size=3)
+    common = dict(lora_rank=4, lora_alpha=FAKE_LORA_ALPHA, seed=3, max_steps=2, lr=1e-2, batch_size=3,
+                  kl_coef=kl_coef)
     sync = build_trainer(tiny_config(tmp_path, engine=engine, run_dir=str(tmp_path / "sync"), **common))
     streamed = build_trainer(tiny_config(tmp_path, engine=engine, run_dir=str(tmp_path / "streamed"), **common))
     sync.rollout.sampler = sync.engine.save_weights_for_sampler()
@@ -139,8 +141,10 @@ def test_a_streamed_step_is_the_synchronous_gradient_times_its_logged_scale(engi
     assert ours["train/stream_calls"] == 3
     assert theirs["train/clip_frac"] > 0
     for key in ("train/loss", "train/clip_frac", "train/approx_kl", "train/sampler_logprob_diff", "train/tokens",
-                "train/sequences", "train/sampler_nll", "reward/mean"):
+                "train/sequences", "train/sampler_nll", "reward/mean",
+                *(("train/kl_reference",) if kl_coef else ())):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), key
+    assert ("train/kl_reference" in ours) == bool(kl_coef)
     if service is not None:  # what the service saw: the gradient summed over the step's calls
         (sync_run, streamed_run) = service.training_clients
         sync_grads, streamed_grads = sync_run.grads, streamed_run.grads
