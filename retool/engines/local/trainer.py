@@ -230,11 +230,7 @@ class LocalTrainingClient:
         total_weight = sum(sum(d.weights_N) for d in data)
         if not total_weight > 0:
             raise ValueError("no datum has a trained token (all weights are 0)")
-        shared = _shared_prefix_length(data) if self.config.packing in PREFIX_PACKINGS else 0
-        plan = algo.plan_micro_batches([d.num_tokens - shared for d in data],
-                                       max(1, self.config.micro_batch_tokens - shared), self.config.packing,
-                                       sequences_D=[d.input_tokens_N[shared:] for d in data]
-                                       if self.config.packing == "prefix-tree" else None)
+        shared, plan = self._plan(data)
         once = usable_prefix_length(data, shared) if self.config.prefix_once else 0
         stats = _LossStats()
         logprobs_D: list[tuple[float, ...]] = [()] * len(data)
@@ -257,6 +253,16 @@ class LocalTrainingClient:
         memory.release_free_memory()  # the micro-batches' activations and logits are freed now
         self._pending_gradient = True
         return ForwardBackwardOutput(tuple(logprobs_D), stats.metrics(loss_fn, len(data), len(plan)))
+
+    def _plan(self, data: Sequence[Datum]) -> tuple[int, list[tuple[int, ...]]]:
+        """The input prefix every datum shares (with a prefix packing; else 0) and the
+        micro-batches of ``data`` under ``micro_batch_tokens``, that prefix counted once each."""
+        shared = _shared_prefix_length(data) if self.config.packing in PREFIX_PACKINGS else 0
+        plan = algo.plan_micro_batches([d.num_tokens - shared for d in data],
+                                       max(1, self.config.micro_batch_tokens - shared), self.config.packing,
+                                       sequences_D=[d.input_tokens_N[shared:] for d in data]
+                                       if self.config.packing == "prefix-tree" else None)
+        return shared, list(plan)
 
     def _micro_batches(self, data: Sequence[Datum], plan: Sequence[tuple[int, ...]], once: int, loss_fn: str,
                        config: dict[str, float], total_weight: float, stats: _LossStats,
@@ -642,9 +648,7 @@ class LocalTrainingClient:
         if reference is None:
             raise RuntimeError("reference_logprobs needs keep_reference() first")
         _validate_data(data, "cross_entropy", self.vocab_size)
-        plan = algo.plan_micro_batches([d.num_tokens for d in data], self.config.micro_batch_tokens,
-                                       self.config.packing, sequences_D=[d.input_tokens_N for d in data]
-                                       if self.config.packing == "prefix-tree" else None)
+        _, plan = self._plan(data)
         out: list[tuple[float, ...]] = [()] * len(data)
         with self._lock, torch.no_grad(), model_mode(self.model, train=False):
             self.sampler.restore_base()
