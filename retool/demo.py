@@ -33,13 +33,13 @@ sent back as an invalid call) on 2 cores of an AMD EPYC with AVX2 only (no nativ
 chosen by ``auto``), docs/demo.md recording every seed run, failures included, each named
 before it ran: seed 42 in a fresh folder in 36.2 minutes, after SFT 75.0 % -> after RL
 80.6 %, RL's gain +5.6 points at paired s.e. 2.4 (z 2.36, beyond two standard errors), 32 of
-37 RL groups informative, peak memory 2.47 GiB for the process tree; seed 181 +5.0 (z 2.34), 137
-+5.6 (z 2.36);
-seeds 191 and 193 within the noise (+1.9 and +4.4, z 0.69 and 1.53: each lost one problem
-kind, its plans switched to another kind's expression, while gaining on others). Every run's format and valid-call rate in its last
-two RL steps no lower than in its first two, or within the noise; 28.4-36.2 minutes (51.7 in a
-slower session), peak 2.46-2.56 GiB. Before forged tool responses were sent back (a change in what is sampled),
-13 of 15 seeds gained beyond two standard errors (docs/demo-history.md). On a CPU with native
+37 RL groups informative, peak memory 2.47 GiB for the process tree; seed 181 +5.0 (z 2.34),
+137 +5.6 (z 2.36); seeds 191 and 193 within the noise (+1.9 and +4.4, z 0.69 and 1.53: each
+lost one problem kind, its plans switched to another kind's expression, while gaining on
+others). Every run's format and valid-call rate in its last two RL steps no lower than in
+its first two, or within the noise; 28.4-36.2 minutes (51.7 in a slower session), peak
+2.46-2.56 GiB. Before forged tool responses were sent back (a change in what is sampled), 13
+of 15 seeds gained beyond two standard errors (docs/demo-history.md). On a CPU with native
 bf16 (a Zen 4, an earlier version of the demo) it took 16.2-18.9 minutes.
 Measured, never guaranteed: a seed can land within the noise.
 Not covered: hub models (use ``retool train``/``retool eval`` with a preset).
